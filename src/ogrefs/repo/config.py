@@ -1,0 +1,80 @@
+"""The ``config`` object: what every reader must understand before anything else."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import asdict, dataclass, field
+
+from ..errors import RepositoryError
+
+FORMAT_NAME = "ogrefs-repository"
+FORMAT_VERSION = 1
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ChunkerParams:
+    """FastCDC parameters; docs/format.md explains why these defaults."""
+
+    algorithm: str = "fastcdc2020"
+    min_size: int = 256 * 1024
+    avg_size: int = 1 * MiB
+    max_size: int = 4 * MiB
+
+
+@dataclass(frozen=True)
+class RepoConfig:
+    id: str
+    version: int = FORMAT_VERSION
+    chunker: ChunkerParams = field(default_factory=ChunkerParams)
+    hash: str = "blake3-256"
+    compression: str = "zstd"
+    compression_level: int = 3
+    pack_target_size: int = 32 * MiB
+    encryption: str | None = None
+
+    @classmethod
+    def new(cls, pack_target_size: int = 32 * MiB, compression_level: int = 3) -> "RepoConfig":
+        return cls(id=secrets.token_hex(16), pack_target_size=pack_target_size, compression_level=compression_level)
+
+    def to_bytes(self) -> bytes:
+        body = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> "RepoConfig":
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise RepositoryError(f"{where}: config is not valid JSON; is this an ogrefs repository?") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+            raise RepositoryError(f"{where}: not an ogrefs repository (config has no ogrefs format tag)")
+        version = body.get("version")
+        if version != FORMAT_VERSION:
+            raise RepositoryError(
+                f"{where}: repository format version {version!r} is not supported by this ogrefs "
+                f"(it reads version {FORMAT_VERSION}); upgrade ogrefs"
+            )
+        try:
+            chunker = ChunkerParams(**body["chunker"])
+            cfg = cls(
+                id=str(body["id"]),
+                version=version,
+                chunker=chunker,
+                hash=body["hash"],
+                compression=body["compression"],
+                compression_level=int(body["compression_level"]),
+                pack_target_size=int(body["pack_target_size"]),
+                encryption=body.get("encryption"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RepositoryError(f"{where}: config is malformed ({exc})") from None
+        if cfg.hash != "blake3-256" or cfg.compression != "zstd":
+            raise RepositoryError(f"{where}: unsupported hash {cfg.hash!r} or compression {cfg.compression!r}")
+        if cfg.encryption is not None:
+            raise RepositoryError(f"{where}: repository is encrypted ({cfg.encryption}); this ogrefs cannot open it")
+        if not (64 <= chunker.min_size <= chunker.avg_size <= chunker.max_size <= 16 * MiB):
+            raise RepositoryError(f"{where}: chunker parameters out of range")
+        return cfg
