@@ -1,0 +1,284 @@
+"""The ``ogrefs`` command line.
+
+Every error a user can cause ends as one line on stderr and a non-zero exit
+(see ``main``); ``--json`` output is for scripts, the rest for people.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import click
+
+from .errors import OgrefsError, UsageError
+from .progress import ProgressLine, human_bytes
+from .store.base import StoreError
+
+EXIT_PARTIAL = 3
+
+
+class Context:
+    def __init__(self, repo_url: str | None, s3_endpoint: str | None, quiet: bool) -> None:
+        self.repo_url = repo_url
+        self.s3_endpoint = s3_endpoint
+        self.quiet = quiet
+
+    def url(self) -> str:
+        if not self.repo_url:
+            raise UsageError("no repository given: use --repo URL or set OGREFS_REPO")
+        return self.repo_url
+
+    def open(self):
+        from .repo import Repository
+
+        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint)
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def json_option(f: Callable) -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--repo", "-r", envvar="OGREFS_REPO", help="Repository URL: a directory, file:///path or s3://bucket/prefix.")
+@click.option("--s3-endpoint", envvar="OGREFS_S3_ENDPOINT", help="Endpoint of an S3-compatible server.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.version_option(package_name="ogrefs")
+@click.pass_context
+def cli(ctx: click.Context, repo: str | None, s3_endpoint: str | None, quiet: bool) -> None:
+    """Snapshot a whole training box and bring it back, lazily."""
+    ctx.obj = Context(repo, s3_endpoint, quiet)
+
+
+@cli.command()
+@click.option("--pack-size", type=click.IntRange(1, 1024), default=32, show_default=True, help="Target pack size, MiB.")
+@click.option("--compression-level", type=click.IntRange(0, 19), default=3, show_default=True)
+@json_option
+@click.pass_obj
+def init(obj: Context, pack_size: int, compression_level: int, as_json: bool) -> None:
+    """Create a new repository."""
+    from .repo import Repository
+
+    repo = Repository.init(obj.url(), s3_endpoint=obj.s3_endpoint, pack_target_size=pack_size * 1024 * 1024,
+                           compression_level=compression_level)
+    if as_json:
+        emit_json({"id": repo.config.id, "url": repo.store.url, "version": repo.config.version})
+    else:
+        click.echo(f"created ogrefs repository {repo.config.id[:8]} at {repo.store.url}")
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, type=click.Path(path_type=bytes))
+@click.option("--tag", "tags", multiple=True, help="Tag the snapshot (repeatable).")
+@click.option("--exclude", "excludes", multiple=True, help="Skip paths matching this glob (repeatable).")
+@click.option("--whole-box", is_flag=True, help="Snapshot / without pseudo and volatile file systems.")
+@click.option("--cross-mounts/--one-file-system", default=None,
+              help="Descend into other mounted file systems (default: yes for paths, no for --whole-box).")
+@click.option("--parent", help="Compare against this snapshot instead of the newest of the same paths.")
+@click.option("--force", is_flag=True, help="Read every file, ignoring any parent snapshot.")
+@click.option("--host", default=None, help="Host name to record (default: this machine's).")
+@json_option
+@click.pass_obj
+def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, cross_mounts, parent, force, host,
+             as_json) -> None:
+    """Snapshot PATHS (or the whole box) into the repository."""
+    from .repo import default_cache_dir
+    from .snapshot import SnapshotOptions, take_snapshot
+
+    if whole_box:
+        paths = paths or (b"/",)
+        if paths != (b"/",):
+            raise UsageError("--whole-box snapshots / and takes no paths")
+    if not paths:
+        raise UsageError("nothing to snapshot: give paths or --whole-box")
+    repo = obj.open()
+    skip = [os.fsencode(default_cache_dir()), os.fsencode(repo.cache_dir)]
+    if repo.store.url.startswith("file://"):
+        skip.append(os.fsencode(repo.store.url[len("file://"):]))
+    opts = SnapshotOptions(paths=list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
+                           cross_mounts=(not whole_box) if cross_mounts is None else cross_mounts,
+                           parent=parent, no_parent=force, skip_paths=skip)
+    if host:
+        opts.host = host
+    observers = _environment_observers()
+    opts.observers.extend(observers)
+    line = ProgressLine(enabled=not (as_json or obj.quiet))
+    manifest = take_snapshot(repo, opts, progress=line.snapshot)
+    line.done()
+    if as_json:
+        emit_json(manifest)
+    else:
+        t = manifest["totals"]
+        click.echo(f"snapshot {manifest['id'][:12]} saved: {t['files']} files, {t['dirs']} dirs, "
+                   f"{human_bytes(t['bytes'])} ({t['reused_files']} files unchanged), "
+                   f"{human_bytes(t['new_stored_bytes'])} new in the repository, {t['seconds']:.1f} s")
+    for item in manifest["changed_during_snapshot"]:
+        click.echo(f"warning: {item} kept changing while it was read; stored as last read and flagged", err=True)
+    for item in manifest["skipped"]:
+        click.echo(f"note: skipped {item['path']} ({item['reason']})", err=True)
+    for item in manifest["unreadable"]:
+        click.echo(f"error: could not read {item['path']}: {item['error']}", err=True)
+    if manifest["unreadable"]:
+        sys.exit(EXIT_PARTIAL)
+
+
+def _environment_observers() -> list:
+    try:
+        from .inspect import EnvironmentProbe
+    except ImportError:
+        return []
+    return [EnvironmentProbe()]
+
+
+@cli.command()
+@click.option("--tag", "tags", multiple=True, help="Only snapshots with this tag.")
+@click.option("--host", default=None, help="Only snapshots of this host.")
+@json_option
+@click.pass_obj
+def snapshots(obj: Context, tags, host, as_json) -> None:
+    """List snapshots, oldest first."""
+    repo = obj.open()
+    items = repo.list_snapshots()
+    if tags:
+        items = [m for m in items if set(tags) <= set(m.get("tags", []))]
+    if host:
+        items = [m for m in items if m.get("host") == host]
+    if as_json:
+        emit_json([{k: m.get(k) for k in ("id", "time", "host", "paths", "tags", "parent", "totals")} for m in items])
+        return
+    if not items:
+        click.echo("no snapshots")
+        return
+    click.echo(f"{'ID':12}  {'TIME':19}  {'HOST':16}  {'SIZE':>9}  PATHS")
+    for m in items:
+        size = human_bytes(m.get("totals", {}).get("bytes", 0))
+        tags_s = f"  [{', '.join(m['tags'])}]" if m.get("tags") else ""
+        click.echo(f"{m['id'][:12]}  {m['time'][:19].replace('T', ' ')}  {m['host'][:16]:16}  {size:>9}  "
+                   f"{' '.join(m['paths'])}{tags_s}")
+
+
+@cli.command()
+@click.argument("snap")
+@json_option
+@click.pass_obj
+def show(obj: Context, snap: str, as_json: bool) -> None:
+    """Show what snapshot SNAP holds."""
+    repo = obj.open()
+    m = repo.resolve(snap)
+    if as_json:
+        emit_json(m)
+        return
+    t = m["totals"]
+    click.echo(f"snapshot {m['id']}")
+    click.echo(f"  time     {m['time']}")
+    click.echo(f"  host     {m['host']}")
+    click.echo(f"  paths    {' '.join(m['paths'])}")
+    if m.get("tags"):
+        click.echo(f"  tags     {', '.join(m['tags'])}")
+    click.echo(f"  parent   {m['parent'] or '-'}")
+    click.echo(f"  contents {t['files']} files, {t['dirs']} dirs, {t['others']} other, {human_bytes(t['bytes'])}")
+    click.echo(f"  added    {t['new_chunks']} new chunks, {human_bytes(t['new_stored_bytes'])} stored")
+    env = m.get("environment")
+    if env:
+        try:
+            from .inspect import format_environment
+
+            for line in format_environment(env):
+                click.echo(f"  {line}")
+        except ImportError:
+            pass
+    for key, label in (("changed_during_snapshot", "changed while read"), ("unreadable", "unreadable")):
+        if m.get(key):
+            click.echo(f"  {label}: {len(m[key])}")
+
+
+@cli.command()
+@click.argument("snap")
+@click.argument("target", type=click.Path(path_type=bytes))
+@click.option("--include", "includes", multiple=True, type=click.Path(path_type=bytes),
+              help="Restore only this path of the snapshot (repeatable).")
+@click.option("--workers", type=click.IntRange(1, 64), default=8, show_default=True, help="Parallel fetches.")
+@json_option
+@click.pass_obj
+def restore(obj: Context, snap: str, target: bytes, includes, workers, as_json) -> None:
+    """Restore snapshot SNAP below TARGET (paths keep their absolute layout)."""
+    from .catalog import Catalog
+    from .restore import Restorer
+
+    repo = obj.open()
+    m = repo.resolve(snap)
+    cat = Catalog(repo.catalog_path(m["id"]))
+    line = ProgressLine(enabled=not (as_json or obj.quiet))
+    r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore)
+    stats = r.run()
+    line.done()
+    result = {"id": m["id"], "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,
+              "others": stats.others, "bytes": stats.total_bytes, "written_bytes": stats.written_bytes,
+              "fetched_bytes": stats.fetched_bytes, "requests": stats.requests,
+              "failed": {os.fsdecode(k): v for k, v in sorted(r.failed.items())}}
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"restored {stats.files} files, {stats.dirs} dirs, {human_bytes(stats.total_bytes)} "
+                   f"from {m['id'][:12]} to {os.fsdecode(target)}")
+    for path, reason in sorted(r.failed.items()):
+        click.echo(f"error: {os.fsdecode(path)}: {reason} (file not restored)", err=True)
+    if r.failed:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--read-data", is_flag=True, help="Download and verify every chunk.")
+@json_option
+@click.pass_obj
+def check(obj: Context, read_data: bool, as_json: bool) -> None:
+    """Verify the repository's structure (and data with --read-data)."""
+    from .check import check_repository
+
+    repo = obj.open()
+    report = check_repository(repo, read_data=read_data,
+                              progress=None if (as_json or obj.quiet) else lambda s: click.echo(f"checking {s}", err=True))
+    if as_json:
+        emit_json({"ok": report.ok, "snapshots": report.snapshots, "packs": report.packs, "blobs": report.blobs,
+                   "read_bytes": report.read_bytes, "problems": report.problems})
+    else:
+        for p in report.problems:
+            click.echo(f"error: {p}", err=True)
+        verdict = "no errors" if report.ok else f"{len(report.problems)} problems"
+        what = f", {report.blobs} chunks verified ({human_bytes(report.read_bytes)})" if read_data else ""
+        click.echo(f"checked {report.snapshots} snapshots, {report.packs} packs{what}: {verdict}")
+    if not report.ok:
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: map expected failures to one line and an exit code."""
+    try:
+        cli.main(args=argv, prog_name="ogrefs", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("ogrefs: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except OgrefsError as exc:
+        click.echo(f"ogrefs: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except StoreError as exc:
+        click.echo(f"ogrefs: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("ogrefs: interrupted; the repository is unchanged apart from reusable packs", err=True)
+        sys.exit(130)
+    except PermissionError as exc:
+        click.echo(f"ogrefs: permission denied: {exc.filename or exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:
+        click.echo(f"ogrefs: {exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", err=True)
+        sys.exit(1)
