@@ -1,0 +1,119 @@
+"""``ogrefs mount``, ``ogrefs unmount`` and ``ogrefs status``.
+
+Registered on the main group by :func:`register`; the work is in
+:mod:`ogrefs.mount`.  Errors are OgrefsError subclasses, which ``cli.main``
+turns into one line on stderr.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import UsageError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``10G``, ``512MiB``, ``1048576`` -> bytes (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"{text!r} is not a size (examples: 10G, 512M, 1048576)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+@click.command()
+@click.argument("snap")
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--read-only", "read_only", is_flag=True, help="Mount read-only (the only mode so far).")
+@click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
+@click.option("--cache-size", default=None, help="Bound of the chunk cache, e.g. 20G (default: 10G or 1/4 of free space).")
+@click.option("--allow-other", is_flag=True, help="Let other users see the mount (needs user_allow_other).")
+@click.option("--retry-for", type=click.FloatRange(0, 86400), default=60.0, show_default=True,
+              help="Seconds to keep retrying an unreachable store before a read fails with EIO.")
+@click.option("--max-requests", type=click.IntRange(3, 256), default=8, show_default=True,
+              help="Concurrent store requests.")
+@click.option("--debug", is_flag=True, help="Verbose log.")
+@click.pass_obj
+def mount(obj, snap: str, mountpoint: Path, read_only: bool, foreground: bool, cache_dir: Path | None,
+          cache_size: str | None, allow_other: bool, retry_for: float, max_requests: int, debug: bool) -> None:
+    """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read."""
+    from .mount import MountOptions, mount as do_mount
+
+    if not read_only:
+        raise UsageError("only read-only mounts exist so far: add --read-only")
+    opts = MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=mountpoint, s3_endpoint=obj.s3_endpoint,
+                        chunk_cache=cache_dir, cache_size=parse_size(cache_size) if cache_size else None,
+                        foreground=foreground, allow_other=allow_other, retry_for=retry_for,
+                        max_requests=max_requests, log_level="DEBUG" if debug else "INFO")
+    do_mount(opts)
+    if not foreground and not getattr(obj, "quiet", False):
+        click.echo(f"mounted {snap} at {opts.mountpoint}")
+
+
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--lazy", is_flag=True, help="Detach now even if busy; unmount when the last user leaves.")
+@click.option("--timeout", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
+              help="Seconds to wait for the daemon to exit.")
+def unmount(mountpoint: Path, lazy: bool, timeout: float) -> None:
+    """Unmount an ogrefs mount and wait for its daemon to exit."""
+    from .mount import unmount as do_unmount
+
+    do_unmount(mountpoint, lazy=lazy, timeout=timeout)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(mountpoint: Path, as_json: bool) -> None:
+    """What a mount has fetched, served and failed."""
+    import json
+
+    from .mount import read_status
+
+    st = read_status(mountpoint)
+    if as_json:
+        click.echo(json.dumps(st, indent=2, sort_keys=True))
+        return
+    up = st["time"] - st["started"]
+    amp = st["bytes_fetched"] / st["bytes_read"] if st["bytes_read"] else 0.0
+    lines = [
+        f"ogrefs mount of snapshot {st['snapshot'][:12]} at {st['mountpoint']} (pid {st['pid']}, up {up:.0f} s)",
+        f"  read by applications  {_human(st['bytes_read'])} in {st['reads']} reads, {st['open_files']} files open",
+        f"  fetched from store    {_human(st['bytes_fetched'])} in {st['requests']} requests"
+        f" ({st['chunks_fetched']} chunks, {amp:.2f} bytes fetched per byte read)",
+        f"  chunk cache           {st['cache_hits']} hits ({st['cache_hits_memory']} memory,"
+        f" {st['cache_hits_disk']} disk), {st['cache_misses']} misses",
+        f"  in flight             {st['chunks_in_flight']} chunks, {st['chunks_queued']} queued",
+        f"  errors                {st['errors']} ({st['read_errors']} failed reads, {st['corrupt']} corrupt chunks,"
+        f" {st['retries']} retried requests)",
+    ]
+    click.echo("\n".join(lines))
+
+
+def register(group: click.Group) -> None:
+    for cmd in (mount, unmount, status):
+        group.add_command(cmd)
+
+
+if __name__ == "__main__":  # until cli.py registers the commands: python -m ogrefs.cli_mount ...
+    from .cli import cli, main
+
+    if "mount" not in cli.commands:
+        register(cli)
+    main(sys.argv[1:])

@@ -1,0 +1,458 @@
+"""Fetch chunks on demand: memory → disk cache → one ranged GET per run of adjacent chunks.
+
+The fetch path every lazy reader shares (the FUSE mount today; prefetch from a
+recorded trace, hints and background materialization next):
+
+1. ``get(ref)`` answers from a small in-memory LRU of verified chunks.
+2. Otherwise the chunk gets exactly one *pending* entry, however many readers
+   want it; later callers wait on the same entry (single flight) and a caller
+   with a more urgent priority raises the entry's priority.
+3. The pending entry first probes the disk cache (:class:`ChunkCache`) in a
+   worker thread; a hit is verified there and finishes the entry.
+4. A miss goes into a priority queue.  The dispatcher starts store requests in
+   priority order with at most ``max_requests`` in flight, of which
+   ``reserved_for_read`` can only be used by ``Priority.READ``: a reader never
+   waits behind prefetch or materialization.  When it starts a request it
+   takes every queued chunk that sits right before or after it in the same
+   pack (up to ``max_range`` bytes) into the same ranged GET: packs keep the
+   files of a directory together, so read-ahead and prefetch cost few
+   requests.
+5. Each blob of the response is decoded and BLAKE3-verified in a worker
+   thread, handed to its waiters, put in the memory LRU and written to the
+   disk cache (also in a thread) without delaying the readers.  A blob that
+   fails verification is fetched once more on its own; if it fails again the
+   waiters get :class:`ChunkCorrupt`.  A store that is unreachable is retried
+   with exponential backoff for ``retry_for`` seconds before
+   :class:`StoreUnavailable`; an object the store no longer has is
+   :class:`ChunkMissing` at once.  Failures are not remembered: the next read
+   tries again.
+
+Who owns what: all state of a Fetcher (pending table, queue, memory LRU,
+counters) belongs to the trio loop and is only touched by trio tasks, so it
+needs no locks.  Worker threads get immutable inputs (a pack name and range; a
+read-only view of downloaded bytes; a chunk id and its bytes) and return new
+objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
+store request, cache probe and cache write run; cancelling it stops them all.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import logging
+import os
+import sqlite3
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import trio
+
+from . import codec
+from .chunkcache import ChunkCache
+from .errors import CorruptObject, OgrefsError
+from .store.base import NotFound, PermissionDenied, StoreError, TransientError
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+ReadRange = Callable[[str, int, int], bytes]
+
+#: A failing cache never fails a read: it only costs a fetch.
+_CACHE_ERRORS = (OSError, sqlite3.Error)
+#: Chunks probed in the disk cache by one worker-thread call.
+_PROBE_BATCH = 32
+
+
+class Priority(enum.IntEnum):
+    """Why a chunk is wanted; lower is more urgent."""
+
+    READ = 0  # an application is waiting (and read-ahead of a sequential reader)
+    TRACE = 1  # replay of a recorded access trace
+    HINT = 2  # catalog hints: python, cuda, checkpoints
+    BACKGROUND = 3  # materialization of everything else
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """Everything needed to fetch and verify one chunk."""
+
+    chunk: bytes  # BLAKE3-256 of the plaintext
+    pack: str
+    offset: int  # of the blob in the pack
+    stored_len: int
+    raw_len: int
+
+
+class FetchError(OgrefsError):
+    """A chunk could not be delivered; its reader gets EIO, never wrong bytes."""
+
+    def __init__(self, ref: ChunkRef, reason: str) -> None:
+        super().__init__(f"chunk {ref.chunk.hex()[:16]} (pack {ref.pack[:16]} at {ref.offset}): {reason}")
+        self.ref = ref
+        self.reason = reason
+
+
+class ChunkCorrupt(FetchError):
+    """The bytes in the store do not decode to the chunk the catalog names."""
+
+
+class ChunkMissing(FetchError):
+    """The store no longer has the pack that holds the chunk."""
+
+
+class StoreUnavailable(FetchError):
+    """The store kept failing (unreachable, refusing) for longer than the retry window."""
+
+
+@dataclass
+class FetchStats:
+    hits_memory: int = 0  # chunk requests answered from the memory LRU
+    hits_disk: int = 0  # ... from the disk cache
+    misses: int = 0  # chunks that needed a store request
+    requests: int = 0  # ranged GETs that returned data
+    bytes_fetched: int = 0  # bytes those GETs returned
+    chunks_fetched: int = 0  # chunks decoded and verified from the store
+    retries: int = 0  # store requests repeated after a transient failure
+    corrupt: int = 0  # blobs that failed verification
+    errors: int = 0  # chunk deliveries that failed
+    cache_write_errors: int = 0
+
+
+class _Pending:
+    """One chunk on its way; the single flight every reader of the chunk waits on."""
+
+    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error")
+
+    def __init__(self, ref: ChunkRef, priority: Priority) -> None:
+        self.ref = ref
+        self.priority = priority
+        self.seq = 0
+        self.state = "probe"  # probe -> queued -> fetching -> (removed)
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: FetchError | None = None
+
+
+def _decode(view: memoryview, raw_len: int, chunk: bytes) -> bytes:
+    return codec.decode_blob(view, raw_len, chunk)
+
+
+class Fetcher:
+    """Delivers verified chunk plaintext to trio tasks; see the module docstring."""
+
+    def __init__(self, read_range: ReadRange, cache: ChunkCache | None = None, *, max_requests: int = 8,
+                 reserved_for_read: int = 2, max_range: int = 16 * MiB, memory_bytes: int = 128 * MiB,
+                 retry_for: float = 60.0, decode_threads: int | None = None) -> None:
+        if not 0 <= reserved_for_read < max_requests:
+            raise ValueError("reserved_for_read must be below max_requests")
+        self._read_range = read_range
+        self.cache = cache
+        self.max_requests = max_requests
+        self.reserved_for_read = reserved_for_read
+        self.max_range = max_range
+        self.memory_bytes = memory_bytes
+        self.retry_for = retry_for
+        self.stats = FetchStats()
+        self._pending: dict[bytes, _Pending] = {}
+        self._heap: list[tuple[int, int, _Pending]] = []
+        self._by_start: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob offset)
+        self._by_end: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob end)
+        self._seq = 0
+        self._active = 0  # store requests in flight
+        self._queued = 0
+        self._fetching = 0  # chunks inside requests in flight
+        self._mem: OrderedDict[bytes, bytes] = OrderedDict()
+        self._mem_size = 0
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._net_limiter = trio.CapacityLimiter(max_requests)
+        self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
+        self._cache_limiter = trio.CapacityLimiter(4)
+
+    # -- lifetime ------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; start with ``await nursery.start(fetcher.run)``."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._dispatch)
+                nursery.start_soon(self._flush_ticker)
+                task_status.started()
+        finally:
+            self._nursery = None
+            if self.cache is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.cache.flush)
+
+    # -- the public API --------------------------------------------------------------------
+    async def get(self, ref: ChunkRef, priority: Priority = Priority.READ) -> bytes:
+        """The chunk's verified plaintext; raises :class:`FetchError`."""
+        data = self._mem_get(ref.chunk)
+        if data is not None:
+            self.stats.hits_memory += 1
+            return data
+        p = self._want([ref], priority)[0]
+        await p.done.wait()
+        if p.error is not None:
+            raise p.error
+        assert p.data is not None
+        return p.data
+
+    def prefetch(self, refs: Iterable[ChunkRef], priority: Priority) -> int:
+        """Schedule chunks without waiting for them; returns how many were not already on their way.
+
+        Chunks scheduled by one call are probed in the disk cache together and
+        queued together, so the misses among them that are neighbours in a
+        pack share one ranged GET.
+        """
+        before = len(self._pending)
+        self._want([r for r in refs if r.chunk not in self._mem], priority)
+        return len(self._pending) - before
+
+    def is_cached_in_memory(self, chunk: bytes) -> bool:
+        return chunk in self._mem
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks inside store requests that have not answered yet."""
+        return self._fetching
+
+    @property
+    def queued(self) -> int:
+        """Chunks waiting for a free store request slot."""
+        return self._queued
+
+    def snapshot_stats(self) -> dict[str, int]:
+        out = asdict(self.stats)
+        out.update(in_flight=self._fetching, queued=self._queued, active_requests=self._active,
+                   pending=len(self._pending), memory_bytes=self._mem_size)
+        return out
+
+    # -- single flight -------------------------------------------------------------------------
+    def _want(self, refs: list[ChunkRef], priority: Priority) -> list[_Pending]:
+        out, new = [], []
+        for ref in refs:
+            p = self._pending.get(ref.chunk)
+            if p is not None:
+                if priority < p.priority:
+                    p.priority = priority
+                    if p.state == "queued":
+                        self._push(p)
+            else:
+                p = self._pending[ref.chunk] = _Pending(ref, priority)
+                new.append(p)
+            out.append(p)
+        if new:
+            if self._nursery is None:
+                for p in new:
+                    del self._pending[p.ref.chunk]
+                raise RuntimeError("Fetcher.run() is not running")
+            for i in range(0, len(new), _PROBE_BATCH):
+                self._nursery.start_soon(self._probe, new[i:i + _PROBE_BATCH])
+        return out
+
+    async def _probe(self, batch: list[_Pending]) -> None:
+        """Look for chunks in the disk cache (one thread hop for the batch); queue the misses."""
+        found: list[bytes | None] = [None] * len(batch)
+        if self.cache is not None:
+            keys = [(p.ref.chunk, p.ref.raw_len) for p in batch]
+            try:
+                found = await trio.to_thread.run_sync(self._load_many, keys, limiter=self._cache_limiter)
+            except _CACHE_ERRORS as exc:
+                log.warning("chunk cache unreadable (%s); fetching from the store", exc)
+        for p, data in zip(batch, found):
+            if data is not None:
+                self.stats.hits_disk += 1
+                self._finish(p, data)
+                continue
+            self.stats.misses += 1
+            p.state = "queued"
+            self._queued += 1
+            self._by_start[(p.ref.pack, p.ref.offset)] = p
+            self._by_end[(p.ref.pack, p.ref.offset + p.ref.stored_len)] = p
+            self._push(p)
+
+    def _load_many(self, keys: list[tuple[bytes, int]]) -> list[bytes | None]:
+        """Worker thread: read and verify cached chunks."""
+        assert self.cache is not None
+        return [self.cache.load(chunk, raw_len) for chunk, raw_len in keys]
+
+    def _finish(self, p: _Pending, data: bytes) -> None:
+        p.data = data
+        self._pending.pop(p.ref.chunk, None)
+        self._mem_put(p.ref.chunk, data)
+        p.done.set()
+
+    def _fail(self, p: _Pending, error: FetchError) -> None:
+        p.error = error
+        self.stats.errors += 1
+        self._pending.pop(p.ref.chunk, None)
+        p.done.set()
+
+    # -- the queue -------------------------------------------------------------------------------
+    def _push(self, p: _Pending) -> None:
+        self._seq += 1
+        p.seq = self._seq
+        heapq.heappush(self._heap, (int(p.priority), p.seq, p))
+        self._changed.set()
+
+    def _peek(self) -> _Pending | None:
+        while self._heap:
+            prio, seq, p = self._heap[0]
+            if p.state == "queued" and p.seq == seq:
+                return p
+            heapq.heappop(self._heap)  # superseded by a priority raise, or already taken by a neighbour
+        return None
+
+    def _may_start(self, priority: Priority) -> bool:
+        limit = self.max_requests if priority == Priority.READ else self.max_requests - self.reserved_for_read
+        return self._active < limit
+
+    async def _dispatch(self) -> None:
+        assert self._nursery is not None
+        while True:
+            p = self._peek()
+            if p is None or not self._may_start(p.priority):
+                changed = self._changed
+                await changed.wait()
+                if self._changed is changed:
+                    self._changed = trio.Event()
+                continue
+            heapq.heappop(self._heap)
+            batch = self._take_run(p)
+            self._active += 1
+            self._nursery.start_soon(self._fetch_run, batch)
+
+    def _unqueue(self, p: _Pending) -> None:
+        p.state = "fetching"
+        self._queued -= 1
+        self._fetching += 1
+        del self._by_start[(p.ref.pack, p.ref.offset)]
+        del self._by_end[(p.ref.pack, p.ref.offset + p.ref.stored_len)]
+
+    def _take_run(self, p: _Pending) -> list[_Pending]:
+        """``p`` plus the queued chunks adjacent to it in its pack, up to ``max_range`` bytes."""
+        pack = p.ref.pack
+        self._unqueue(p)
+        run = [p]
+        start, end = p.ref.offset, p.ref.offset + p.ref.stored_len
+        while (q := self._by_start.get((pack, end))) is not None and end + q.ref.stored_len - start <= self.max_range:
+            self._unqueue(q)
+            run.append(q)
+            end += q.ref.stored_len
+        while (q := self._by_end.get((pack, start))) is not None and end - q.ref.offset <= self.max_range:
+            self._unqueue(q)
+            run.insert(0, q)
+            start = q.ref.offset
+        return run
+
+    # -- store requests ----------------------------------------------------------------------------
+    async def _fetch_run(self, run: list[_Pending]) -> None:
+        first, last = run[0].ref, run[-1].ref
+        start, length = first.offset, last.offset + last.stored_len - first.offset
+        try:
+            try:
+                body = await self._get_range(first, start, length)
+            finally:
+                self._active -= 1
+                self._changed.set()
+        except FetchError as exc:
+            log.error("fetch of %d chunk(s) from pack %s failed: %s", len(run), first.pack, exc.reason)
+            for p in run:
+                self._fetching -= 1
+                self._fail(p, type(exc)(p.ref, exc.reason))
+            return
+        self.stats.requests += 1
+        self.stats.bytes_fetched += len(body)
+        view = memoryview(body)
+        for p in run:
+            ref = p.ref
+            try:
+                try:
+                    data = await self._decode(view[ref.offset - start:ref.offset - start + ref.stored_len], ref)
+                except ChunkCorrupt:
+                    data = await self._refetch(ref)
+            except FetchError as exc:
+                log.error("%s", exc)
+                self._fail(p, exc)
+            else:
+                self.stats.chunks_fetched += 1
+                self._finish(p, data)
+                if self.cache is not None:
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._store, ref.chunk, data)
+            finally:
+                self._fetching -= 1
+
+    async def _refetch(self, ref: ChunkRef) -> bytes:
+        """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
+        body = await self._get_range(ref, ref.offset, ref.stored_len)
+        self.stats.requests += 1
+        self.stats.bytes_fetched += len(body)
+        return await self._decode(memoryview(body), ref)
+
+    async def _decode(self, view: memoryview, ref: ChunkRef) -> bytes:
+        if len(view) != ref.stored_len:
+            self.stats.corrupt += 1
+            raise ChunkCorrupt(ref, f"store returned {len(view)} bytes, expected {ref.stored_len}")
+        try:
+            return await trio.to_thread.run_sync(_decode, view, ref.raw_len, ref.chunk, limiter=self._cpu_limiter)
+        except CorruptObject as exc:
+            self.stats.corrupt += 1
+            raise ChunkCorrupt(ref, str(exc)) from None
+
+    async def _get_range(self, ref: ChunkRef, offset: int, length: int) -> bytes:
+        deadline = trio.current_time() + self.retry_for
+        delay = 0.1
+        while True:
+            try:
+                return await trio.to_thread.run_sync(self._read_range, ref.pack, offset, length,
+                                                     limiter=self._net_limiter)
+            except NotFound:
+                raise ChunkMissing(ref, f"pack {ref.pack} is missing from the repository") from None
+            except PermissionDenied as exc:
+                raise StoreUnavailable(ref, f"permission denied: {exc}") from None
+            except (TransientError, ConnectionError, TimeoutError) as exc:
+                if trio.current_time() + delay > deadline:
+                    raise StoreUnavailable(ref, f"store unreachable for {self.retry_for:.0f} s ({exc})") from None
+                self.stats.retries += 1
+                log.warning("store request failed (%s); retrying in %.1f s", exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except StoreError as exc:
+                raise StoreUnavailable(ref, str(exc)) from None
+
+    # -- caches -------------------------------------------------------------------------------------
+    async def _store(self, chunk: bytes, data: bytes) -> None:
+        assert self.cache is not None
+        try:
+            await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_limiter)
+        except _CACHE_ERRORS as exc:
+            self.stats.cache_write_errors += 1
+            log.warning("chunk cache write failed (%s); serving without caching", exc)
+
+    async def _flush_ticker(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            if self.cache is not None:
+                try:
+                    await trio.to_thread.run_sync(self.cache.flush, limiter=self._cache_limiter)
+                except _CACHE_ERRORS as exc:
+                    log.warning("chunk cache bookkeeping failed: %s", exc)
+
+    def _mem_get(self, chunk: bytes) -> bytes | None:
+        data = self._mem.get(chunk)
+        if data is not None:
+            self._mem.move_to_end(chunk)
+        return data
+
+    def _mem_put(self, chunk: bytes, data: bytes) -> None:
+        if chunk in self._mem or len(data) > self.memory_bytes:
+            return
+        self._mem[chunk] = data
+        self._mem_size += len(data)
+        while self._mem_size > self.memory_bytes:
+            _, old = self._mem.popitem(last=False)
+            self._mem_size -= len(old)

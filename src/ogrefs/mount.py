@@ -1,0 +1,452 @@
+"""Mount a snapshot: early checks, the daemon, wiring, status, unmount.
+
+``mount`` checks everything that can fail early in the calling process (FUSE
+present, mountpoint an empty directory, snapshot exists, catalog readable),
+then forks a daemon (double fork, new session) and waits on a pipe until the
+daemon writes ``ready`` (the kernel's FUSE INIT was answered, so the root
+lists) or ``error <reason>``.  The daemon builds the stack fresh in its own
+process — repository → chunk cache → fetcher → vfs → pyfuse3 adapter — and
+runs it on one trio loop.
+
+While mounted, the daemon registers itself in the runtime directory
+(``$OGREFS_RUNTIME_DIR``, else ``/run/ogrefs`` when writable, else
+``$XDG_RUNTIME_DIR/ogrefs``, else the cache directory) as
+``mounts/<key>.json`` (pid, mountpoint, snapshot, where its status and log
+are), and rewrites ``mounts/<key>.status.json`` atomically every 0.5 s;
+``ogrefs status`` reads them.  SIGTERM and SIGINT end the loop and unmount.
+
+Who owns what: the daemon's trio loop owns the fetcher, the vfs and the status
+writer (one nursery); worker threads only run the blocking calls each of those
+hands them.  The registration files are written by the daemon alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import OgrefsError, UsageError
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 120.0
+STATUS_INTERVAL = 0.5
+
+
+class MountError(OgrefsError):
+    """The mount could not be made, found or undone."""
+
+
+@dataclass
+class MountOptions:
+    repo_url: str
+    snapshot: str
+    mountpoint: Path
+    s3_endpoint: str | None = None
+    cache_root: Path | None = None  # repository cache (catalogs, manifests); default: XDG cache
+    chunk_cache: Path | None = None  # default: <cache root>/chunks
+    cache_size: int | None = None  # bytes; default: 10 GiB or a quarter of free space
+    foreground: bool = False
+    allow_other: bool = False
+    retry_for: float = 60.0
+    max_requests: int = 8
+    memory_cache: int = 128 * 1024 * 1024
+    readahead_kb: int = 16384  # kernel read-ahead of the mount (bdi), best effort
+    log_level: str = "INFO"
+
+
+# -- early checks -----------------------------------------------------------------------------
+def fuse_problem() -> str | None:
+    """Why a FUSE mount cannot work on this machine, or None."""
+    if not os.path.exists("/dev/fuse"):
+        return "FUSE is not available: /dev/fuse is missing (load the fuse module, or give the container the device)"
+    if os.geteuid() != 0:
+        if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+            return "FUSE is not available: no permission to open /dev/fuse"
+        if shutil.which("fusermount3") is None:
+            return "FUSE is not available: fusermount3 is not installed (package fuse3)"
+    try:
+        from . import fuse_ops  # noqa: F401
+    except ImportError as exc:
+        return f"FUSE support is not installed: pyfuse3 cannot be loaded ({exc})"
+    return None
+
+
+def _unescape_mountinfo(field: str) -> str:
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounted_fstype(mountpoint: Path) -> str | None:
+    """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) >= 5 and _unescape_mountinfo(fields[4]) == target:
+                found = right.split()[0] if right else "?"
+    return found
+
+
+def check_mountpoint(mountpoint: Path) -> Path:
+    mp = Path(os.path.abspath(mountpoint))
+    try:
+        st = os.stat(mp)
+    except FileNotFoundError:
+        raise UsageError(f"mountpoint {mp} does not exist") from None
+    except OSError as exc:
+        raise UsageError(f"mountpoint {mp} is not usable ({exc.strerror}); a stale mount? try `ogrefs unmount {mp}`") \
+            from None
+    import stat as _stat
+
+    if not _stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"mountpoint {mp} is not a directory")
+    if mounted_fstype(mp) is not None:
+        raise UsageError(f"{mp} is already a mount point")
+    try:
+        with os.scandir(mp) as it:
+            if next(it, None) is not None:
+                raise UsageError(f"mountpoint {mp} is not empty")
+    except PermissionError:
+        raise UsageError(f"mountpoint {mp} cannot be read (permission denied)") from None
+    return mp
+
+
+# -- registration ------------------------------------------------------------------------------
+def runtime_dir() -> Path:
+    env = os.environ.get("OGREFS_RUNTIME_DIR")
+    candidates = [Path(env)] if env else [Path("/run/ogrefs")]
+    if not env:
+        if os.environ.get("XDG_RUNTIME_DIR"):
+            candidates.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "ogrefs")
+        from .repo import default_cache_dir
+
+        candidates.append(default_cache_dir() / "run")
+    for cand in candidates:
+        try:
+            (cand / "mounts").mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError:
+            continue
+        if os.access(cand / "mounts", os.W_OK):
+            return cand
+    raise MountError(f"no writable runtime directory (tried {', '.join(map(str, candidates))})")
+
+
+def _key(mountpoint: Path) -> str:
+    return hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Registration:
+    path: Path
+    status: Path
+    log: Path
+
+    @classmethod
+    def for_mountpoint(cls, mountpoint: Path) -> "Registration":
+        base = runtime_dir() / "mounts" / _key(mountpoint)
+        return cls(base.with_suffix(".json"), base.with_suffix(".status.json"), base.with_suffix(".log"))
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write(self, info: dict[str, Any]) -> None:
+        _atomic_json(self.path, info)
+
+    def remove(self) -> None:
+        for p in (self.path, self.status):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+# -- mounting -------------------------------------------------------------------------------------
+def mount(opts: MountOptions) -> None:
+    """Mount and return once ready (or, with ``foreground``, once unmounted)."""
+    problem = fuse_problem()
+    if problem:
+        raise MountError(problem)
+    opts.mountpoint = check_mountpoint(opts.mountpoint)
+    from .catalog import Catalog
+    from .repo import Repository
+
+    repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
+    manifest = repo.resolve(opts.snapshot)
+    cat_path = repo.catalog_path(manifest["id"])
+    Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
+    reg = Registration.for_mountpoint(opts.mountpoint)
+    if opts.foreground:
+        code = _serve(opts, manifest, cat_path, reg, ready_fd=None)
+        if code:
+            raise MountError(f"the mount of {opts.mountpoint} ended with an error (see above)")
+        return
+    _daemonize_and_wait(opts, manifest, cat_path, reg)
+
+
+def _daemonize_and_wait(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the intermediate child: detach and leave
+        code = 1
+        try:
+            os.close(r)
+            os.setsid()
+            if os.fork() == 0:
+                code = _daemon_main(opts, manifest, cat_path, reg, w)
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    os.waitpid(pid, 0)
+    line = _read_line(r, READY_TIMEOUT)
+    os.close(r)
+    if line == "ready":
+        return
+    if line.startswith("error "):
+        raise MountError(line[len("error "):])
+    info = reg.read()
+    if info and pid_alive(info.get("pid", 0)):
+        with contextlib.suppress(OSError):
+            os.kill(info["pid"], signal.SIGTERM)
+    if line == "timeout":
+        raise MountError(f"the mount did not become ready within {READY_TIMEOUT:.0f} s (log: {reg.log})")
+    raise MountError(f"the mount daemon exited before the mount was ready (log: {reg.log})")
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout"
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _daemon_main(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration, ready_fd: int) -> int:
+    """The daemon process: stdio detached, log to the registration's log file."""
+    os.chdir("/")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    logfd = os.open(reg.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(devnull, 0)
+    os.dup2(logfd, 1)
+    os.dup2(logfd, 2)
+    os.close(devnull)
+    os.close(logfd)
+    try:
+        return _serve(opts, manifest, cat_path, reg, ready_fd)
+    except BaseException as exc:  # noqa: BLE001 - the daemon must report, not crash silently
+        logging.getLogger(__name__).exception("mount daemon failed")
+        with contextlib.suppress(OSError):
+            os.write(ready_fd, f"error {exc}\n".encode())
+        return 1
+
+
+def _serve(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration, ready_fd: int | None) -> int:
+    """Build the stack, mount, serve until unmounted or signalled.  Returns an exit code."""
+    import trio
+
+    from . import fuse_ops
+    from .catalog import Catalog
+    from .chunkcache import ChunkCache
+    from .fetcher import Fetcher
+    from .repo import Repository, default_cache_dir
+    from .vfs import SnapshotFS
+
+    logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
+    catalog = Catalog(cat_path)
+    chunk_dir = opts.chunk_cache or (opts.cache_root or default_cache_dir()) / "chunks"
+    cache = ChunkCache(chunk_dir, opts.cache_size)
+    fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
+                      memory_bytes=opts.memory_cache)
+    fs = SnapshotFS(catalog, fetcher)
+    started = time.time()
+    info = {"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "snapshot": manifest["id"],
+            "repo": repo.store.url, "status": str(reg.status), "log": str(reg.log), "started": started,
+            "chunk_cache": str(chunk_dir)}
+
+    def status() -> dict[str, Any]:
+        st = fetcher.snapshot_stats()
+        vs = fs.stats
+        return {**info, "time": time.time(), "bytes_read": vs.bytes_read, "reads": vs.reads, "opens": vs.opens,
+                "open_files": fs.open_files, "lookups": vs.lookups, "referenced_inodes": fs.referenced_inodes,
+                "read_errors": vs.read_errors, "bytes_fetched": st["bytes_fetched"], "requests": st["requests"],
+                "chunks_fetched": st["chunks_fetched"], "cache_hits": st["hits_memory"] + st["hits_disk"],
+                "cache_hits_memory": st["hits_memory"], "cache_hits_disk": st["hits_disk"],
+                "cache_misses": st["misses"], "chunks_in_flight": st["in_flight"], "chunks_queued": st["queued"],
+                "errors": st["errors"], "corrupt": st["corrupt"], "retries": st["retries"],
+                "cache_write_errors": st["cache_write_errors"]}
+
+    initialized: list[trio.Event] = []  # created inside the loop; set by the kernel's INIT request
+
+    def on_init() -> None:
+        initialized[0].set()
+
+    ops = fuse_ops.FuseOps(fs, on_init=on_init)
+    fuse_ops.fuse_mount(ops, str(opts.mountpoint), fuse_ops.mount_options(allow_other=opts.allow_other))
+    reg.write(info)
+    log.info("mounted snapshot %s of %s at %s", manifest["id"][:12], repo.store.url, opts.mountpoint)
+
+    async def write_status() -> None:
+        while True:
+            snap = status()
+            await trio.to_thread.run_sync(_atomic_json, reg.status, snap)
+            await trio.sleep(STATUS_INTERVAL)
+
+    async def on_signals() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                log.info("signal %d: unmounting", signum)
+                fuse_ops.terminate()
+                return
+
+    async def announce() -> None:
+        await initialized[0].wait()
+        await trio.to_thread.run_sync(_tune_readahead, opts.mountpoint, opts.readahead_kb)
+        await trio.to_thread.run_sync(_atomic_json, reg.status, status())
+        if ready_fd is not None:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+        else:
+            print(f"mounted snapshot {manifest['id'][:12]} at {opts.mountpoint}; Ctrl-C unmounts", flush=True)
+
+    async def main() -> None:
+        initialized.append(trio.Event())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            nursery.start_soon(on_signals)
+            nursery.start_soon(announce)
+            nursery.start_soon(write_status)
+            await fuse_ops.serve()
+            nursery.cancel_scope.cancel()
+
+    code = 0
+    try:
+        trio.run(main)
+    except BaseException:
+        log.exception("mount of %s failed", opts.mountpoint)
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            fuse_ops.fuse_close(unmount=True)
+        with contextlib.suppress(Exception):
+            cache.close()
+        reg.remove()
+        log.info("unmounted %s", opts.mountpoint)
+    return code
+
+
+def _tune_readahead(mountpoint: Path, kb: int) -> None:
+    """Raise the kernel's read-ahead for this mount (its bdi) so sequential reads arrive as 1 MiB requests."""
+    try:
+        dev = os.stat(mountpoint).st_dev
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as fh:
+            fh.write(str(kb))
+    except OSError as exc:
+        log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
+
+
+# -- unmount and status -----------------------------------------------------------------------------
+def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> None:
+    mp = Path(os.path.abspath(mountpoint))
+    reg = Registration.for_mountpoint(mp)
+    info = reg.read()
+    pid = info.get("pid") if info else None
+    if mounted_fstype(mp) is None:
+        if pid and pid_alive(pid):
+            _wait_exit(pid, timeout, mp)
+            return
+        raise UsageError(f"{mp} is not mounted")
+    if shutil.which("fusermount3"):
+        cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(mp)]
+    else:
+        cmd = ["umount"] + (["-l"] if lazy else []) + [str(mp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        reason = (res.stderr.strip().splitlines() or [f"{cmd[0]} failed"])[-1]
+        if "busy" in reason.lower():
+            raise MountError(f"{mp} is busy (files or directories in use); close them or use --lazy")
+        raise MountError(f"cannot unmount {mp}: {reason}")
+    if pid and pid_alive(pid):
+        _wait_exit(pid, timeout, mp)
+
+
+def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            raise MountError(f"{mp} is unmounted but its daemon (pid {pid}) has not exited after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def read_status(mountpoint: Path) -> dict[str, Any]:
+    mp = Path(os.path.abspath(mountpoint))
+    reg = Registration.for_mountpoint(mp)
+    info = reg.read()
+    if info is None:
+        raise UsageError(f"{mp} is not an ogrefs mount")
+    if not pid_alive(info.get("pid", 0)):
+        raise MountError(f"the daemon of {mp} (pid {info.get('pid')}) is gone; run `ogrefs unmount {mp}`")
+    try:
+        status = json.loads(reg.status.read_text())
+    except (OSError, ValueError):
+        raise MountError(f"the status of {mp} is not readable yet; try again") from None
+    status["age"] = max(0.0, time.time() - status.get("time", time.time()))
+    return status

@@ -1,0 +1,387 @@
+"""A snapshot as a read-only file system: protocol-free, async, testable without mounting.
+
+Metadata comes from the snapshot's SQLite catalog alone, one query at a time:
+there is no in-memory tree, so a snapshot of a million files mounts as fast as
+one of a thousand and memory does not grow with the file count.  Inode numbers
+are the catalog's: stable across mounts, shared by hardlinks.  File data comes
+from the :class:`~ogrefs.fetcher.Fetcher`.
+
+Catalog access, decided: point queries (one inode, one directory entry, the
+xattrs of one inode) run inline on the trio thread.  They are indexed lookups
+in a local, immutable SQLite file and take microseconds, less than the hop to
+a worker thread would.  Queries that scale with the data (a page of a
+directory listing, the extent list of a file at open) run in a worker thread.
+
+Per-open-file state (:class:`_OpenFile`) holds the file's extents, their
+cumulative start offsets (bisect maps a read offset to its chunk) and the
+read-ahead position, computed once at open.  A read that continues where the
+previous one ended is sequential: the handle then asks the fetcher for the
+chunks of the next ``window`` bytes (doubling up to ``readahead_max``), which
+the fetcher coalesces into few ranged GETs.
+
+Who owns what: a SnapshotFS, its lookup counts and its handle tables belong to
+the trio loop; every method is called from trio tasks only.  Worker threads
+get the Catalog (thread-safe: one SQLite connection per thread) and an inode
+number or name, and return fresh lists.
+
+Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
+place that turns any exception into an errno for an adapter.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import stat
+import threading
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import trio
+
+from .catalog import ROOT_INO, Catalog, Extent, Inode
+from .errors import OgrefsError
+from .fetcher import ChunkRef, FetchError, Fetcher, Priority
+from .store.base import StoreError
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+#: The snapshot never changes, so the kernel may cache names and attributes "forever".
+CACHE_TIMEOUT = 24 * 3600.0
+READDIR_PAGE = 512
+BLOCK_SIZE = 4096
+
+
+class FsError(Exception):
+    """A file-system answer that is an errno (ENOENT, EIO, ...)."""
+
+    def __init__(self, err: int, detail: str = "") -> None:
+        super().__init__(err, detail or os.strerror(err))
+        self.errno = err
+
+
+def errno_for(exc: BaseException) -> int:
+    """The errno an adapter replies for ``exc``: the single exception-to-errno mapping."""
+    if isinstance(exc, FsError):
+        return exc.errno
+    if isinstance(exc, (FetchError, StoreError, OgrefsError, sqlite3.Error)):
+        return errno.EIO
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    return errno.EIO
+
+
+class Attr(NamedTuple):
+    """What stat() shows for an inode: the catalog row plus the blocks its data occupies."""
+
+    node: Inode
+    blocks: int  # 512-byte blocks of data; holes take none
+
+
+class StatFs(NamedTuple):
+    bsize: int
+    blocks: int
+    files: int
+    namemax: int
+
+
+@dataclass
+class VfsStats:
+    lookups: int = 0
+    opens: int = 0
+    reads: int = 0
+    bytes_read: int = 0  # bytes returned to applications (the kernel)
+    read_errors: int = 0
+
+
+class _OpenFile:
+    __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead")
+
+    def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
+        self.ino = ino
+        self.size = size
+        self.extents = extents
+        self.starts = [e.offset for e in extents]
+        self.refs = [ChunkRef(e.chunk, e.pack, e.pack_offset, e.stored_len, e.length) for e in extents]
+        self.next_offset = 0  # where a sequential reader reads next
+        self.window = 0  # read-ahead distance; 0 until reads look sequential
+        self.ahead = 0  # index of the first extent not yet requested by read-ahead
+
+
+class _OpenDir:
+    __slots__ = ("ino", "base", "entries", "complete")
+
+    def __init__(self, ino: int) -> None:
+        self.ino = ino
+        self.base = 0  # directory position of entries[0]
+        self.entries: list[tuple[bytes, Attr]] = []
+        self.complete = False  # entries reach the end of the directory
+
+
+class _CatalogExtra:
+    """Queries the mount needs that Catalog does not offer (yet): data size, a path for logs.
+
+    Same access mode as Catalog: one read-only connection per thread.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._uri = f"file:{path}?mode=ro&immutable=1"
+        self._local = threading.local()
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+        return db
+
+    def data_bytes(self, ino: int) -> int:
+        return self._db().execute("SELECT coalesce(sum(length), 0) FROM extents WHERE ino=?", (ino,)).fetchone()[0]
+
+    def parent_of(self, ino: int) -> int:
+        row = self._db().execute("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        return row[0] if row else ROOT_INO
+
+    def path_of(self, ino: int) -> bytes:
+        """One path of ``ino`` (hardlinks have several), for messages."""
+        parts: list[bytes] = []
+        db = self._db()
+        seen = set()
+        while ino != ROOT_INO and ino not in seen:
+            seen.add(ino)
+            row = db.execute("SELECT parent, name FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
+            if row is None:
+                return b"<inode %d>" % ino
+            ino = row[0]
+            parts.append(row[1])
+        return b"/" + b"/".join(reversed(parts))
+
+
+class SnapshotFS:
+    """The file-system operations of one mounted snapshot."""
+
+    def __init__(self, catalog: Catalog, fetcher: Fetcher, *, readahead_max: int = 32 * MiB,
+                 readahead_min: int = 4 * MiB) -> None:
+        self.catalog = catalog
+        self.fetcher = fetcher
+        self.readahead_max = readahead_max
+        self.readahead_min = readahead_min
+        self.stats = VfsStats()
+        self._extra = _CatalogExtra(catalog.path)
+        self._lookups: dict[int, int] = {}
+        self._files: dict[int, _OpenFile] = {}
+        self._dirs: dict[int, _OpenDir] = {}
+        self._next_fh = 1
+        counts = catalog.counts()
+        self._inode_count = counts["inodes"]
+        self._data_bytes = self._extra._db().execute("SELECT coalesce(sum(raw_len), 0) FROM blobs").fetchone()[0]
+
+    # -- attributes --------------------------------------------------------------------
+    def _attr(self, node: Inode) -> Attr:
+        if node.is_reg and node.size:
+            return Attr(node, (self._extra.data_bytes(node.ino) + 511) // 512)
+        if node.is_lnk:
+            return Attr(node, 0)
+        return Attr(node, (node.size + 511) // 512)
+
+    def _node(self, ino: int) -> Inode:
+        node = self.catalog.get(ino)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    async def getattr(self, ino: int) -> Attr:
+        return self._attr(self._node(ino))
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        """The entry ``name`` in directory ``parent``; counts one kernel reference."""
+        self.stats.lookups += 1
+        if name == b".":
+            node = self._node(parent)
+        elif name == b"..":
+            node = self._node(self._extra.parent_of(parent))
+        else:
+            node = self.catalog.lookup(parent, name)
+        if node is None:
+            if not self._node(parent).is_dir:
+                raise FsError(errno.ENOTDIR)
+            raise FsError(errno.ENOENT)
+        self._ref(node.ino)
+        return self._attr(node)
+
+    def _ref(self, ino: int) -> None:
+        self._lookups[ino] = self._lookups.get(ino, 0) + 1
+
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        """The kernel dropped ``n`` references to each inode; never raises."""
+        for ino, n in items:
+            left = self._lookups.get(ino, 0) - n
+            if left > 0:
+                self._lookups[ino] = left
+            else:
+                self._lookups.pop(ino, None)
+
+    def lookup_count(self, ino: int) -> int:
+        return self._lookups.get(ino, 0)
+
+    @property
+    def referenced_inodes(self) -> int:
+        return len(self._lookups)
+
+    async def readlink(self, ino: int) -> bytes:
+        node = self._node(ino)
+        if not node.is_lnk:
+            raise FsError(errno.EINVAL)
+        return node.target or b""
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        for n, value in self.catalog.xattrs(ino):
+            if n == name:
+                return value
+        self._node(ino)
+        raise FsError(errno.ENODATA)
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        self._node(ino)
+        return [n for n, _ in self.catalog.xattrs(ino)]
+
+    async def statfs(self) -> StatFs:
+        return StatFs(bsize=BLOCK_SIZE, blocks=(self._data_bytes + BLOCK_SIZE - 1) // BLOCK_SIZE,
+                      files=self._inode_count, namemax=255)
+
+    # -- directories ------------------------------------------------------------------------
+    async def opendir(self, ino: int) -> int:
+        if not self._node(ino).is_dir:
+            raise FsError(errno.ENOTDIR)
+        fh = self._new_fh()
+        self._dirs[fh] = _OpenDir(ino)
+        return fh
+
+    def _page(self, ino: int, after: bytes | None, skip: int = 0) -> list[tuple[bytes, Attr]]:
+        """Runs in a worker thread: up to READDIR_PAGE entries after ``after`` (or ``skip`` entries in)."""
+        rows = self.catalog.children(ino, after=after, limit=skip + READDIR_PAGE)[skip:]
+        return [(name, self._attr(node)) for name, node in rows]
+
+    async def readdir(self, fh: int, start: int, emit: Callable[[bytes, Attr, int], bool]) -> None:
+        """Report entries from position ``start`` through ``emit(name, attr, next_position)``.
+
+        ``emit`` returns False when the reply is full; each accepted entry counts
+        one kernel reference (readdirplus).  Positions are indexes in name order;
+        the handle keeps a page of entries so a listing costs one query per page.
+        """
+        d = self._dirs.get(fh)
+        if d is None:
+            raise FsError(errno.EBADF)
+        pos = start
+        while True:
+            i = pos - d.base
+            if not 0 <= i < len(d.entries):
+                if i == len(d.entries) and d.complete:
+                    return
+                if i == len(d.entries) and d.entries:
+                    after, skip = d.entries[-1][0], 0
+                else:  # the first page, or a seek elsewhere (rewinddir, telldir/seekdir)
+                    after, skip = None, pos
+                page = await trio.to_thread.run_sync(self._page, d.ino, after, skip)
+                d.base, d.entries, d.complete = pos, page, len(page) < READDIR_PAGE
+                if not page:
+                    return
+                i = 0
+            name, attr = d.entries[i]
+            if not emit(name, attr, pos + 1):
+                return
+            self._ref(attr.node.ino)
+            pos += 1
+
+    def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # -- files ------------------------------------------------------------------------------
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    async def open(self, ino: int, flags: int) -> int:
+        node = self._node(ino)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise FsError(errno.EROFS)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if not node.is_reg:
+            raise FsError(errno.ENXIO)
+        extents = await trio.to_thread.run_sync(self.catalog.extents, ino) if node.size else []
+        fh = self._new_fh()
+        self._files[fh] = _OpenFile(ino, node.size, extents)
+        self.stats.opens += 1
+        return fh
+
+    def release(self, fh: int) -> None:
+        self._files.pop(fh, None)
+
+    @property
+    def open_files(self) -> int:
+        return len(self._files)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        """Up to ``size`` bytes at ``offset``; holes read as zeros; a chunk that cannot be had is EIO."""
+        f = self._files.get(fh)
+        if f is None:
+            raise FsError(errno.EBADF)
+        end = min(offset + size, f.size)
+        if offset >= end:
+            return b""
+        first = max(0, bisect_right(f.starts, offset) - 1)
+        last = first
+        while last < len(f.extents) and f.extents[last].offset < end:
+            last += 1
+        wanted = [k for k in range(first, last) if f.extents[k].end > offset]
+        ahead = self._read_ahead(f, offset, end, last)
+        if len(wanted) > 1 or ahead:
+            # one call: the chunks of this read and of the read-ahead are probed and queued together
+            self.fetcher.prefetch([f.refs[k] for k in wanted] + ahead, Priority.READ)
+        parts: list[bytes | memoryview] = []
+        pos = offset
+        try:
+            for k in wanted:
+                ext = f.extents[k]
+                if ext.offset > pos:
+                    parts.append(bytes(ext.offset - pos))
+                    pos = ext.offset
+                data = await self.fetcher.get(f.refs[k], Priority.READ)
+                stop = min(end, ext.end)
+                parts.append(memoryview(data)[pos - ext.offset:stop - ext.offset])
+                pos = stop
+        except FetchError as exc:
+            self.stats.read_errors += 1
+            path = await trio.to_thread.run_sync(self._extra.path_of, f.ino)
+            log.error("read of %s at offset %d failed: %s", os.fsdecode(path), offset, exc)
+            raise FsError(errno.EIO) from None
+        if pos < end:
+            parts.append(bytes(end - pos))
+        self.stats.reads += 1
+        self.stats.bytes_read += end - offset
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read_ahead(self, f: _OpenFile, offset: int, end: int, next_index: int) -> list[ChunkRef]:
+        """On sequential reads, the chunks of the next ``window`` bytes not yet requested."""
+        if offset == 0 or abs(offset - f.next_offset) <= 2 * MiB:
+            f.window = min(max(f.window * 2, self.readahead_min), self.readahead_max)
+        else:
+            f.window = 0
+            f.ahead = 0
+        f.next_offset = max(end, f.next_offset) if f.window else end
+        if not f.window:
+            return []
+        start = max(next_index, f.ahead)
+        stop = start
+        limit = end + f.window
+        while stop < len(f.extents) and f.extents[stop].offset < limit:
+            stop += 1
+        f.ahead = max(f.ahead, stop)
+        return f.refs[start:stop]
