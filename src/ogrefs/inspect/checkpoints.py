@@ -1,0 +1,646 @@
+"""Group checkpoint files into checkpoints and runs, and judge coherence.
+
+Input is what the directory walk noticed: ``{dir: [candidate names]}``.
+The steps, in words:
+
+1. *Pointers* (``latest``, ``latest_checkpointed_iteration.txt``, a
+   ``latest``/``last*`` symlink) are read, not treated as checkpoints.
+2. A *checkpoint directory* is one named like ``checkpoint-200``,
+   ``global_step1000``, ``step_50``, ``iter_0001000``, ``epoch_3``, or
+   one holding DeepSpeed ``*_model_states.pt`` / ``*_optim_states.pt`` or
+   ``torch.distributed.checkpoint`` ``*.distcp`` files.  Candidate files in
+   sub-directories up to two levels below a directory named like that
+   (``checkpoint-200/global_step200/``, ``iter_0001000/mp_rank_00/``) belong
+   to it.  Its *run* is its parent directory.
+3. Loose files in any other directory form checkpoints by the progress
+   point in their names (``model_step10.pt`` + ``optimizer_step10.pt``);
+   unnumbered files that name a component (``model.safetensors``,
+   ``optimizer.pt``) form one checkpoint; anything else stands alone.
+   Their run is the directory.
+4. Every file is checked (:mod:`ogrefs.inspect.ckptfiles`), then the
+   checkpoint as a whole: shards named by an index or ``-0000N-of-0000M``
+   all present, rank shards 0..N-1 all present (and as many as DeepSpeed's
+   recorded ``dp_world_size``), DCP ``.metadata`` present and naming only
+   present shards of sufficient size, and every progress point recorded
+   (directory name, ``trainer_state.json``, pickle keys) agreeing.
+5. Within a run, the components that the run's complete checkpoints hold
+   are expected of every checkpoint; one lacking any is not coherent
+   ("no optimizer state for step 10; optimizer state exists only for
+   step 9").  The run's latest coherent checkpoint is the coherent one with
+   the highest progress point (step, then epoch), then the newest mtime.
+6. The overall latest coherent checkpoint is picked across runs: training
+   checkpoints (with a progress point, optimizer or progress record) before
+   bare weights, then the newest mtime.  Modification time only chooses
+   between runs or breaks ties; it never makes a checkpoint coherent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+
+from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.ckptfiles import (
+    FileCheck,
+    check_file,
+    components_from_name,
+    kind_from_name,
+)
+
+__all__ = ["analyze_checkpoints", "is_candidate_name", "POINTER_NAMES", "COMPONENTS"]
+
+COMPONENTS = ("model", "optimizer", "scheduler", "rng", "progress")
+_LABEL = {
+    "model": "model weights",
+    "optimizer": "optimizer state",
+    "scheduler": "scheduler state",
+    "rng": "RNG state",
+    "progress": "progress record",
+}
+
+#: Regular files with these names are pointers, read as text.
+POINTER_NAMES = frozenset({
+    "latest", "latest.txt", "last", "latest_checkpoint", "last_checkpoint",
+    "latest_checkpointed_iteration.txt", "LATEST", "checkpoint_latest",
+})
+
+_POINTER_NAMES_B = frozenset(n.encode() for n in POINTER_NAMES)
+
+_CKPT_DIR_RE = re.compile(
+    r"^(checkpoint|ckpt|global_step|globalstep|step|steps|iter|iteration|epoch)[-_=]?(\d+)$",
+    re.IGNORECASE,
+)
+_NAME_STEP_RE = re.compile(
+    r"(?<![a-z])(?:global_?step|step|steps|iter|iteration|ckpt|checkpoint)[-_=]?(\d+)(?!\d)"
+)
+_NAME_EPOCH_RE = re.compile(r"(?<![a-z])epoch[-_=]?(\d+)(?!\d)")
+_SHARD_RE = re.compile(r"^(?P<stem>.*?)-(?P<i>\d+)-of-(?P<n>\d+)(?P<ext>\..+)$")
+_DS_RE = re.compile(r"(model_states|optim_states)\.pt$")
+_RANK_FAMILIES = (
+    # (regex over the name, label), rank is group "r", the rest is the family
+    (re.compile(r"^(?P<pre>rng_state_)(?P<r>\d+)(?P<post>\.pth)$"), "RNG state rank"),
+    (re.compile(r"^(?P<pre>(?:bf16_)?zero_pp_rank_)(?P<r>\d+)(?P<post>_mp_rank_\d+_optim_states\.pt)$"), "ZeRO optimizer shard rank"),
+    (re.compile(r"^(?P<pre>mp_rank_)(?P<r>\d+)(?P<post>_model_states\.pt)$"), "model-parallel rank"),
+    (re.compile(r"^(?P<pre>__)(?P<r>\d+)(?P<post>_\d+\.distcp)$"), "DCP writer rank"),
+)
+
+
+def is_candidate_name(name: bytes) -> bool:
+    """Cheap filter for the walker: could this entry belong to a checkpoint?"""
+    return (
+        name.endswith((b".pt", b".pth", b".bin", b".ckpt", b".safetensors", b".distcp"))
+        or name == b"trainer_state.json"
+        or name == b".metadata"
+        or name.endswith((b".safetensors.index.json", b".bin.index.json"))
+        or name in _POINTER_NAMES_B
+    )
+
+
+@dataclass
+class _Unit:
+    id: str
+    path: str
+    name: str
+    run: str
+    files: list[str]
+    is_dir: bool
+    name_step: int | None = None
+    name_epoch: float | None = None
+    checks: list[FileCheck] = field(default_factory=list)
+    # results
+    format: str = "unknown"
+    step: int | None = None
+    epoch: float | None = None
+    components: set[str] = field(default_factory=set)
+    components_known: bool = True
+    complete: bool | None = True
+    coherent: bool = False
+    problems: list[str] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    mtime: float = 0.0
+    size: int = 0
+    inner_pointers: list[str] = field(default_factory=list)
+
+    def order_key(self) -> tuple:
+        return (
+            self.step is not None or self.epoch is not None,
+            self.step if self.step is not None else -1,
+            self.epoch if self.epoch is not None else -1,
+            self.mtime,
+        )
+
+    def where(self) -> str:
+        if self.step is not None:
+            return f"step {self.step}"
+        if self.epoch is not None:
+            return f"epoch {self.epoch:g}"
+        return self.name
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "path": self.path,
+            "name": self.name,
+            "run": self.run,
+            "format": self.format,
+            "step": self.step,
+            "epoch": self.epoch,
+            "components": [c for c in COMPONENTS if c in self.components]
+            + ([] if self.components_known else ["unknown"]),
+            "complete": self.complete,
+            "coherent": self.coherent,
+            "problems": list(self.problems),
+            "evidence": list(self.evidence),
+            "warnings": list(self.warnings),
+            "files": [c.to_json() for c in self.checks],
+            "mtime": self.mtime,
+            "size": self.size,
+        }
+
+
+def _name_progress(stem: str) -> tuple[int | None, float | None]:
+    low = stem.lower()
+    m = _SHARD_RE.match(low)
+    if m:
+        low = m.group("stem")
+    step = epoch = None
+    ms = _NAME_STEP_RE.search(low)
+    if ms:
+        step = int(ms.group(1))
+    me = _NAME_EPOCH_RE.search(low)
+    if me:
+        epoch = float(int(me.group(1)))
+    return step, epoch
+
+
+def _dir_progress(name: str) -> tuple[int | None, float | None]:
+    m = _CKPT_DIR_RE.match(name)
+    if not m:
+        return None, None
+    if m.group(1).lower() == "epoch":
+        return None, float(int(m.group(2)))
+    return int(m.group(2)), None
+
+
+def _read_pointer(path: str) -> tuple[str, str] | None:
+    """(kind, target text) of a pointer file or link; None if unreadable."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return "symlink", os.readlink(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            return None
+        with open(path, "rb") as f:
+            text = f.read(4096).decode("utf-8", "replace").strip()
+        first = text.splitlines()[0].strip() if text else ""
+        return "file", first
+    except OSError:
+        return None
+
+
+def analyze_checkpoints(
+    candidates: dict[str, list[str]], deadline: Deadline
+) -> tuple[dict, list[str], list[str]]:
+    """Return (checkpoints section, files of the latest coherent one, notes)."""
+    notes: list[str] = []
+    pointers: dict[str, list[tuple[str, str, str]]] = {}  # dir -> (path, kind, target)
+    files_by_dir: dict[str, list[str]] = {}
+    for d, names in candidates.items():
+        for name in names:
+            full = os.path.join(d, name)
+            low = name.lower()
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                if name in POINTER_NAMES or low.startswith(("latest", "last")):
+                    ptr = _read_pointer(full)
+                    if ptr:
+                        pointers.setdefault(d, []).append((full, ptr[0], ptr[1]))
+                continue  # other links: the target is examined where it lives
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if name in POINTER_NAMES:
+                ptr = _read_pointer(full)
+                if ptr:
+                    pointers.setdefault(d, []).append((full, ptr[0], ptr[1]))
+                continue
+            files_by_dir.setdefault(d, []).append(name)
+
+    units = _build_units(files_by_dir, pointers)
+    not_examined = 0
+    for u in units:
+        for fpath in u.files:
+            if deadline.expired():
+                not_examined += 1
+                fc = FileCheck(path=fpath, ok=None)
+                fc.problems.append("not examined: deadline reached")
+                u.checks.append(fc)
+                continue
+            u.checks.append(check_file(fpath, deadline))
+        _evaluate(u)
+    # A lone file that is neither a known checkpoint format nor named like
+    # one ("notes.bin", "data.pt" holding something else) is not a checkpoint.
+    units = [u for u in units if not _not_a_checkpoint(u)]
+    if not_examined:
+        notes.append(
+            f"deadline reached: {not_examined} checkpoint file(s) were not examined"
+        )
+
+    runs: dict[str, list[_Unit]] = {}
+    for u in units:
+        runs.setdefault(u.run, []).append(u)
+    run_out = []
+    run_best: list[_Unit] = []
+    incomplete = []
+    for run_dir in sorted(runs):
+        members = runs[run_dir]
+        best = _judge_run(members)
+        ptr_out = _resolve_pointers(run_dir, pointers.get(run_dir, []), members, best)
+        members.sort(key=_Unit.order_key, reverse=True)
+        run_out.append({
+            "dir": run_dir,
+            "latest_coherent": best.id if best else None,
+            "pointers": ptr_out,
+            "checkpoints": [m.to_json() for m in members],
+        })
+        if best:
+            run_best.append(best)
+        for m in members:
+            if not m.coherent:
+                incomplete.append({
+                    "id": m.id,
+                    "path": m.path,
+                    "reason": "; ".join(m.problems) or "not coherent",
+                })
+
+    # Pointers in directories that hold no checkpoints of their own.
+    for d, ptrs in pointers.items():
+        if d not in runs and not any(
+            u.is_dir and (d == u.path or d.startswith(u.path + os.sep)) for u in units
+        ):
+            run_out.append({
+                "dir": d,
+                "latest_coherent": None,
+                "pointers": _resolve_pointers(d, ptrs, [], None),
+                "checkpoints": [],
+            })
+
+    overall = None
+    if run_best:
+        overall = max(
+            run_best,
+            key=lambda u: (
+                u.step is not None or u.epoch is not None
+                or bool(u.components & {"optimizer", "progress"}),
+                u.mtime,
+            ),
+        )
+    section = {
+        "latest_coherent": overall.to_json() if overall else None,
+        "runs": run_out,
+        "incomplete": incomplete,
+        "count": len(units),
+    }
+    hint_files = [c.path for c in overall.checks] if overall else []
+    return section, hint_files, notes
+
+
+def _not_a_checkpoint(u: _Unit) -> bool:
+    if u.is_dir or len(u.checks) != 1:
+        return False
+    c = u.checks[0]
+    if u.name_step is not None or u.name_epoch is not None:
+        return False  # "ckpt_100.pt" left empty by a crash is worth reporting
+    if components_from_name(os.path.basename(c.path)):
+        return False
+    return (
+        (c.kind == "unknown" and not c.problems)  # unexamined files have problems
+        or c.kind == "empty"
+        or (c.kind == "zip" and c.ok is True)  # a sound zip that is not torch.save's
+    )
+
+
+def _owner_dir(d: str) -> str | None:
+    """The checkpoint directory d belongs to, or None for a loose directory."""
+    parent = os.path.dirname(d)
+    grand = os.path.dirname(parent)
+    for anc in (parent, grand):
+        if anc and anc != d and _CKPT_DIR_RE.match(os.path.basename(anc)):
+            return anc
+    return None
+
+
+def _build_units(files_by_dir: dict[str, list[str]], pointers: dict) -> list[_Unit]:
+    owned: dict[str, list[str]] = {}
+    loose: dict[str, list[str]] = {}
+    for d, names in files_by_dir.items():
+        owner = _owner_dir(d)
+        if owner is None:
+            base = os.path.basename(d)
+            if _CKPT_DIR_RE.match(base) or any(
+                _DS_RE.search(n) or n.endswith(".distcp") for n in names
+            ):
+                owner = d
+        if owner is None:
+            loose[d] = names
+        else:
+            owned.setdefault(owner, []).extend(os.path.join(d, n) for n in names)
+
+    units: list[_Unit] = []
+    for owner, paths in owned.items():
+        step, epoch = _dir_progress(os.path.basename(owner))
+        u = _Unit(
+            id=owner, path=owner, name=os.path.basename(owner),
+            run=os.path.dirname(owner), files=sorted(paths), is_dir=True,
+            name_step=step, name_epoch=epoch,
+        )
+        for d, ptrs in pointers.items():
+            if d == owner or d.startswith(owner + os.sep):
+                u.inner_pointers.extend(f"{os.path.basename(p)} -> {t}" for p, _k, t in ptrs)
+        units.append(u)
+
+    for d, names in loose.items():
+        groups: dict[object, list[str]] = {}
+        for n in sorted(names):
+            kind = kind_from_name(n)
+            if kind in ("args", "other-json"):
+                continue
+            stem = n.rsplit(".", 1)[0] if "." in n else n
+            step, epoch = _name_progress(stem)
+            if step is not None or epoch is not None:
+                key: object = ("at", step, epoch)
+            elif components_from_name(n) or kind in ("index", "progress"):
+                key = ("unnumbered",)
+            else:
+                key = ("file", n)
+            groups.setdefault(key, []).append(n)
+        for key, members in groups.items():
+            if key[0] == "at":
+                step, epoch = key[1], key[2]
+                label = f"step {step}" if step is not None else f"epoch {epoch:g}"
+            else:
+                step = epoch = None
+                label = "unnumbered files"
+            if len(members) == 1:
+                full = os.path.join(d, members[0])
+                uid, path, name = full, full, members[0]
+            else:
+                uid, path, name = f"{d}#{label}", d, label
+            units.append(_Unit(
+                id=uid, path=path, name=name, run=d,
+                files=[os.path.join(d, m) for m in members], is_dir=False,
+                name_step=step, name_epoch=epoch,
+            ))
+    return units
+
+
+def _evaluate(u: _Unit) -> None:
+    """Per-checkpoint verdict: completeness, components, progress point."""
+    comps: set[str] = set()
+    steps: dict[str, int] = {}
+    epoch_from_content = None
+    unknown_content = False
+    facts_ds: dict = {}
+    present = {os.path.basename(c.path): c for c in u.checks}
+    by_dir: dict[str, dict[str, FileCheck]] = {}
+    for c in u.checks:
+        by_dir.setdefault(os.path.dirname(c.path), {})[os.path.basename(c.path)] = c
+
+    if u.name_step is not None:
+        what = "directory" if u.is_dir else "file name"
+        steps[f"{what} {u.name!r}"] = u.name_step
+        u.evidence.append(f"{what} says step {u.name_step}")
+    elif u.name_epoch is not None:
+        u.evidence.append(f"name says epoch {u.name_epoch:g}")
+
+    for c in u.checks:
+        base = os.path.basename(c.path)
+        if c.ok is False:
+            u.problems.extend(f"{base}: {p}" for p in c.problems)
+        elif c.ok is None and c.problems:
+            u.problems.extend(f"{base}: {p}" for p in c.problems)
+            u.complete = None
+        if kind_from_name(base) != "args":
+            comps |= c.components | components_from_name(base)
+        if c.step is not None:
+            steps[base] = c.step
+        if c.epoch is not None and epoch_from_content is None:
+            epoch_from_content = c.epoch
+        if c.facts.get("opaque"):
+            unknown_content = True
+        if c.kind == "torch-legacy":
+            u.evidence.append(f"{base}: legacy torch.save file, not verified")
+        for k in ("dp_world_size", "mp_world_size", "deepspeed", "lightning"):
+            if k in c.facts:
+                facts_ds[k] = c.facts[k]
+        if c.unusual_globals:
+            u.warnings.append(
+                f"{base}: pickle names callables outside torch/numpy/collections "
+                f"({', '.join(c.unusual_globals[:5])}); it would run them if loaded"
+            )
+        for e in c.evidence:
+            u.evidence.append(e if e.startswith(base) else f"{base}: {e}")
+
+    # Shards named by an index file.
+    for c in u.checks:
+        listed = c.facts.get("index_files")
+        if listed:
+            here = by_dir.get(os.path.dirname(c.path), {})
+            missing = [f for f in listed if os.path.basename(f) not in here]
+            if missing:
+                u.problems.append(
+                    f"{os.path.basename(c.path)} lists {len(missing)} missing shard(s): "
+                    + ", ".join(missing[:3])
+                )
+    # -0000N-of-0000M families.
+    for d, files in by_dir.items():
+        fams: dict[tuple, set[int]] = {}
+        for base in files:
+            m = _SHARD_RE.match(base)
+            if m:
+                key = (m.group("stem"), m.group("n"), m.group("ext"), len(m.group("i")))
+                fams.setdefault(key, set()).add(int(m.group("i")))
+        for (stem, n, ext, width), have in fams.items():
+            want = set(range(1, int(n) + 1))
+            missing = sorted(want - have)
+            if missing:
+                names = [f"{stem}-{i:0{width}d}-of-{n}{ext}" for i in missing[:3]]
+                u.problems.append(f"missing shard(s): {', '.join(names)}")
+    # Rank families 0..N-1.
+    for d, files in by_dir.items():
+        for rx, label in _RANK_FAMILIES:
+            fams2: dict[tuple, set[int]] = {}
+            for base in files:
+                m = rx.match(base)
+                if m:
+                    fams2.setdefault((m.group("pre"), m.group("post")), set()).add(int(m.group("r")))
+            for (pre, post), ranks in fams2.items():
+                missing = sorted(set(range(max(ranks) + 1)) - ranks)
+                if missing:
+                    u.problems.append(
+                        f"{label}(s) {', '.join(map(str, missing[:5]))} missing "
+                        f"(e.g. {pre}{missing[0]}{post}); present: {', '.join(map(str, sorted(ranks)[:8]))}"
+                    )
+                world = facts_ds.get("dp_world_size") if "optim_states" in post else None
+                if world and max(ranks) + 1 < world:
+                    u.problems.append(
+                        f"model_states records dp_world_size={world} but only "
+                        f"{len(ranks)} ZeRO optimizer shard(s) ({pre}*{post}) are present"
+                    )
+    # torch.distributed.checkpoint directories.
+    for d, files in by_dir.items():
+        shards = {b for b in files if b.endswith(".distcp")}
+        meta = files.get(".metadata")
+        if not shards and not meta:
+            continue
+        rel = os.path.relpath(d, u.path) if u.is_dir else d
+        where = "" if rel == "." else f" in {rel}"
+        if meta is None:
+            u.problems.append(
+                f"no .metadata{where} (torch.distributed.checkpoint writes it last; the save did not finish)"
+            )
+            continue
+        named = set(meta.facts.get("distcp_files", []))
+        missing = sorted(named - shards)
+        if missing:
+            u.problems.append(
+                f".metadata{where} names {len(missing)} missing shard(s): {', '.join(missing[:3])}"
+            )
+        for fname, end in meta.facts.get("extents", {}).items():
+            c = files.get(fname)
+            if c is not None and c.size < end:
+                u.problems.append(f"{fname}: .metadata needs {end} bytes, file has {c.size}; truncated")
+        if not missing:
+            u.evidence.append(f".metadata{where} present and all {len(named)} named shard(s) found")
+
+    # Progress points must agree.
+    distinct = sorted(set(steps.values()))
+    if len(distinct) > 1:
+        u.problems.append(
+            "progress points disagree: "
+            + ", ".join(f"{src} says {v}" for src, v in steps.items())
+        )
+    content_steps = [v for k, v in steps.items() if not k.startswith(("directory ", "file name "))]
+    u.step = content_steps[0] if content_steps else u.name_step
+    u.epoch = epoch_from_content if epoch_from_content is not None else u.name_epoch
+
+    u.components = comps
+    # Opaque content (legacy pickle, non-dict pickle, unrecognised DCP keys)
+    # leaves the components unknown unless something else names them.
+    u.components_known = not unknown_content or bool(comps - {"progress"})
+
+    # Format.
+    names = set(present)
+    if any(_DS_RE.search(n) for n in names) or facts_ds.get("deepspeed"):
+        fmt = "deepspeed"
+    elif any(n.endswith(".distcp") for n in names) or ".metadata" in names:
+        fmt = "torch-dcp"
+    elif "trainer_state.json" in names:
+        fmt = "hf-trainer"
+    elif "model_optim_rng.pt" in names:
+        fmt = "megatron"
+    elif facts_ds.get("lightning") or any(n.endswith(".ckpt") for n in names):
+        fmt = "lightning"
+    elif u.is_dir:
+        fmt = "checkpoint-dir"
+    elif len(u.checks) == 1:
+        k = u.checks[0].kind
+        fmt = {"torch-zip": "torch", "zip": "zip"}.get(k, k)
+    else:
+        fmt = "files"
+    if u.is_dir and re.match(r"^checkpoint-\d+$", u.name) and fmt in ("checkpoint-dir", "deepspeed", "torch-dcp"):
+        if names & {"model.safetensors", "pytorch_model.bin", "optimizer.pt", "scheduler.pt", "trainer_state.json"} or any(
+            n.startswith(("rng_state", "model-0", "pytorch_model-0")) for n in names
+        ):
+            fmt = "hf-trainer" if fmt == "checkpoint-dir" else f"hf-trainer+{fmt}"
+    u.format = fmt
+    if fmt.startswith("hf-trainer") and "progress" not in comps:
+        u.problems.append("no trainer_state.json (the HF Trainer writes it when a save completes)")
+    for p in u.inner_pointers:
+        u.evidence.append(f"pointer {p}")
+
+    u.mtime = max((c.mtime for c in u.checks), default=0.0)
+    u.size = sum(c.size for c in u.checks)
+    # Complete: every file intact and the set structurally whole.  Which
+    # components it holds is judged per run, in _judge_run.
+    if u.complete is not None:
+        u.complete = not any(c.ok is False for c in u.checks) and not u.problems
+
+
+def _judge_run(members: list[_Unit]) -> _Unit | None:
+    expected: set[str] = set()
+    for m in members:
+        if m.complete and m.components_known:
+            expected |= m.components
+    for m in members:
+        if m.complete is not True:
+            m.coherent = False
+            continue
+        if m.components_known and "model" not in m.components:
+            m.problems.append("no model weights")
+            m.coherent = False
+            continue
+        missing = [c for c in COMPONENTS if c in expected and c not in m.components] if m.components_known else []
+        for c in missing:
+            holders = sorted(
+                (o for o in members if o is not m and c in o.components),
+                key=_Unit.order_key,
+            )
+            where = ", ".join(o.where() for o in holders[-3:])
+            m.problems.append(
+                f"no {_LABEL[c]} for {m.where()}"
+                + (f"; {_LABEL[c]} exists only for {where}" if where else "")
+            )
+        m.coherent = not missing
+        if m.coherent:
+            m.evidence.append(
+                "coherent: complete, with "
+                + (", ".join(c for c in COMPONENTS if c in m.components) or "unknown components")
+            )
+    coherent = [m for m in members if m.coherent]
+    return max(coherent, key=_Unit.order_key) if coherent else None
+
+
+def _resolve_pointers(run_dir: str, ptrs, members: list[_Unit], best: _Unit | None) -> list[dict]:
+    out = []
+    for path, kind, target in ptrs:
+        tgt_path = os.path.normpath(os.path.join(run_dir, target)) if target else ""
+        hit = None
+        for m in members:
+            if m.path == tgt_path or tgt_path in m.files:
+                hit = m
+                break
+        if hit is None and target:
+            step, _ = _name_progress(os.path.basename(target))
+            if step is None and target.isdigit():
+                step = int(target)
+            if step is not None:
+                hit = next((m for m in members if m.step == step or m.name_step == step), None)
+        rec = {
+            "path": path,
+            "kind": kind,
+            "target": target,
+            "resolves_to": hit.id if hit else None,
+            "target_coherent": hit.coherent if hit else None,
+        }
+        if hit is None:
+            rec["problem"] = f"{os.path.basename(path)} points to {target!r}, which is not a checkpoint here"
+        elif not hit.coherent:
+            rec["problem"] = (
+                f"{os.path.basename(path)} points to {hit.name}, which is not coherent"
+                + (f"; latest coherent is {best.name}" if best else "")
+            )
+        if hit is not None:
+            hit.evidence.append(f"{os.path.basename(path)} ({kind}) points here")
+            if best is not None and best is not hit and best.order_key() > hit.order_key():
+                best.evidence.append(
+                    f"newer than what {os.path.basename(path)} points to ({hit.name}); "
+                    "pointers are usually written after a save finishes"
+                )
+        out.append(rec)
+    return out
