@@ -1,0 +1,301 @@
+"""The fetch path without a mount: single flight, coalescing, priorities, retries, the disk cache (tier 1-2)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from ogrefs import codec
+from ogrefs.chunkcache import ChunkCache
+from ogrefs.fetcher import ChunkCorrupt, ChunkMissing, ChunkRef, Fetcher, Priority, StoreUnavailable
+from ogrefs.store.base import NotFound, TransientError
+
+KiB = 1024
+
+
+class FakePacks:
+    """Packs in memory behind a ``read_range`` that records every call; thread-safe."""
+
+    def __init__(self) -> None:
+        self.packs: dict[str, bytearray] = {}
+        self.calls: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+        self.delay = 0.0
+        self.gate: threading.Event | None = None  # when set, requests block until it is set
+        self.fail_next: list[BaseException] = []
+
+    def add(self, pack: str, chunks: list[bytes], compress: bool = True) -> list[ChunkRef]:
+        body = self.packs.setdefault(pack, bytearray())
+        refs = []
+        for data in chunks:
+            blob = codec.encode_blob(data, 3 if compress else 0)
+            refs.append(ChunkRef(codec.chunk_id(data), pack, len(body), len(blob), len(data)))
+            body += blob
+        return refs
+
+    def read_range(self, pack: str, offset: int, length: int) -> bytes:
+        with self.lock:
+            self.calls.append((pack, offset, length))
+            failure = self.fail_next.pop(0) if self.fail_next else None
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.delay:
+            time.sleep(self.delay)
+        if failure is not None:
+            raise failure
+        if pack not in self.packs:
+            raise NotFound(pack)
+        return bytes(self.packs[pack][offset:offset + length])
+
+
+def run_with_fetcher(fetcher: Fetcher, body) -> None:
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            await body(nursery)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def payloads(n: int, size: int = 64 * KiB) -> list[bytes]:
+    return [os.urandom(size) for _ in range(n)]
+
+
+def test_single_flight_many_readers_one_request():
+    fake = FakePacks()
+    data = payloads(1)
+    (ref,) = fake.add("p1", data)
+    fake.delay = 0.2
+    f = Fetcher(fake.read_range)
+    results = []
+
+    async def body(nursery):
+        async def reader():
+            results.append(await f.get(ref))
+        async with trio.open_nursery() as n:
+            for _ in range(25):
+                n.start_soon(reader)
+
+    run_with_fetcher(f, body)
+    assert results == [data[0]] * 25
+    assert len(fake.calls) == 1
+    assert f.stats.chunks_fetched == 1 and f.stats.hits_memory == 0
+
+
+def test_adjacent_chunks_share_one_ranged_get():
+    fake = FakePacks()
+    data = payloads(6)
+    refs = fake.add("p1", data)
+    other = fake.add("p2", payloads(1))
+    f = Fetcher(fake.read_range)
+
+    async def body(nursery):
+        # chunks 0-2 and 4-5 of p1 are adjacent runs; chunk 3 is not wanted; p2 is another pack
+        f.prefetch([refs[0], refs[1], refs[2], refs[4], refs[5], other[0]], Priority.READ)
+        got = [await f.get(r) for r in (refs[0], refs[1], refs[2], refs[4], refs[5])]
+        assert got == [data[i] for i in (0, 1, 2, 4, 5)]
+        await f.get(other[0])
+
+    run_with_fetcher(f, body)
+    spans = sorted(fake.calls)
+    assert spans == sorted([
+        ("p1", refs[0].offset, refs[2].offset + refs[2].stored_len - refs[0].offset),
+        ("p1", refs[4].offset, refs[5].offset + refs[5].stored_len - refs[4].offset),
+        ("p2", 0, other[0].stored_len),
+    ])
+    assert f.stats.bytes_fetched == sum(c[2] for c in fake.calls)
+
+
+def test_max_range_splits_long_runs():
+    fake = FakePacks()
+    refs = fake.add("p1", payloads(8, 100 * KiB), compress=False)
+    f = Fetcher(fake.read_range, max_range=350 * KiB)
+
+    async def body(nursery):
+        f.prefetch(refs, Priority.BACKGROUND)
+        for r in refs:
+            await f.get(r)
+
+    run_with_fetcher(f, body)
+    assert all(length <= 350 * KiB for _, _, length in fake.calls)
+    assert len(fake.calls) == 3  # 8 chunks of ~100 KiB, at most 3 per request
+
+
+def test_read_is_never_queued_behind_background():
+    fake = FakePacks()
+    # non-adjacent background chunks: every one needs its own request
+    bg = [fake.add(f"bg{i}", payloads(1))[0] for i in range(10)]
+    (urgent,) = fake.add("urgent", payloads(1))
+    fake.gate = threading.Event()
+    f = Fetcher(fake.read_range, max_requests=3, reserved_for_read=1)
+
+    async def body(nursery):
+        f.prefetch(bg, Priority.BACKGROUND)
+        await trio.sleep(0.2)
+        with fake.lock:
+            assert len(fake.calls) == 2  # background may use 3 - 1 slots
+        nursery.start_soon(f.get, urgent)
+        await trio.sleep(0.2)
+        with fake.lock:
+            assert fake.calls[-1][0] == "urgent"  # started although 8 background chunks wait
+        fake.gate.set()
+        await f.get(urgent)
+        for r in bg:
+            await f.get(r)
+
+    run_with_fetcher(f, body)
+    assert len(fake.calls) == 11
+
+
+def test_priority_raise_moves_a_queued_chunk_ahead():
+    fake = FakePacks()
+    bg = [fake.add(f"bg{i}", payloads(1))[0] for i in range(6)]
+    fake.gate = threading.Event()
+    f = Fetcher(fake.read_range, max_requests=2, reserved_for_read=1)
+
+    async def body(nursery):
+        f.prefetch(bg, Priority.BACKGROUND)
+        await trio.sleep(0.2)
+        nursery.start_soon(f.get, bg[5], Priority.READ)  # queued as background, now wanted by a reader
+        await trio.sleep(0.2)
+        with fake.lock:
+            assert [c[0] for c in fake.calls] == ["bg0", "bg5"]
+        fake.gate.set()
+        for r in bg:
+            await f.get(r)
+
+    run_with_fetcher(f, body)
+
+
+def test_corrupt_blob_is_refetched_once_then_fails_and_is_not_cached(tmp_path):
+    fake = FakePacks()
+    data = payloads(2)
+    refs = fake.add("p1", data, compress=False)
+    fake.packs["p1"][refs[0].offset + 100] ^= 0xFF
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    f = Fetcher(fake.read_range, cache)
+
+    async def body(nursery):
+        f.prefetch(refs, Priority.READ)
+        with pytest.raises(ChunkCorrupt, match="BLAKE3"):
+            await f.get(refs[0])
+        assert await f.get(refs[1]) == data[1]  # its neighbour in the same GET is fine
+        with pytest.raises(ChunkCorrupt):
+            await f.get(refs[0])  # failures are not remembered: tried again, fails again
+        await trio.sleep(0.1)
+
+    run_with_fetcher(f, body)
+    assert f.stats.corrupt >= 3 and f.stats.errors == 2
+    assert cache.load(refs[0].chunk, refs[0].raw_len) is None
+    assert cache.load(refs[1].chunk, refs[1].raw_len) == data[1]
+
+
+def test_missing_pack_fails_at_once():
+    fake = FakePacks()
+    (ref,) = fake.add("p1", payloads(1))
+    del fake.packs["p1"]
+    f = Fetcher(fake.read_range, retry_for=30)
+
+    async def body(nursery):
+        with trio.fail_after(2):
+            with pytest.raises(ChunkMissing, match="missing"):
+                await f.get(ref)
+
+    run_with_fetcher(f, body)
+    assert len(fake.calls) == 1
+
+
+def test_transient_failures_are_retried_then_give_up():
+    fake = FakePacks()
+    data = payloads(2)
+    refs = [fake.add(f"p{i}", [d])[0] for i, d in enumerate(data)]
+    fake.fail_next = [TransientError("connection refused")] * 3
+    f = Fetcher(fake.read_range, retry_for=5)
+
+    async def body(nursery):
+        assert await f.get(refs[0]) == data[0]
+        assert f.stats.retries == 3
+        f.retry_for = 0.3
+        fake.fail_next = [ConnectionResetError("reset")] * 100
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            await f.get(refs[1])
+
+    run_with_fetcher(f, body)
+
+
+def test_disk_cache_serves_a_new_fetcher_and_drops_damaged_files(tmp_path):
+    fake = FakePacks()
+    data = payloads(3)
+    refs = fake.add("p1", data)
+    root = tmp_path / "cache"
+
+    async def fill(nursery):
+        for r in refs:
+            await f1.get(r)
+        await trio.sleep(0.2)  # cache writes run in the background
+
+    f1 = Fetcher(fake.read_range, ChunkCache(root, 1 << 30))
+    run_with_fetcher(f1, fill)
+    calls = len(fake.calls)
+    assert not list((root / "tmp").iterdir())  # atomic writes leave no temporary files
+    # damage one cached chunk: it must be detected, dropped, and fetched again
+    path = ChunkCache(root, 1 << 30).path(refs[1].chunk)
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 1
+    path.write_bytes(raw)
+
+    f2 = Fetcher(fake.read_range, ChunkCache(root, 1 << 30))
+
+    async def read_all(nursery):
+        assert [await f2.get(r) for r in refs] == data
+
+    run_with_fetcher(f2, read_all)
+    assert f2.stats.hits_disk == 2 and f2.stats.chunks_fetched == 1
+    assert fake.calls[calls:] == [("p1", refs[1].offset, refs[1].stored_len)]
+
+
+def test_memory_lru_is_bounded():
+    fake = FakePacks()
+    refs = fake.add("p1", payloads(10, 100 * KiB), compress=False)
+    f = Fetcher(fake.read_range, memory_bytes=350 * KiB)
+
+    async def body(nursery):
+        for r in refs:
+            await f.get(r)
+        assert f.snapshot_stats()["memory_bytes"] <= 350 * KiB
+        assert f.is_cached_in_memory(refs[-1].chunk) and not f.is_cached_in_memory(refs[0].chunk)
+
+    run_with_fetcher(f, body)
+
+
+def test_chunk_cache_evicts_least_recently_used(tmp_path):
+    cache = ChunkCache(tmp_path / "c", max_bytes=10 * KiB)
+    chunks = payloads(8, KiB)
+    ids = [codec.chunk_id(c) for c in chunks]
+    for cid, c in zip(ids[:6], chunks[:6]):
+        cache.store(cid, c)
+    assert cache.load(ids[0], KiB) == chunks[0]  # recently used
+    cache.flush()
+    time.sleep(0.01)
+    for cid, c in zip(ids[6:], chunks[6:]):
+        cache.store(cid, c)
+    cache.evict(target=5 * KiB)
+    assert cache.usage() <= 5 * KiB
+    assert cache.load(ids[0], KiB) == chunks[0]
+    assert cache.load(ids[1], KiB) is None
+    assert sum(1 for p in Path(cache.data_dir).rglob("*") if p.is_file()) == 5
+
+
+def test_chunk_cache_is_shared_between_instances(tmp_path):
+    a = ChunkCache(tmp_path / "c", 1 << 20)
+    b = ChunkCache(tmp_path / "c", 1 << 20)
+    data = os.urandom(3000)
+    a.store(codec.chunk_id(data), data)
+    assert b.load(codec.chunk_id(data), len(data)) == data
+    assert b.usage() == 3000
