@@ -1,0 +1,356 @@
+"""Real FUSE mounts through the CLI (tier 5): fidelity, programs, concurrency, failures, lifecycle.
+
+Every mount made here is unmounted in teardown, lazily and by killing its
+daemon if it has to be, so a failing test never leaves a stale mount behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ogrefs.catalog import Catalog
+from ogrefs.mount import mounted_fstype
+from ogrefs.repo import Repository
+from ogrefs.repo.pack import pack_key
+from ogrefs.snapshot import SnapshotOptions, take_snapshot
+
+from . import treegen
+from .treegen import compare_trees, make_fidelity_tree
+
+MiB = 1024 * 1024
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here"),
+]
+
+
+def _plain_digest(path: bytes) -> str:
+    """Content only: pyfuse3 has no lseek handler, so SEEK_DATA/SEEK_HOLE cannot show holes through
+    a mount.  Holes stay visible as st_blocks, which ``describe(check_holes=True)`` still compares."""
+    h = hashlib.blake2b()
+    with open(path, "rb") as fh:
+        while block := fh.read(4 * MiB):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Mounter:
+    """Runs the CLI against one repository and cleans up every mount it made."""
+
+    def __init__(self, tmp: Path, repo_url: str, extra_env: dict[str, str] | None = None,
+                 global_args: tuple[str, ...] = ()) -> None:
+        self.tmp = tmp
+        self.repo_url = repo_url
+        self.global_args = global_args
+        self.env = dict(os.environ, OGREFS_RUNTIME_DIR=str(tmp / "run"), OGREFS_CACHE_DIR=str(tmp / "xdg"),
+                        **(extra_env or {}))
+        self.mounts: list[Path] = []
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        res = subprocess.run([sys.executable, "-m", "ogrefs.cli_mount", "--repo", self.repo_url, *self.global_args,
+                              *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and res.returncode != 0:
+            raise AssertionError(f"ogrefs {' '.join(args)} failed ({res.returncode}): {res.stderr}")
+        return res
+
+    def mount(self, snap: str, mp: Path, *opts: str) -> Path:
+        mp.mkdir(parents=True, exist_ok=True)
+        self.mounts.append(mp)
+        self.cli("mount", snap, str(mp), "--read-only", *opts)
+        assert mounted_fstype(mp) == "fuse.ogrefs"
+        return mp
+
+    def status(self, mp: Path) -> dict:
+        time.sleep(0.6)  # the daemon rewrites its status every 0.5 s
+        return json.loads(self.cli("status", str(mp), "--json").stdout)
+
+    def unmount(self, mp: Path) -> None:
+        self.cli("unmount", str(mp))
+        assert mounted_fstype(mp) is None
+
+    def cleanup(self) -> None:
+        for mp in self.mounts:
+            if mounted_fstype(mp) is None:
+                continue
+            pid = None
+            with_reg = list((self.tmp / "run" / "mounts").glob("*.json"))
+            for reg in with_reg:
+                try:
+                    info = json.loads(reg.read_text())
+                except (OSError, ValueError):
+                    continue
+                if info.get("mountpoint") == str(mp):
+                    pid = info.get("pid")
+            if self.cli("unmount", str(mp), check=False).returncode != 0:
+                subprocess.run(["umount", "-l", str(mp)], capture_output=True)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def tree_repo(tmp_path):
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "xdg", pack_target_size=4 * MiB)
+    return repo
+
+
+@pytest.fixture
+def mounter(tmp_path, tree_repo):
+    m = Mounter(tmp_path, tree_repo.store.url)
+    yield m
+    m.cleanup()
+
+
+def snapshot(repo: Repository, *paths: Path) -> dict:
+    return take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(p) for p in paths]))
+
+
+def under(mp: Path, path: Path) -> Path:
+    return mp / str(path).lstrip("/")
+
+
+def test_mounted_tree_matches_source(tmp_path, tree_repo, mounter, monkeypatch):
+    src = tmp_path / "src"
+    make_fidelity_tree(src)
+    m = snapshot(tree_repo, src)
+    mp = mounter.mount(m["id"][:12], tmp_path / "mnt")
+    assert os.listdir(mp) == [str(tmp_path).split("/")[1]]  # the snapshot keeps its absolute layout
+    monkeypatch.setattr(treegen, "_content_digest", _plain_digest)
+    assert compare_trees(src, under(mp, src)) == []
+
+    inos = {p.name: os.lstat(p).st_ino for p in under(mp, src).iterdir()}
+    assert os.stat(under(mp, src) / "small.txt").st_ino == os.stat(under(mp, src) / "dir" / "hardlink-to-small").st_ino
+    with pytest.raises(OSError) as e:
+        open(under(mp, src) / "small.txt", "r+b")
+    assert e.value.errno == errno.EROFS
+    with pytest.raises(OSError) as e:
+        os.mkdir(under(mp, src) / "new")
+    assert e.value.errno == errno.EROFS
+    vfs = os.statvfs(mp)
+    assert vfs.f_files >= 20 and vfs.f_namemax == 255
+
+    # the kernel keeps the data: a second read never reaches the daemon
+    want = (src / "random.bin").read_bytes()
+    assert (under(mp, src) / "random.bin").read_bytes() == want
+    first = mounter.status(mp)["bytes_read"]
+    assert (under(mp, src) / "random.bin").read_bytes() == want
+    assert mounter.status(mp)["bytes_read"] == first
+
+    mounter.unmount(mp)
+    mounter.mount(m["id"], mp)  # inode numbers are stable across mounts
+    assert {p.name: os.lstat(p).st_ino for p in under(mp, src).iterdir()} == inos
+
+
+C_EXTENSION = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+static PyObject *add(PyObject *self, PyObject *args) {
+    long a, b;
+    if (!PyArg_ParseTuple(args, "ll", &a, &b)) return NULL;
+    return PyLong_FromLong(a + b);
+}
+static PyMethodDef methods[] = {{"add", add, METH_VARARGS, "add two ints"}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "ogretest", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_ogretest(void) { return PyModule_Create(&mod); }
+"""
+
+
+def test_program_runs_from_mount_and_imports_a_compiled_extension(tmp_path, tree_repo, mounter):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (tmp_path / "ogretest.c").write_text(C_EXTENSION)
+    so = site / f"ogretest{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", f"-I{sysconfig.get_paths()['include']}",
+                    str(tmp_path / "ogretest.c"), "-o", str(so)], check=True)
+    pkg = site / "ogrepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .core import answer\n")
+    (pkg / "core.py").write_text("answer = 42\n" + "# padding\n" * 2000)
+    m = snapshot(tree_repo, venv)
+    mp = mounter.mount(m["id"], tmp_path / "mnt")
+    mvenv = under(mp, venv)
+    code = textwrap.dedent("""
+        import sys, ogretest, ogrepkg
+        print(sys.prefix, ogretest.__file__, ogretest.add(2, 3), ogrepkg.answer)
+    """)
+    res = subprocess.run([str(mvenv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    prefix, so_file, total, answer = res.stdout.split()
+    assert prefix == str(mvenv) and so_file.startswith(str(mvenv)) and (total, answer) == ("5", "42")
+    st = mounter.status(mp)
+    assert st["errors"] == 0 and st["bytes_fetched"] > 0
+
+
+def test_concurrent_readers_get_correct_bytes_and_each_chunk_is_fetched_once(tmp_path, tree_repo, mounter):
+    src = tmp_path / "data"
+    src.mkdir()
+    payload = os.urandom(24 * MiB + 4321)
+    (src / "big.bin").write_bytes(payload)
+    m = snapshot(tree_repo, src)
+    cat = Catalog(tree_repo.catalog_path(m["id"]))
+    chunks = {e.chunk for e in cat.extents(cat.resolve(os.fsencode(src / "big.bin")).ino)}
+    mp = mounter.mount(m["id"], tmp_path / "mnt", "--cache-dir", str(tmp_path / "fresh-cache"))
+    target = under(mp, src) / "big.bin"
+    rng = random.Random(3)
+    ranges = [(rng.randrange(0, len(payload)), rng.choice([4096, 300_000, 2 * MiB, 5 * MiB])) for _ in range(64)]
+    failures: list[str] = []
+
+    def reader(part: list[tuple[int, int]]) -> None:
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            for off, size in part:
+                if os.pread(fd, size, off) != payload[off:off + size]:
+                    failures.append(f"thread read at {off}+{size}")
+        finally:
+            os.close(fd)
+
+    script = textwrap.dedent(f"""
+        import os, sys, random
+        rng = random.Random(int(sys.argv[1]))
+        a, b = os.open({str(target)!r}, os.O_RDONLY), os.open({str(src / 'big.bin')!r}, os.O_RDONLY)
+        for _ in range(24):
+            off, size = rng.randrange(0, {len(payload)}), rng.choice([4096, 1 << 20, 3 << 20])
+            if os.pread(a, size, off) != os.pread(b, size, off):
+                sys.exit(f"process read at {{off}}+{{size}} differs")
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i)], stderr=subprocess.PIPE, text=True)
+             for i in range(4)]
+    threads = [threading.Thread(target=reader, args=(ranges[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        if p.returncode:
+            failures.append(err.strip())
+    assert failures == []
+    st = mounter.status(mp)
+    assert st["errors"] == 0
+    assert st["chunks_fetched"] <= len(chunks)  # single flight: never the same chunk twice
+    with open(target, "rb") as fh:
+        assert hashlib.sha256(fh.read()).digest() == hashlib.sha256(payload).digest()
+    assert mounter.status(mp)["chunks_fetched"] == len(chunks)
+
+
+def test_corrupt_and_deleted_packs_fail_only_their_files(tmp_path, mounter):
+    repo = Repository.init(f"file://{tmp_path}/repo2", cache_root=tmp_path / "xdg", pack_target_size=1 * MiB)
+    src = tmp_path / "src"
+    files = {}
+    for d in ("a", "b", "c"):
+        (src / d).mkdir(parents=True)
+        files[d] = os.urandom(int(1.5 * MiB))
+        (src / d / "f.bin").write_bytes(files[d])
+    m = snapshot(repo, src)
+    cat = Catalog(repo.catalog_path(m["id"]))
+    packs = {d: {e.pack for e in cat.extents(cat.resolve(os.fsencode(src / d / "f.bin")).ino)} for d in files}
+    assert not packs["c"] & (packs["a"] | packs["b"])
+    root = Path(repo.store.url[len("file://"):])
+    bad = root / pack_key(sorted(packs["a"])[0])
+    raw = bytearray(bad.read_bytes())
+    for i in range(0, len(raw) - 64, 4096):
+        raw[i + 10] ^= 0x55
+    bad.write_bytes(raw)
+    for p in packs["b"] - packs["a"]:
+        (root / pack_key(p)).unlink()
+    mounter.repo_url = repo.store.url
+    mp = mounter.mount(m["id"], tmp_path / "mnt", "--retry-for", "2")
+    base = under(mp, src)
+    for d in ("a", "b"):
+        with pytest.raises(OSError) as e:
+            (base / d / "f.bin").read_bytes()
+        assert e.value.errno == errno.EIO, d
+    assert (base / "c" / "f.bin").read_bytes() == files["c"]
+    assert sorted(os.listdir(base)) == ["a", "b", "c"]
+    st = mounter.status(mp)
+    assert st["read_errors"] >= 2 and st["corrupt"] >= 1
+    log = Path(st["log"]).read_text()
+    assert f"read of {src / 'a' / 'f.bin'}" in log and f"read of {src / 'b' / 'f.bin'}" in log
+
+
+def test_cli_errors_are_one_line(tmp_path, tree_repo, mounter):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("x")
+    m = snapshot(tree_repo, src)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "something").write_text("in the way")
+    cases = [
+        (("mount", m["id"], str(tmp_path / "missing"), "--read-only"), "does not exist"),
+        (("mount", m["id"], str(full), "--read-only"), "not empty"),
+        (("mount", "deadbeef", str(tmp_path), "--read-only"), "deadbeef"),
+        (("mount", m["id"], str(tmp_path / "mnt")), "--read-only"),
+        (("status", str(tmp_path)), "not an ogrefs mount"),
+        (("unmount", str(tmp_path)), "not mounted"),
+    ]
+    (tmp_path / "mnt").mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases[2] = (("mount", "deadbeef", str(empty), "--read-only"), "deadbeef")
+    for args, needle in cases:
+        res = mounter.cli(*args, check=False)
+        assert res.returncode != 0, args
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.stderr, (args, res.stderr)
+    assert mounted_fstype(empty) is None
+
+
+def test_missing_dev_fuse_is_reported(monkeypatch, tmp_path):
+    from ogrefs import mount as mount_mod
+
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if p == "/dev/fuse" else real(p))
+    opts = mount_mod.MountOptions(repo_url="file:///nonexistent", snapshot="latest", mountpoint=tmp_path)
+    with pytest.raises(mount_mod.MountError, match="/dev/fuse is missing"):
+        mount_mod.mount(opts)
+
+
+def test_signals_unmount_cleanly(tmp_path, tree_repo, mounter):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("hello")
+    m = snapshot(tree_repo, src)
+    mp = mounter.mount(m["id"], tmp_path / "mnt")
+    pid = mounter.status(mp)["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while (mounted_fstype(mp) is not None or os.path.exists(f"/proc/{pid}")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mounted_fstype(mp) is None
+    assert not list((tmp_path / "run" / "mounts").glob("*.status.json"))
+
+    # --foreground: stays attached, reports readiness on stdout, Ctrl-C unmounts
+    proc = subprocess.Popen([sys.executable, "-m", "ogrefs.cli_mount", "--repo", mounter.repo_url, "mount", m["id"],
+                             str(mp), "--read-only", "--foreground"], env=mounter.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "mounted" in line, proc.stderr.read() if proc.poll() is not None else line
+        assert (under(mp, src) / "x").read_text() == "hello"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert mounted_fstype(mp) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        mounter.mounts.append(mp)
