@@ -189,6 +189,18 @@ class CatalogWriter:
     def add_hint(self, klass: str, ino: int, rank: int) -> None:
         self._db.execute("INSERT OR IGNORE INTO hints VALUES (?,?,?)", (klass, ino, rank))
 
+    def resolve(self, path: bytes) -> int | None:
+        """The inode number at an absolute path written so far (for hints)."""
+        ino = ROOT_INO
+        for part in path.split(b"/"):
+            if not part:
+                continue
+            row = self._db.execute("SELECT ino FROM dirents WHERE parent=? AND name=?", (ino, part)).fetchone()
+            if row is None:
+                return None
+            ino = row[0]
+        return ino
+
     def set_meta(self, key: str, value: str) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
 

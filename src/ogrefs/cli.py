@@ -204,15 +204,20 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
 @click.option("--include", "includes", multiple=True, type=click.Path(path_type=bytes),
               help="Restore only this path of the snapshot (repeatable).")
 @click.option("--workers", type=click.IntRange(1, 64), default=8, show_default=True, help="Parallel fetches.")
+@click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
 @json_option
 @click.pass_obj
-def restore(obj: Context, snap: str, target: bytes, includes, workers, as_json) -> None:
+def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, as_json) -> None:
     """Restore snapshot SNAP below TARGET (paths keep their absolute layout)."""
     from .catalog import Catalog
+    from .compat import environment_warning
     from .restore import Restorer
 
     repo = obj.open()
     m = repo.resolve(snap)
+    warning = environment_warning(m, strict)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
     cat = Catalog(repo.catalog_path(m["id"]))
     line = ProgressLine(enabled=not (as_json or obj.quiet))
     r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore)
@@ -231,6 +236,59 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, as_json) 
         click.echo(f"error: {os.fsdecode(path)}: {reason} (file not restored)", err=True)
     if r.failed:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("snap_a")
+@click.argument("snap_b")
+@click.option("--limit", type=int, default=50, show_default=True, help="Paths listed per kind (0 = all).")
+@json_option
+@click.pass_obj
+def diff(obj: Context, snap_a: str, snap_b: str, limit: int, as_json: bool) -> None:
+    """What changed from SNAP_A to SNAP_B: files, bytes, environment."""
+    from .catalog import Catalog
+    from .diff import diff_catalogs
+
+    repo = obj.open()
+    ma, mb = repo.resolve(snap_a), repo.resolve(snap_b)
+    files = diff_catalogs(Catalog(repo.catalog_path(ma["id"])), Catalog(repo.catalog_path(mb["id"])))
+    env_changes: dict = {}
+    if ma.get("environment") and mb.get("environment"):
+        from .inspect import diff_environments
+
+        env_changes = diff_environments(ma["environment"], mb["environment"])
+    if as_json:
+        emit_json({"a": ma["id"], "b": mb["id"], "files": files.as_dict(limit or None), "environment": env_changes})
+        return
+    click.echo(f"diff {ma['id'][:12]} -> {mb['id'][:12]}")
+    for label, items in (("+", files.added), ("-", files.removed), ("M", files.changed)):
+        for p in items[: limit or None]:
+            click.echo(f"{label} {p}")
+        if limit and len(items) > limit:
+            click.echo(f"{label} ... and {len(items) - limit} more")
+    click.echo(f"files: {len(files.added)} added ({human_bytes(files.added_bytes)}), {len(files.removed)} removed "
+               f"({human_bytes(files.removed_bytes)}), {len(files.changed)} changed "
+               f"({human_bytes(files.changed_bytes_before)} -> {human_bytes(files.changed_bytes_after)})")
+    if env_changes:
+        click.echo("environment:")
+        for line in _format_env_changes(env_changes):
+            click.echo(f"  {line}")
+    else:
+        click.echo("environment: unchanged")
+
+
+def _format_env_changes(changes: dict, prefix: str = "") -> list[str]:
+    lines = []
+    for key, value in changes.items():
+        if isinstance(value, dict) and value:
+            lines.append(f"{prefix}{key}:")
+            lines.extend(_format_env_changes(value, prefix + "  "))
+        elif isinstance(value, list):
+            for item in value:
+                lines.append(f"{prefix}{key}: {json.dumps(item, default=str) if not isinstance(item, str) else item}")
+        else:
+            lines.append(f"{prefix}{key}: {value}")
+    return lines
 
 
 @cli.command()
@@ -255,6 +313,11 @@ def check(obj: Context, read_data: bool, as_json: bool) -> None:
         click.echo(f"checked {report.snapshots} snapshots, {report.packs} packs{what}: {verdict}")
     if not report.ok:
         sys.exit(1)
+
+
+from .cli_mount import register as _register_mount  # noqa: E402
+
+_register_mount(cli)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -460,6 +460,31 @@ class Snapshotter:
         self._tick(force=True)
         return self._commit(roots, cat_path)
 
+    def _finish_observers(self) -> dict[str, Any] | None:
+        """Let the environment probe read what it noted; store its prefetch hints in the catalog.
+
+        Hints are ``{class: [absolute paths]}``; each path becomes a catalog row
+        ``(class, ino, rank)`` in the order given, so the mount can prefetch
+        python environments, CUDA libraries and the latest checkpoint first.
+        """
+        environment = None
+        for obs in self.opts.observers:
+            try:
+                result = obs.finish()
+            except Exception as exc:  # the probe must never cost the snapshot
+                result = {"notes": [f"environment capture failed: {exc!r}"]}
+            hints = result.pop("hints", None) or {}
+            rank = 0
+            for klass, paths in hints.items():
+                for p in paths:
+                    ino = self.cat.resolve(os.fsencode(p))
+                    if ino is not None:
+                        self.cat.add_hint(klass, ino, rank)
+                        rank += 1
+            result["hint_counts"] = {k: len(v) for k, v in hints.items()}
+            environment = result
+        return environment
+
     def _commit(self, roots: list[bytes], cat_path: Path) -> dict[str, Any]:
         for cid in self.cat.unlocated():
             loc = self.repo.index.lookup(cid)
@@ -468,6 +493,7 @@ class Snapshotter:
             if loc is None:
                 raise OgrefsError(f"internal error: chunk {cid.hex()[:12]} has no location; snapshot not saved")
             self.cat.set_location(cid, loc)
+        environment = self._finish_observers()
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
@@ -500,9 +526,8 @@ class Snapshotter:
             "unreadable": self.unreadable,
             "skipped": self.skipped,
         }
-        for obs in self.opts.observers:
-            if hasattr(obs, "manifest_section"):
-                manifest.update(obs.manifest_section())
+        if environment is not None:
+            manifest["environment"] = environment
         self.repo.put_manifest(manifest)
         return manifest
 
