@@ -1,0 +1,73 @@
+"""Shared helpers for the benchmark scripts: timing, medians, cache dropping, sizes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache (root only); False if not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None, check: bool = True) -> float:
+    t = time.perf_counter()
+    res = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    dt = time.perf_counter() - t
+    if check and res.returncode != 0:
+        raise SystemExit(f"benchmark command failed ({res.returncode}): {' '.join(cmd)}\n{res.stderr.decode()[-2000:]}")
+    return dt
+
+
+def du_bytes(path: Path) -> int:
+    """Bytes allocated under path (what the repository costs on disk)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def apparent_bytes(path: Path) -> tuple[int, int]:
+    files = size = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for f in names:
+            st = os.lstat(os.path.join(dirpath, f))
+            files += 1
+            size += st.st_size
+    return files, size
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def fresh_dir(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def fmt_s(x: float) -> str:
+    return f"{x:.2f} s"
+
+
+def fmt_mb(x: float) -> str:
+    return f"{x / 1e6:.1f} MB"
