@@ -119,6 +119,19 @@ def mounter(tmp_path, tree_repo):
     m.cleanup()
 
 
+@pytest.fixture
+def any_repo(store_url, tmp_path):
+    """A repository over each backend (file, and S3 against SeaweedFS)."""
+    return Repository.init(store_url, cache_root=tmp_path / "xdg", pack_target_size=4 * MiB)
+
+
+@pytest.fixture
+def any_mounter(tmp_path, any_repo):
+    m = Mounter(tmp_path, any_repo.store.url)  # the S3 endpoint and keys are in os.environ (store_url fixture)
+    yield m
+    m.cleanup()
+
+
 def snapshot(repo: Repository, *paths: Path) -> dict:
     return take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(p) for p in paths]))
 
@@ -127,10 +140,11 @@ def under(mp: Path, path: Path) -> Path:
     return mp / str(path).lstrip("/")
 
 
-def test_mounted_tree_matches_source(tmp_path, tree_repo, mounter, monkeypatch):
+def test_mounted_tree_matches_source(tmp_path, any_repo, any_mounter, monkeypatch):
+    mounter = any_mounter
     src = tmp_path / "src"
     make_fidelity_tree(src)
-    m = snapshot(tree_repo, src)
+    m = snapshot(any_repo, src)
     mp = mounter.mount(m["id"][:12], tmp_path / "mnt")
     assert os.listdir(mp) == [str(tmp_path).split("/")[1]]  # the snapshot keeps its absolute layout
     monkeypatch.setattr(treegen, "_content_digest", _plain_digest)
@@ -200,13 +214,14 @@ def test_program_runs_from_mount_and_imports_a_compiled_extension(tmp_path, tree
     assert st["errors"] == 0 and st["bytes_fetched"] > 0
 
 
-def test_concurrent_readers_get_correct_bytes_and_each_chunk_is_fetched_once(tmp_path, tree_repo, mounter):
+def test_concurrent_readers_get_correct_bytes_and_each_chunk_is_fetched_once(tmp_path, any_repo, any_mounter):
+    mounter = any_mounter
     src = tmp_path / "data"
     src.mkdir()
     payload = os.urandom(24 * MiB + 4321)
     (src / "big.bin").write_bytes(payload)
-    m = snapshot(tree_repo, src)
-    cat = Catalog(tree_repo.catalog_path(m["id"]))
+    m = snapshot(any_repo, src)
+    cat = Catalog(any_repo.catalog_path(m["id"]))
     chunks = {e.chunk for e in cat.extents(cat.resolve(os.fsencode(src / "big.bin")).ino)}
     mp = mounter.mount(m["id"], tmp_path / "mnt", "--cache-dir", str(tmp_path / "fresh-cache"))
     target = under(mp, src) / "big.bin"
@@ -256,35 +271,38 @@ def test_corrupt_and_deleted_packs_fail_only_their_files(tmp_path, mounter):
     repo = Repository.init(f"file://{tmp_path}/repo2", cache_root=tmp_path / "xdg", pack_target_size=1 * MiB)
     src = tmp_path / "src"
     files = {}
-    for d in ("a", "b", "c"):
-        (src / d).mkdir(parents=True)
-        files[d] = os.urandom(int(1.5 * MiB))
-        (src / d / "f.bin").write_bytes(files[d])
+    for name in ("a/1", "a/2", "b/1", "b/2", "c/1", "c/2"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        files[name] = os.urandom(int(1.5 * MiB))
+        (src / name).write_bytes(files[name])
     m = snapshot(repo, src)
     cat = Catalog(repo.catalog_path(m["id"]))
-    packs = {d: {e.pack for e in cat.extents(cat.resolve(os.fsencode(src / d / "f.bin")).ino)} for d in files}
-    assert not packs["c"] & (packs["a"] | packs["b"])
+    packs = {n: {e.pack for e in cat.extents(cat.resolve(os.fsencode(src / n)).ino)} for n in files}
+    corrupt = sorted(packs["a/1"])[0]
+    deleted = sorted(packs["b/2"] - {corrupt})[0]
+    broken = {n for n, ps in packs.items() if ps & {corrupt, deleted}}
+    assert len(broken) < len(files), "the test needs files outside the damaged packs"
     root = Path(repo.store.url[len("file://"):])
-    bad = root / pack_key(sorted(packs["a"])[0])
-    raw = bytearray(bad.read_bytes())
+    raw = bytearray((root / pack_key(corrupt)).read_bytes())
     for i in range(0, len(raw) - 64, 4096):
         raw[i + 10] ^= 0x55
-    bad.write_bytes(raw)
-    for p in packs["b"] - packs["a"]:
-        (root / pack_key(p)).unlink()
+    (root / pack_key(corrupt)).write_bytes(raw)
+    (root / pack_key(deleted)).unlink()
     mounter.repo_url = repo.store.url
     mp = mounter.mount(m["id"], tmp_path / "mnt", "--retry-for", "2")
     base = under(mp, src)
-    for d in ("a", "b"):
-        with pytest.raises(OSError) as e:
-            (base / d / "f.bin").read_bytes()
-        assert e.value.errno == errno.EIO, d
-    assert (base / "c" / "f.bin").read_bytes() == files["c"]
+    for name, data in files.items():
+        if name in broken:
+            with pytest.raises(OSError) as e:
+                (base / name).read_bytes()
+            assert e.value.errno == errno.EIO, name
+        else:
+            assert (base / name).read_bytes() == data, name
     assert sorted(os.listdir(base)) == ["a", "b", "c"]
     st = mounter.status(mp)
-    assert st["read_errors"] >= 2 and st["corrupt"] >= 1
+    assert st["read_errors"] >= len(broken) and st["corrupt"] >= 1
     log = Path(st["log"]).read_text()
-    assert f"read of {src / 'a' / 'f.bin'}" in log and f"read of {src / 'b' / 'f.bin'}" in log
+    assert all(f"read of {src / name}" in log for name in broken)
 
 
 def test_cli_errors_are_one_line(tmp_path, tree_repo, mounter):
@@ -354,3 +372,42 @@ def test_signals_unmount_cleanly(tmp_path, tree_repo, mounter):
         if proc.poll() is None:
             proc.kill()
         mounter.mounts.append(mp)
+
+
+@pytest.mark.s3
+def test_s3_read_waits_through_a_server_restart(tmp_path, seaweed):
+    seaweed.ensure_running()
+    url = f"s3://{seaweed.new_bucket()}/repo"
+    repo = Repository.init(url, s3_endpoint=seaweed.endpoint, cache_root=tmp_path / "xdg", pack_target_size=1 * MiB)
+    src = tmp_path / "src"
+    src.mkdir()
+    early, late = os.urandom(2 * MiB), os.urandom(3 * MiB)
+    (src / "early.bin").write_bytes(early)
+    (src / "late.bin").write_bytes(late)
+    m = snapshot(repo, src)
+    mounter = Mounter(tmp_path, url, extra_env=seaweed.env())
+    try:
+        mp = mounter.mount(m["id"], tmp_path / "mnt", "--retry-for", "90")
+        base = under(mp, src)
+        assert (base / "early.bin").read_bytes() == early
+        seaweed.stop(grace=0)
+        result: dict = {}
+
+        def read_late() -> None:
+            try:
+                result["data"] = (base / "late.bin").read_bytes()
+            except OSError as exc:
+                result["error"] = exc
+
+        reader = threading.Thread(target=read_late)
+        reader.start()
+        time.sleep(1.5)
+        assert reader.is_alive() and not result  # waiting for the store, not failed
+        seaweed.start()
+        reader.join(90)
+        assert result.get("data") == late, result.get("error")
+        st = mounter.status(mp)
+        assert st["errors"] == 0 and st["read_errors"] == 0
+    finally:
+        seaweed.ensure_running()
+        mounter.cleanup()

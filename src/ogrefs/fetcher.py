@@ -24,7 +24,10 @@ recorded trace, hints and background materialization next):
    waiters get :class:`ChunkCorrupt`.  A store that is unreachable is retried
    with exponential backoff for ``retry_for`` seconds before
    :class:`StoreUnavailable`; an object the store no longer has is
-   :class:`ChunkMissing` at once.  Failures are not remembered: the next read
+   :class:`ChunkMissing` at once.  The store (RetryingStore) already retries
+   each call a few times; the fetcher's retry is a *deadline*, not a count:
+   it asks again until ``retry_for`` has passed, so an outage costs a reader
+   at most ``retry_for`` plus one store call, never a product of attempts.  Failures are not remembered: the next read
    tries again.
 
 Who owns what: all state of a Fetcher (pending table, queue, memory LRU,
@@ -51,7 +54,7 @@ import trio
 from . import codec
 from .chunkcache import ChunkCache
 from .errors import CorruptObject, OgrefsError
-from .store.base import NotFound, PermissionDenied, StoreError, TransientError
+from .store.base import NotFound, PermissionDenied, ShortRead, StoreError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -412,6 +415,8 @@ class Fetcher:
                                                      limiter=self._net_limiter)
             except NotFound:
                 raise ChunkMissing(ref, f"pack {ref.pack} is missing from the repository") from None
+            except ShortRead as exc:
+                raise ChunkCorrupt(ref, f"pack {ref.pack} is shorter than the catalog says ({exc})") from None
             except PermissionDenied as exc:
                 raise StoreUnavailable(ref, f"permission denied: {exc}") from None
             except (TransientError, ConnectionError, TimeoutError) as exc:
