@@ -72,6 +72,7 @@ class Inode(NamedTuple):
 
 
 _INODE_COLS = "ino, mode, uid, gid, user, grp, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, target, src_dev, src_ino, flags"
+_I_COLS = ", ".join("i." + c.strip() for c in _INODE_COLS.split(","))
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,17 @@ class CatalogWriter:
             [(ino, off, length, self._blob(cid, length)) for off, length, cid in extents],
         )
 
+    def add_located_extents(self, ino: int, extents: list[tuple[int, int, bytes, BlobLocation]]) -> None:
+        """Like add_extents, for chunks whose location is already known (reused from a parent)."""
+        rows = []
+        for off, length, cid, loc in extents:
+            new = cid not in self._blob_ids
+            bid = self._blob(cid, length)
+            if new:
+                self.set_location(cid, loc)
+            rows.append((ino, off, length, bid))
+        self._db.executemany("INSERT INTO extents VALUES (?,?,?,?)", rows)
+
     def set_location(self, chunk: bytes, loc: BlobLocation) -> None:
         bid = self._blob_ids.get(chunk)
         if bid is None:
@@ -241,16 +253,15 @@ class Catalog:
 
     def lookup(self, parent: int, name: bytes) -> Inode | None:
         row = self._db().execute(
-            f"SELECT {', '.join('i.' + c.strip() for c in _INODE_COLS.split(','))} FROM dirents d "
+            f"SELECT {_I_COLS} FROM dirents d "
             "JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.name=?",
             (parent, name),
         ).fetchone()
         return Inode(*row) if row else None
 
     def children(self, parent: int, after: bytes | None = None, limit: int = -1) -> list[tuple[bytes, Inode]]:
-        cols = ", ".join("i." + c.strip() for c in _INODE_COLS.split(","))
         rows = self._db().execute(
-            f"SELECT d.name, {cols} FROM dirents d JOIN inodes i ON i.ino = d.ino "
+            f"SELECT d.name, {_I_COLS} FROM dirents d JOIN inodes i ON i.ino = d.ino "
             "WHERE d.parent=? AND d.name > ? ORDER BY d.name LIMIT ?",
             (parent, after or b"", limit),
         )
@@ -271,6 +282,14 @@ class Catalog:
                 raise CorruptObject(f"catalog {self.path.name}: chunk {chunk.hex()[:12]} has no location")
             out.append(Extent(off, length, chunk, pack, poff, slen))
         return out
+
+    def located_extents(self, ino: int) -> list[tuple[int, int, bytes, BlobLocation | None]]:
+        """(offset, length, chunk id, location or None) in one query: for incremental reuse."""
+        return [(off, ln, cid, BlobLocation(pack, poff, slen, rlen) if pack else None)
+                for off, ln, cid, pack, poff, slen, rlen in self._db().execute(
+                    "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM extents e "
+                    "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack WHERE e.ino=? ORDER BY e.offset",
+                    (ino,))]
 
     def raw_extents(self, ino: int) -> list[tuple[int, int, bytes, int]]:
         """(offset, length, chunk id, raw_len) without locations: for incremental reuse."""

@@ -301,20 +301,26 @@ class Snapshotter:
         if (old.size, old.mtime_ns, old.ctime_ns, old.src_ino, old.src_dev) != (
                 lst.st_size, lst.st_mtime_ns, lst.st_ctime_ns, lst.st_ino, lst.st_dev):
             return False
-        rows = self._parent_cat.raw_extents(old.ino)
-        for off, length, cid, raw_len in rows:
-            loc = self.repo.index.lookup(cid)
+        rows = []
+        for off, length, cid, loc in self._parent_cat.located_extents(old.ino):
             if loc is None or loc.pack not in self._live_packs:
-                loc = self._parent_cat.blob_location(cid)
+                loc = self.repo.index.lookup(cid)
                 if loc is None or loc.pack not in self._live_packs:
                     return False  # the data it pointed to is gone: read the file again
+            rows.append((off, length, cid, loc))
         self.cat.add_inode(ino, lst, self._names.user(lst.st_uid), self._names.group(lst.st_gid))
-        self.cat.add_extents(ino, [(off, length, cid) for off, length, cid, _ in rows])
+        self.cat.add_located_extents(ino, rows)
         self.stats.reused_files += 1
         self.stats.chunks += len(rows)
         return True
 
-    def _record(self, parent_ino: int, name: bytes, path: bytes, old_parent: int | None) -> None:
+    def _old_children(self, old_parent: int | None) -> dict[bytes, Inode] | None:
+        if self._parent_cat is None or old_parent is None:
+            return None
+        return dict(self._parent_cat.children(old_parent))
+
+    def _record(self, parent_ino: int, name: bytes, path: bytes, old_parent: int | None,
+                old_children: dict[bytes, Inode] | None = None) -> None:
         """Record one entry (and, for a directory, everything below it)."""
         if self.rules.excluded(path) or path in self._skip_entirely:
             return
@@ -327,7 +333,7 @@ class Snapshotter:
         if stat.S_ISSOCK(mode):
             self.skipped.append({"path": os.fsdecode(path), "reason": "socket"})
             return
-        old = self._parent_cat.lookup(old_parent, name) if (self._parent_cat and old_parent) else None
+        old = old_children.get(name) if old_children is not None else None
         if old is not None and stat.S_IFMT(old.mode) != stat.S_IFMT(mode):
             old = None
         if lst.st_nlink > 1 and not stat.S_ISDIR(mode):
@@ -379,8 +385,9 @@ class Snapshotter:
         for obs in self.opts.observers:
             obs.observe_dir(path, names)
         base = path.rstrip(b"/")
+        old_children = self._old_children(old_ino)
         for name in names:
-            self._record(ino, name, base + b"/" + name, old_ino)
+            self._record(ino, name, base + b"/" + name, old_ino, old_children)
 
     # -- orchestration ------------------------------------------------------------
     def _find_parent(self, roots: list[bytes]) -> None:
@@ -453,7 +460,7 @@ class Snapshotter:
                     self.cat.add_inode(node, st, self._names.user(st.st_uid), self._names.group(st.st_gid))
                     self._ancestors[prefix] = node
                 parent, old_parent = node, (old.ino if old else None)
-            self._record(parent, parts[-1], root, old_parent)
+            self._record(parent, parts[-1], root, old_parent, self._old_children(old_parent))
         self._drain()
         self._seal_pack()
         self._reap_uploads(keep=0)
