@@ -141,3 +141,20 @@ def test_permission_denied_repo(tmp_path, env):
     proc = run(["init"], ro, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.s3
+def test_cli_over_s3(tmp_path, seaweed):
+    """The same commands against the real S3 server, configured the standard way."""
+    env = dict(os.environ, **seaweed.env(), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    env["OGREFS_REPO"] = f"s3://{seaweed.new_bucket()}/team/repo"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    run(["init"], env)
+    snap = json.loads(run(["snapshot", "--json", str(src)], env).stdout)
+    run(["restore", snap["id"][:6], str(tmp_path / "out")], env)
+    assert compare_trees(src, tmp_path / "out" / str(src).lstrip("/")) == []
+    assert json.loads(run(["check", "--read-data", "--json"], env).stdout)["ok"]
+    missing = dict(env, OGREFS_REPO=f"s3://{seaweed.new_bucket()}/nothing-here")
+    assert_one_line_error(run(["snapshots"], missing, check=False), "no ogrefs repository")
