@@ -1,0 +1,67 @@
+"""Store backends: where repository objects live.
+
+``open_store(url)`` is the one entry point the rest of ogrefs uses.  It picks
+a backend from the URL and wraps it in :class:`RetryingStore`, so callers get
+retries for transient failures without knowing which backend they talk to.
+
+Backends: ``file://`` or a plain path (FileStore), ``s3://bucket/prefix``
+(S3Store), ``memory://name`` (MemoryStore, process-global, for tests).
+Wrappers: RetryingStore (retries), FaultyStore (fault injection in tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import (NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
+                   validate_key, validate_prefix)
+from .faults import FaultyStore
+from .file import FileStore
+from .memory import MemoryStore, named_memory_store
+from .retry import RetryingStore
+
+__all__ = [
+    "open_store", "Store", "StoreError", "NotFound", "TransientError", "PermissionDenied", "ShortRead",
+    "validate_key", "validate_prefix", "FileStore", "MemoryStore", "RetryingStore", "FaultyStore",
+    "S3_ENDPOINT_ENV",
+]
+
+#: Environment variable naming the S3 endpoint when ``s3_endpoint`` is not given.
+S3_ENDPOINT_ENV = "OGREFS_S3_ENDPOINT"
+
+
+def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True) -> Store:
+    """Open the store at ``url``; wrapped in RetryingStore unless ``retry=False``.
+
+    ``s3_endpoint`` (else ``$OGREFS_S3_ENDPOINT``) points s3:// URLs at an
+    S3-compatible server; without either, boto3's own configuration applies
+    (AWS_* variables, profiles, AWS_ENDPOINT_URL).  Raises ValueError, with a
+    one-line message, for a URL no backend understands.
+    """
+    backend = _open_backend(url, s3_endpoint)
+    return RetryingStore(backend) if retry else backend
+
+
+def _open_backend(url: str, s3_endpoint: str | None) -> Store:
+    if not isinstance(url, str) or not url:
+        raise ValueError("store URL must be a non-empty string")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return FileStore(url)  # a plain path, absolute or relative
+    if scheme == "file":
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        if not rest.startswith("/"):
+            raise ValueError(f"file URL must name an absolute path (file:///path): {url!r}")
+        return FileStore(rest)
+    if scheme == "memory":
+        if not rest:
+            raise ValueError(f"memory URL needs a name (memory://name): {url!r}")
+        return named_memory_store(rest)
+    if scheme == "s3":
+        from .s3 import S3Store, parse_s3_url  # boto3 is slow to import; only pay for it when used
+
+        bucket, prefix = parse_s3_url(url)
+        endpoint = s3_endpoint or os.environ.get(S3_ENDPOINT_ENV) or None
+        return S3Store(bucket, prefix, endpoint_url=endpoint)
+    raise ValueError(f"unknown store URL scheme {scheme!r} in {url!r} (use a path, file://, s3:// or memory://)")

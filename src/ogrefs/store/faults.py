@@ -1,0 +1,212 @@
+"""FaultyStore: a wrapper that misbehaves on purpose, for fault-injection tests.
+
+Real stores fail in a handful of ways, and each layer above must survive
+them.  This wrapper reproduces them on demand, on top of any store:
+
+* ``error_rate``      -- each call raises TransientError with this probability
+  (before reaching the inner store: nothing happens).
+* ``lost_ack_rate``   -- a put reaches the inner store, then raises
+  TransientError anyway (the S3 "timeout after commit" case: the caller
+  cannot tell whether the write happened).
+* ``latency``         -- seconds added to every call (a number, or a
+  ``(low, high)`` range drawn uniformly).
+* ``truncate_rate``   -- a get/get_range returns fewer bytes than it should,
+  *silently*.  Real backends never do this (they raise ShortRead); a
+  buggy proxy or disk might, and the layers above must notice by length
+  and hash.
+* ``corrupt_rate``    -- a get/get_range returns the right length with one
+  bit flipped.
+* ``fail_next(n, exc)`` -- the next ``n`` calls (optionally only of some
+  operations) raise ``exc`` -- "fail twice, then succeed".
+* ``fail_puts={3, 5}`` -- the 3rd and 5th put (1-based, counted over the
+  store's life) raise TransientError without writing.
+* ``break_next_list(after=n)`` -- the next listing raises TransientError
+  after yielding ``n`` keys (a connection dying between pages); a listing
+  with ``n`` keys or fewer completes normally.
+* ``down = True``     -- every call raises TransientError until set back,
+  like a store that went away.
+
+``ops`` limits the probabilistic faults to some operations (e.g.
+``{"get_range"}``).  ``calls`` and ``injected`` count, per operation, what
+happened, so tests can assert that a fault was actually exercised.
+
+Determinism: all randomness comes from one ``random.Random(seed)``.  With a
+single calling thread the same seed gives the same faults; with many
+threads the interleaving (and therefore which call gets which draw) is up
+to the scheduler.
+
+Locking: ``_lock`` guards ``_rng``, ``_script``, ``_list_breaks``, ``_puts`` and the
+``calls``/``injected`` counters.  It is never held while sleeping or while
+calling the inner store.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+
+from .base import Store, StoreError, TransientError
+
+__all__ = ["FaultyStore", "ALL_OPS"]
+
+ALL_OPS = frozenset({"get", "get_range", "put", "exists", "list", "delete"})
+
+
+class FaultyStore(Store):
+    """Wrap ``inner`` and inject failures; see the module docstring for the knobs."""
+
+    def __init__(self, inner: Store, *, seed: int = 0, error_rate: float = 0.0, lost_ack_rate: float = 0.0,
+                 latency: float | tuple[float, float] = 0.0, truncate_rate: float = 0.0,
+                 corrupt_rate: float = 0.0, fail_puts: Collection[int] = (),
+                 ops: Collection[str] = ALL_OPS, sleep: Callable[[float], None] = time.sleep) -> None:
+        unknown = set(ops) - ALL_OPS
+        if unknown:
+            raise ValueError(f"unknown store operations: {sorted(unknown)}")
+        self.inner = inner
+        self.url = inner.url
+        self.error_rate = error_rate
+        self.lost_ack_rate = lost_ack_rate
+        self.latency = latency
+        self.truncate_rate = truncate_rate
+        self.corrupt_rate = corrupt_rate
+        self.fail_puts = frozenset(fail_puts)
+        self.ops = frozenset(ops)
+        self.down = False
+        self.calls: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._script: list[tuple[frozenset[str], Callable[[str], StoreError]]] = []
+        self._list_breaks: list[int] = []
+        self._puts = 0
+
+    # -- configuration ----------------------------------------------------
+
+    def fail_next(self, n: int = 1, exc: type[StoreError] | StoreError = TransientError,
+                  ops: Collection[str] = ALL_OPS) -> None:
+        """Make the next ``n`` calls of ``ops`` raise ``exc`` (a class or an instance)."""
+        which = frozenset(ops)
+
+        def make(op: str) -> StoreError:
+            if isinstance(exc, StoreError):
+                return exc
+            return exc(f"{self.url}: injected {exc.__name__} in {op}")
+
+        with self._lock:
+            self._script.extend([(which, make)] * n)
+
+    def break_next_list(self, after: int) -> None:
+        """Make the next listing raise TransientError after yielding ``after`` keys."""
+        with self._lock:
+            self._list_breaks.append(after)
+
+    def reset(self) -> None:
+        """Forget scripted failures and counters; keep the rates."""
+        with self._lock:
+            self._script.clear()
+            self._list_breaks.clear()
+            self.calls.clear()
+            self.injected.clear()
+            self.down = False
+
+    # -- machinery --------------------------------------------------------
+
+    def _chance(self, rate: float) -> bool:
+        # caller holds _lock
+        return rate > 0 and self._rng.random() < rate
+
+    def _before(self, op: str) -> None:
+        """Count the call, add latency, and raise whatever is due before the inner call."""
+        error: StoreError | None = None
+        with self._lock:
+            self.calls[op] += 1
+            if isinstance(self.latency, tuple):
+                wait = self._rng.uniform(*self.latency)
+            else:
+                wait = float(self.latency)
+            if op == "put":
+                self._puts += 1
+            for i, (which, make) in enumerate(self._script):
+                if op in which:
+                    del self._script[i]
+                    error = make(op)
+                    break
+            if error is None and self.down:
+                error = TransientError(f"{self.url}: store is down (injected) in {op}")
+            if error is None and op == "put" and self._puts in self.fail_puts:
+                error = TransientError(f"{self.url}: injected failure of put #{self._puts}")
+            if error is None and op in self.ops and self._chance(self.error_rate):
+                error = TransientError(f"{self.url}: injected transient error in {op}")
+            if error is not None:
+                self.injected[op] += 1
+        if wait > 0:
+            self._sleep(wait)
+        if error is not None:
+            raise error
+
+    def _mangle(self, op: str, data: bytes) -> bytes:
+        """Maybe truncate or bit-flip a read result."""
+        if op not in self.ops or not data:
+            return data
+        with self._lock:
+            if self._chance(self.truncate_rate):
+                self.injected["truncate"] += 1
+                return data[:self._rng.randrange(len(data))]
+            if self._chance(self.corrupt_rate):
+                self.injected["corrupt"] += 1
+                pos = self._rng.randrange(len(data))
+                bit = 1 << self._rng.randrange(8)
+                flipped = bytearray(data)
+                flipped[pos] ^= bit
+                return bytes(flipped)
+        return data
+
+    # -- the interface ----------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        self._before("get")
+        return self._mangle("get", self.inner.get(key))
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        self._before("get_range")
+        return self._mangle("get_range", self.inner.get_range(key, offset, length))
+
+    def put(self, key: str, data: bytes) -> None:
+        self._before("put")
+        self.inner.put(key, data)
+        with self._lock:
+            lost = "put" in self.ops and self._chance(self.lost_ack_rate)
+            if lost:
+                self.injected["lost_ack"] += 1
+        if lost:
+            raise TransientError(f"{self.url}: injected lost acknowledgement of put {key}")
+
+    def exists(self, key: str) -> bool:
+        self._before("exists")
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        self._before("list")
+        keys = self.inner.list(prefix)
+        with self._lock:
+            after = self._list_breaks.pop(0) if self._list_breaks else None
+        return keys if after is None else self._broken_list(keys, after)
+
+    def _broken_list(self, keys: Iterator[str], after: int) -> Iterator[str]:
+        for i, key in enumerate(keys):
+            if i == after:
+                with self._lock:
+                    self.injected["list_break"] += 1
+                raise TransientError(f"{self.url}: injected failure after {after} listed keys")
+            yield key
+
+    def delete(self, key: str) -> None:
+        self._before("delete")
+        self.inner.delete(key)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,279 @@
+"""A store in an S3 bucket (AWS, or any S3-compatible server such as SeaweedFS).
+
+Why it looks the way it does:
+
+* One boto3 client per store, shared by every thread.  botocore clients are
+  thread-safe once created; *creating* them from the shared default session
+  is not, so each store makes its own ``boto3.session.Session``.  The
+  connection pool is sized for the fetcher's thread count.
+* botocore's own retries are switched off (``max_attempts=1``):
+  ``RetryingStore`` is the only place that retries, so an outage costs one
+  predictable backoff schedule instead of two multiplied together.
+* Every botocore/urllib3 failure is translated in one place
+  (:func:`_translate`) into NotFound / PermissionDenied / TransientError /
+  ShortRead / StoreError with a one-line message that names the object and,
+  for connection failures, the endpoint.
+* Range reads check what came back: a short body is either the object
+  being shorter than asked (ShortRead, permanent) or a connection that died
+  mid-body (TransientError).  Never silently short.
+* put is a single PutObject: S3 makes it atomic (all or nothing) and packs
+  are tens of MiB, far below the 5 GiB single-part limit.
+
+Locking: none of our own.  ``_client`` is created in ``__init__`` and only
+read afterwards; boto3 guards its connection pool itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import boto3
+import botocore.exceptions as bx
+from botocore.config import Config
+
+from .base import (NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
+                   check_range, validate_key, validate_prefix)
+
+__all__ = ["S3Store", "parse_s3_url"]
+
+#: Threads that may talk to one store at once without queueing for a connection.
+MAX_POOL_CONNECTIONS = 32
+CONNECT_TIMEOUT_S = 5.0
+#: Per socket read, not per request: a 32 MiB pack that keeps flowing never times out.
+READ_TIMEOUT_S = 30.0
+
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_DENIED_CODES = frozenset({
+    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "AllAccessDisabled", "AccountProblem", "InvalidToken", "ExpiredToken", "InvalidSecurity",
+    "InvalidObjectState",
+})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+    "OperationAborted", "RequestThrottled", "BandwidthLimitExceeded", "EC2ThrottledException",
+    "PriorRequestNotComplete",
+})
+_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Split ``s3://bucket/some/prefix`` into ("bucket", "some/prefix")."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"s3 URL has no bucket: {url!r}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{2,254}", bucket):
+        raise ValueError(f"s3 URL has an invalid bucket name {bucket!r} "
+                         "(at least 3 characters of a-z, 0-9, '.', '-')")
+    prefix = prefix.strip("/")
+    if prefix:
+        try:
+            validate_key(prefix)
+        except ValueError as exc:
+            raise ValueError(f"s3 URL has an invalid prefix: {exc}") from None
+    return bucket, prefix
+
+
+class S3Store(Store):
+    """Keys live at ``<prefix>/<key>`` in ``bucket``."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                 client: Any | None = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._key_base = f"{self.prefix}/" if self.prefix else ""
+        self._client = client if client is not None else self._make_client(endpoint_url)
+
+    @staticmethod
+    def _make_client(endpoint_url: str | None) -> Any:
+        s3_options: dict[str, str] = {}
+        if endpoint_url:
+            # S3-compatible servers on an IP/port have no per-bucket DNS names.
+            s3_options["addressing_style"] = "path"
+        config = Config(
+            max_pool_connections=MAX_POOL_CONNECTIONS,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            read_timeout=READ_TIMEOUT_S,
+            retries={"mode": "standard", "max_attempts": 1},
+            s3=s3_options or None,
+        )
+        session = boto3.session.Session()
+        kwargs: dict[str, Any] = {"config": config}
+        if endpoint_url:
+            kwargs["endpoint_url"] = endpoint_url
+        if session.region_name is None:
+            # Signing needs a region; S3-compatible servers accept us-east-1.
+            kwargs["region_name"] = "us-east-1"
+        return session.client("s3", **kwargs)
+
+    # -- helpers ----------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self._key_base + key
+
+    def _where(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    def _fail(self, exc: BaseException, op: str, key: str) -> NoReturn:
+        if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, bx.BotoCoreError):
+            raise exc  # a bug of ours (bad argument), not a store condition
+        raise _translate(exc, op, self._where(key), self.bucket, self.endpoint_url) from exc
+
+    # -- the interface ----------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        validate_key(key)
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+            data: bytes = resp["Body"].read()
+        except Exception as exc:  # translated; nothing escapes untyped
+            self._fail(exc, "get", key)
+        expected = resp.get("ContentLength")
+        if expected is not None and len(data) != expected:
+            raise TransientError(f"{self._where(key)}: get: body ended after {len(data)} of {expected} bytes")
+        return data
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        validate_key(key)
+        check_range(offset, length)
+        if length == 0:
+            # HTTP cannot ask for zero bytes; HEAD tells existence and size.
+            size = self._head_size(key, "get_range")
+            if offset > size:
+                raise ShortRead(f"{self._where(key)}: range {offset}+0 is past the end "
+                                f"of the object ({size} bytes)")
+            return b""
+        want = f"bytes={offset}-{offset + length - 1}"
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), Range=want)
+            data: bytes = resp["Body"].read()
+        except Exception as exc:
+            self._fail(exc, "get_range", key)
+        content_range = resp.get("ContentRange")
+        if not content_range:
+            # The server ignored Range and sent the whole object.
+            if offset + length > len(data):
+                raise ShortRead(f"{self._where(key)}: range {offset}+{length} is past the end "
+                                f"of the object ({len(data)} bytes)")
+            return data[offset:offset + length]
+        if len(data) == length:
+            return data
+        m = _CONTENT_RANGE_RE.fullmatch(content_range.strip())
+        total = int(m.group(3)) if m and m.group(3) != "*" else None
+        if total is not None and offset + length > total:
+            raise ShortRead(f"{self._where(key)}: range {offset}+{length} is past the end "
+                            f"of the object ({total} bytes)")
+        raise TransientError(f"{self._where(key)}: get_range: got {len(data)} of {length} bytes "
+                             f"at offset {offset} (Content-Range {content_range!r})")
+
+    def _head_size(self, key: str, op: str) -> int:
+        try:
+            resp = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
+        except Exception as exc:
+            self._fail(exc, op, key)
+        return int(resp["ContentLength"])
+
+    def put(self, key: str, data: bytes) -> None:
+        validate_key(key)
+        body = data if isinstance(data, bytes) else bytes(data)
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self._full(key), Body=body)
+        except Exception as exc:
+            self._fail(exc, "put", key)
+
+    def exists(self, key: str) -> bool:
+        validate_key(key)
+        try:
+            self._head_size(key, "exists")
+        except NotFound:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        validate_prefix(prefix)
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        cut = len(self._key_base)
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._full(prefix))
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    full: str = obj["Key"]
+                    if full.startswith(self._key_base):
+                        yield full[cut:]
+        except StoreError:
+            raise
+        except Exception as exc:
+            self._fail(exc, "list", prefix)
+
+    def delete(self, key: str) -> None:
+        validate_key(key)
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
+        except Exception as exc:
+            try:
+                self._fail(exc, "delete", key)
+            except NotFound:
+                return
+
+    def close(self) -> None:
+        close = getattr(self._client, "close", None)
+        if close is not None:
+            close()
+
+
+def _translate(exc: BaseException, op: str, where: str, bucket: str, endpoint: str | None) -> StoreError:
+    """Map any exception from boto3/botocore/urllib3 to a store error with a one-line message."""
+    if isinstance(exc, StoreError):
+        return exc
+    if isinstance(exc, bx.ClientError):
+        err = exc.response.get("Error", {}) or {}
+        code = str(err.get("Code", "") or "")
+        message = str(err.get("Message", "") or "").strip()
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        detail = f"{code or status}" + (f": {message}" if message else "")
+        if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchBucket",)):
+            if code == "404" or not code:
+                return NotFound(f"{where}: no such object")
+            return NotFound(f"{where}: no such object ({detail})")
+        if code == "NoSuchBucket":
+            return StoreError(f"bucket {bucket} does not exist ({where}: {op})")
+        if code in _DENIED_CODES or status == 403:
+            return PermissionDenied(f"{where}: {op}: access denied ({detail})")
+        if code == "InvalidRange" or status == 416:
+            return ShortRead(f"{where}: {op}: range is past the end of the object ({detail})")
+        if code in _TRANSIENT_CODES or status >= 500 or status in (408, 429):
+            return TransientError(f"{where}: {op}: server said {detail} (HTTP {status})")
+        return StoreError(f"{where}: {op}: {detail} (HTTP {status})")
+    if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+        return PermissionDenied(f"{where}: {op}: no usable S3 credentials "
+                                f"(set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile): {exc}")
+    if isinstance(exc, bx.SSLError) and "certificate" in str(exc).lower():
+        return StoreError(f"{where}: {op}: TLS certificate problem talking to {endpoint or 'S3'}: {exc}")
+    if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError,
+                        bx.ChecksumError, bx.CredentialRetrievalError)):
+        return TransientError(f"{where}: {op}: {_one_line(exc)}")
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return TransientError(f"{where}: {op}: {_one_line(exc)} (endpoint {endpoint or 'default'})")
+    try:
+        import urllib3.exceptions as ux
+    except ImportError:  # pragma: no cover - botocore depends on urllib3
+        ux = None
+    if ux is not None and isinstance(exc, ux.HTTPError):
+        return TransientError(f"{where}: {op}: {_one_line(exc)} (endpoint {endpoint or 'default'})")
+    if isinstance(exc, bx.BotoCoreError):
+        return StoreError(f"{where}: {op}: {_one_line(exc)}")
+    return StoreError(f"{where}: {op}: {type(exc).__name__}: {_one_line(exc)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
