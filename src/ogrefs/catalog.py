@@ -303,6 +303,9 @@ class Catalog:
             "WHERE b.chunk=?", (chunk,)).fetchone()
         return BlobLocation(*row) if row else None
 
+    def pack_names(self) -> list[str]:
+        return [r[0] for r in self._db().execute("SELECT name FROM packs")]
+
     def roots(self) -> list[bytes]:
         return [r[0] for r in self._db().execute("SELECT path FROM roots ORDER BY path")]
 

@@ -315,6 +315,89 @@ def check(obj: Context, read_data: bool, as_json: bool) -> None:
         sys.exit(1)
 
 
+@cli.command()
+@click.argument("snaps", nargs=-1)
+@click.option("--keep-last", type=click.IntRange(0), default=0, help="Keep the N newest snapshots.")
+@click.option("--keep-hourly", type=click.IntRange(0), default=0, help="Keep the newest of each of N hours.")
+@click.option("--keep-daily", type=click.IntRange(0), default=0, help="Keep the newest of each of N days.")
+@click.option("--keep-weekly", type=click.IntRange(0), default=0, help="Keep the newest of each of N weeks.")
+@click.option("--keep-monthly", type=click.IntRange(0), default=0, help="Keep the newest of each of N months.")
+@click.option("--keep-tag", "keep_tags", multiple=True, help="Keep every snapshot with this tag.")
+@click.option("--dry-run", "-n", is_flag=True, help="Only say what would be forgotten.")
+@click.option("--prune", "and_prune", is_flag=True, help="Run prune afterwards.")
+@json_option
+@click.pass_obj
+def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_tags, dry_run,
+           and_prune, as_json) -> None:
+    """Forget snapshots SNAPS, or those a retention policy does not keep (grouped by host and paths)."""
+    from .forget import Policy, apply_policy
+
+    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, list(keep_tags))
+    if snaps and not policy.empty():
+        raise UsageError("give either snapshots to forget or a --keep-* policy, not both")
+    if not snaps and policy.empty():
+        raise UsageError("nothing to forget: name snapshots or give a --keep-* policy")
+    repo = obj.open()
+    if snaps:
+        removed = [repo.resolve(s) for s in snaps]
+        kept: list = []
+    else:
+        kept, removed = apply_policy(repo.list_snapshots(), policy)
+    if not dry_run:
+        for m in removed:
+            repo.store.delete(f"snapshots/{m['id']}")
+            repo.store.delete(f"catalogs/{m['id']}")
+    if as_json:
+        emit_json({"dry_run": dry_run, "removed": [m["id"] for m in removed],
+                   "kept": [{"id": m["id"], "reasons": r} for m, r in kept]})
+    else:
+        for m, reasons in kept:
+            click.echo(f"keep   {m['id'][:12]}  {m['time'][:19]}  {', '.join(reasons)}")
+        for m in removed:
+            click.echo(f"{'would forget' if dry_run else 'forget'} {m['id'][:12]}  {m['time'][:19]}")
+    if and_prune and not dry_run:
+        _run_prune(obj, repo, False, as_json)
+
+
+@cli.command(name="prune")
+@click.option("--dry-run", "-n", is_flag=True, help="Only say what would be deleted and how many bytes it frees.")
+@json_option
+@click.pass_obj
+def prune_cmd(obj: Context, dry_run: bool, as_json: bool) -> None:
+    """Delete packs that no snapshot references (two-phase; safe next to snapshots and mounts)."""
+    _run_prune(obj, obj.open(), dry_run, as_json)
+
+
+def _run_prune(obj: Context, repo, dry_run: bool, as_json: bool) -> None:
+    from .prune import prune
+
+    report = prune(repo, dry_run=dry_run, log=None if (as_json or obj.quiet) else lambda s: click.echo(s, err=True))
+    if as_json:
+        emit_json({"dry_run": dry_run, **report.as_dict()})
+        return
+    verb = "would free" if dry_run else "freed"
+    click.echo(f"{verb} {human_bytes(report.freed_bytes)} ({len(report.deleted)} packs); "
+               f"{len(report.newly_marked) + len(report.deferred)} unreferenced packs "
+               f"({human_bytes(report.pending_bytes)}) will be deleted by a later prune once no older lock remains")
+
+
+@cli.command()
+@click.option("--all", "everything", is_flag=True, help="Remove every lock, not only stale ones.")
+@json_option
+@click.pass_obj
+def unlock(obj: Context, everything: bool, as_json: bool) -> None:
+    """Remove stale locks (left by processes that died)."""
+    from .repo.locks import remove_stale_locks
+
+    removed = remove_stale_locks(obj.open().store, everything)
+    if as_json:
+        emit_json({"removed": [lk.__dict__ for lk in removed]})
+    else:
+        for lk in removed:
+            click.echo(f"removed lock {lk.id[:12]}: {lk.describe()}")
+        click.echo(f"{len(removed)} locks removed")
+
+
 from .cli_mount import register as _register_mount  # noqa: E402
 
 _register_mount(cli)

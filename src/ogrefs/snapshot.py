@@ -43,8 +43,15 @@ from .catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode
 from .chunker import Chunker, data_extents
 from .errors import OgrefsError, UsageError
 from .repo import Repository
+from .repo.locks import HeldLock
 from .repo.pack import BlobLocation, PackBuilder, pack_key
 from .walk import WalkRules
+
+
+def read_trash(repo: Repository):
+    from .prune import read_trash as _read
+
+    return _read(repo)
 
 EXIT_PARTIAL = 3  # snapshot written, but some files could not be read
 
@@ -183,8 +190,7 @@ class Snapshotter:
         with self._claim_lock:
             if cid in self._claimed:
                 return False
-            loc = self.repo.index.lookup(cid)
-            if loc is not None and loc.pack in self._live_packs:
+            if self.repo.index.lookup(cid, self._live_packs) is not None:
                 return False
             self._claimed.add(cid)
             return True
@@ -304,8 +310,8 @@ class Snapshotter:
         rows = []
         for off, length, cid, loc in self._parent_cat.located_extents(old.ino):
             if loc is None or loc.pack not in self._live_packs:
-                loc = self.repo.index.lookup(cid)
-                if loc is None or loc.pack not in self._live_packs:
+                loc = self.repo.index.lookup(cid, self._live_packs)
+                if loc is None:
                     return False  # the data it pointed to is gone: read the file again
             rows.append((off, length, cid, loc))
         self.cat.add_inode(ino, lst, self._names.user(lst.st_uid), self._names.group(lst.st_gid))
@@ -419,10 +425,18 @@ class Snapshotter:
         self._skip_entirely = {os.path.normpath(p) for p in self.opts.skip_paths}
         self._root_dev = {r: os.lstat(r).st_dev for r in roots if os.path.isdir(r)}
 
-        self.repo.index.sync()
-        self._live_packs = {k.rsplit("/", 1)[1] for k in self.repo.store.list("packs/")}
-        self.repo.recover_orphan_packs(self._live_packs)
-        self._find_parent(roots)
+        # The shared lock is taken before looking at packs: prune then knows that
+        # anything it marks as trash after this moment may still be referenced by us.
+        self._lock = HeldLock(self.repo.store, "shared", "snapshot").acquire()
+        try:
+            self.repo.index.sync()
+            self._live_packs = {k.rsplit("/", 1)[1] for k in self.repo.store.list("packs/")}
+            self._live_packs -= set(read_trash(self.repo)[0])
+            self.repo.recover_orphan_packs(self._live_packs)
+            self._find_parent(roots)
+        except BaseException:
+            self._lock.release()
+            raise
 
         tmpdir = tempfile.TemporaryDirectory(prefix="ogrefs-snap-", dir=self.repo.cache_dir)
         cat_path = Path(tmpdir.name) / "catalog.sqlite"
@@ -435,6 +449,7 @@ class Snapshotter:
             self._hash_pool.shutdown(wait=True, cancel_futures=True)
             self._upload_pool.shutdown(wait=True, cancel_futures=True)
             tmpdir.cleanup()
+            self._lock.release()
 
     def _run(self, roots: list[bytes], cat_path: Path) -> dict[str, Any]:
         root_ino = self.cat.new_ino()
@@ -494,9 +509,11 @@ class Snapshotter:
 
     def _commit(self, roots: list[bytes], cat_path: Path) -> dict[str, Any]:
         for cid in self.cat.unlocated():
-            loc = self.repo.index.lookup(cid)
-            if (loc is None or loc.pack not in self._live_packs) and self._parent_cat is not None:
+            loc = self.repo.index.lookup(cid, self._live_packs)
+            if loc is None and self._parent_cat is not None:
                 loc = self._parent_cat.blob_location(cid)
+                if loc is not None and loc.pack not in self._live_packs:
+                    loc = None
             if loc is None:
                 raise OgrefsError(f"internal error: chunk {cid.hex()[:12]} has no location; snapshot not saved")
             self.cat.set_location(cid, loc)

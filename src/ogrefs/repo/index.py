@@ -61,8 +61,8 @@ class ChunkIndex:
         self._db.executescript(
             """
             CREATE TABLE IF NOT EXISTS chunks (
-                id BLOB PRIMARY KEY, pack TEXT NOT NULL, offset INTEGER NOT NULL,
-                stored_len INTEGER NOT NULL, raw_len INTEGER NOT NULL) WITHOUT ROWID;
+                id BLOB NOT NULL, pack TEXT NOT NULL, offset INTEGER NOT NULL,
+                stored_len INTEGER NOT NULL, raw_len INTEGER NOT NULL, PRIMARY KEY (id, pack)) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS merged (name TEXT PRIMARY KEY) WITHOUT ROWID;
             """
         )
@@ -104,12 +104,19 @@ class ChunkIndex:
     def forget_merged(self, names: Iterable[str]) -> None:
         self._db.executemany("DELETE FROM merged WHERE name=?", [(n,) for n in names])
 
-    def lookup(self, cid: bytes) -> BlobLocation | None:
+    def lookup(self, cid: bytes, live_packs: set[str] | None = None) -> BlobLocation | None:
+        """A location of ``cid``; with ``live_packs``, only one in a pack that is listed and not trash.
+
+        A chunk can be in several packs (two boxes stored it at once, or it
+        was stored again after its first pack was marked for deletion).
+        """
         db = getattr(self._local, "db", None)
         if db is None:
             db = self._local.db = self._connect()
-        row = db.execute("SELECT pack, offset, stored_len, raw_len FROM chunks WHERE id=?", (cid,)).fetchone()
-        return BlobLocation(*row) if row else None
+        for row in db.execute("SELECT pack, offset, stored_len, raw_len FROM chunks WHERE id=?", (cid,)):
+            if live_packs is None or row[0] in live_packs:
+                return BlobLocation(*row)
+        return None
 
     def packs(self) -> set[str]:
         return {r[0] for r in self._db.execute("SELECT DISTINCT pack FROM chunks")}

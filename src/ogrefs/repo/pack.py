@@ -13,10 +13,10 @@ can prove a pack is what the index says.
 
 from __future__ import annotations
 
+import secrets
 import struct
 from dataclasses import dataclass
 
-import blake3
 import zstandard
 
 from ..errors import CorruptObject
@@ -57,10 +57,15 @@ class PackBuilder:
         return offset
 
     def finish(self) -> tuple[str, bytes, list[tuple[bytes, int, int, int]]]:
-        """Seal the pack: returns (pack name, bytes, entries).  Name = BLAKE3 of the bytes."""
+        """Seal the pack: returns (pack name, bytes, entries).
+
+        The name is random, not a content hash: a pack re-uploaded with the same
+        bytes after prune marked the old one must never share its name, or the
+        deferred deletion of the old one would delete the new one.
+        """
         header = zstandard.ZstdCompressor(level=3).compress(b"".join(_ENTRY.pack(*e) for e in self._entries))
         body = b"".join(self._parts) + header + _TAIL.pack(len(header), TRAILER_MAGIC)
-        name = blake3.blake3(body).hexdigest()
+        name = secrets.token_hex(32)
         return name, body, list(self._entries)
 
 
