@@ -77,8 +77,14 @@ class Mounter:
         return mp
 
     def status(self, mp: Path) -> dict:
-        time.sleep(0.6)  # the daemon rewrites its status every 0.5 s
-        return json.loads(self.cli("status", str(mp), "--json").stdout)
+        """The daemon's status as of now: it is rewritten every 0.5 s, so wait for one taken after this call."""
+        since = time.time()
+        deadline = since + 30
+        while True:
+            st = json.loads(self.cli("status", str(mp), "--json").stdout)
+            if st["time"] > since or time.time() > deadline:
+                return st
+            time.sleep(0.2)
 
     def unmount(self, mp: Path) -> None:
         self.cli("unmount", str(mp))

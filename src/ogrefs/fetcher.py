@@ -65,7 +65,7 @@ ReadRange = Callable[[str, int, int], bytes]
 #: A failing cache never fails a read: it only costs a fetch.
 _CACHE_ERRORS = (OSError, sqlite3.Error)
 #: Chunks probed in the disk cache by one worker-thread call.
-_PROBE_BATCH = 32
+_PROBE_BATCH = 4
 
 
 class Priority(enum.IntEnum):

@@ -327,7 +327,7 @@ def _serve(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration
         vs = fs.stats
         return {**info, "time": time.time(), "bytes_read": vs.bytes_read, "reads": vs.reads, "opens": vs.opens,
                 "open_files": fs.open_files, "lookups": vs.lookups, "referenced_inodes": fs.referenced_inodes,
-                "read_errors": vs.read_errors, "bytes_fetched": st["bytes_fetched"], "requests": st["requests"],
+                "read_errors": vs.read_errors, "read_wait_s": round(vs.read_wait, 3), "bytes_fetched": st["bytes_fetched"], "requests": st["requests"],
                 "chunks_fetched": st["chunks_fetched"], "cache_hits": st["hits_memory"] + st["hits_disk"],
                 "cache_hits_memory": st["hits_memory"], "cache_hits_disk": st["hits_disk"],
                 "cache_misses": st["misses"], "chunks_in_flight": st["in_flight"], "chunks_queued": st["queued"],

@@ -98,6 +98,7 @@ class VfsStats:
     reads: int = 0
     bytes_read: int = 0  # bytes returned to applications (the kernel)
     read_errors: int = 0
+    read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
 
 
 class _OpenFile:
@@ -353,7 +354,12 @@ class SnapshotFS:
                 if ext.offset > pos:
                     parts.append(bytes(ext.offset - pos))
                     pos = ext.offset
-                data = await self.fetcher.get(f.refs[k], Priority.READ)
+                if self.fetcher.is_cached_in_memory(f.refs[k].chunk):
+                    data = await self.fetcher.get(f.refs[k], Priority.READ)
+                else:
+                    t0 = trio.current_time()
+                    data = await self.fetcher.get(f.refs[k], Priority.READ)
+                    self.stats.read_wait += trio.current_time() - t0
                 stop = min(end, ext.end)
                 parts.append(memoryview(data)[pos - ext.offset:stop - ext.offset])
                 pos = stop
@@ -369,8 +375,17 @@ class SnapshotFS:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _read_ahead(self, f: _OpenFile, offset: int, end: int, next_index: int) -> list[ChunkRef]:
-        """On sequential reads, the chunks of the next ``window`` bytes not yet requested."""
-        if offset == 0 or abs(offset - f.next_offset) <= 2 * MiB:
+        """On sequential reads, the chunks of the next ``window`` bytes not yet requested.
+
+        Chunks are requested a quarter window at a time, once less than three
+        quarters of a window is requested ahead of the reader: each request to
+        the fetcher is a run of neighbours it can fetch with one GET, and the
+        next run is on its way long before the reader reaches it.
+        """
+        # the kernel's own read-ahead sends several requests at once, which may arrive out of order:
+        # anything near where the reader is counts as sequential
+        slack = f.window + 2 * MiB
+        if offset == 0 or f.next_offset - slack <= offset <= f.next_offset + slack:
             f.window = min(max(f.window * 2, self.readahead_min), self.readahead_max)
         else:
             f.window = 0
@@ -379,6 +394,8 @@ class SnapshotFS:
         if not f.window:
             return []
         start = max(next_index, f.ahead)
+        if start < len(f.extents) and f.extents[start].offset - end >= f.window * 3 // 4:
+            return []  # still most of a window requested ahead
         stop = start
         limit = end + f.window
         while stop < len(f.extents) and f.extents[stop].offset < limit:
