@@ -199,7 +199,7 @@ class Fetcher:
         p = self._want([ref], priority)[0]
         await p.done.wait()
         if p.error is not None:
-            raise p.error
+            raise type(p.error)(p.error.ref, p.error.reason)  # one instance per waiter: tracebacks stay apart
         assert p.data is not None
         return p.data
 
