@@ -52,7 +52,7 @@ def _check_pack(repo: Repository, name: str, expected: dict[bytes, tuple[int, in
     checked = 0
     for cid, (off, slen, rlen) in by_id.items():
         try:
-            codec.decode_blob(body[off:off + slen], rlen, cid)
+            repo.codec.decode_blob(body[off:off + slen], rlen, cid)
         except CorruptObject as exc:
             problems.append(f"pack {name[:16]}: {exc}")
         checked += 1
@@ -87,7 +87,7 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
         try:
             from .repo.index import decode_index
 
-            for _cid, pack, *_ in decode_index(repo.store.get(name), name):
+            for _cid, pack, *_ in decode_index(repo.store.get(name), name, repo.codec):
                 if pack not in packs:
                     report.problems.append(f"{name}: refers to missing pack {pack[:16]}")
                     packs.add(pack)

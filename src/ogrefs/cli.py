@@ -21,10 +21,18 @@ EXIT_PARTIAL = 3
 
 
 class Context:
-    def __init__(self, repo_url: str | None, s3_endpoint: str | None, quiet: bool) -> None:
+    def __init__(self, repo_url: str | None, s3_endpoint: str | None, quiet: bool,
+                 password_file: str | None = None, key_file: str | None = None) -> None:
         self.repo_url = repo_url
         self.s3_endpoint = s3_endpoint
         self.quiet = quiet
+        self.password_file = password_file
+        self.key_file = key_file
+
+    def secret(self, prompt: bool = True):
+        from .repo.keys import Secret
+
+        return Secret.from_sources(self.password_file, self.key_file, prompt)
 
     def url(self) -> str:
         if not self.repo_url:
@@ -34,7 +42,7 @@ class Context:
     def open(self):
         from .repo import Repository
 
-        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint)
+        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret)
 
 
 def emit_json(obj: Any) -> None:
@@ -49,28 +57,108 @@ def json_option(f: Callable) -> Callable:
 @click.option("--repo", "-r", envvar="OGREFS_REPO", help="Repository URL: a directory, file:///path or s3://bucket/prefix.")
 @click.option("--s3-endpoint", envvar="OGREFS_S3_ENDPOINT", help="Endpoint of an S3-compatible server.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.option("--password-file", envvar="OGREFS_PASSWORD_FILE", help="File holding the repository passphrase.")
+@click.option("--key-file", envvar="OGREFS_KEY_FILE", help="Raw key file (>= 32 random bytes) instead of a passphrase.")
 @click.version_option(package_name="ogrefs")
 @click.pass_context
-def cli(ctx: click.Context, repo: str | None, s3_endpoint: str | None, quiet: bool) -> None:
-    """Snapshot a whole training box and bring it back, lazily."""
-    ctx.obj = Context(repo, s3_endpoint, quiet)
+def cli(ctx: click.Context, repo: str | None, s3_endpoint: str | None, quiet: bool, password_file: str | None,
+        key_file: str | None) -> None:
+    """Snapshot a whole training box and bring it back, lazily.
+
+    Encrypted repositories take the passphrase from OGREFS_PASSWORD,
+    --password-file, a raw --key-file, or a prompt.
+    """
+    ctx.obj = Context(repo, s3_endpoint, quiet, password_file, key_file)
 
 
 @cli.command()
 @click.option("--pack-size", type=click.IntRange(1, 1024), default=32, show_default=True, help="Target pack size, MiB.")
 @click.option("--compression-level", type=click.IntRange(0, 19), default=3, show_default=True)
+@click.option("--encrypt", is_flag=True, help="Encrypt every object (AES-256-GCM; key wrapped by passphrase).")
 @json_option
 @click.pass_obj
-def init(obj: Context, pack_size: int, compression_level: int, as_json: bool) -> None:
+def init(obj: Context, pack_size: int, compression_level: int, encrypt: bool, as_json: bool) -> None:
     """Create a new repository."""
     from .repo import Repository
 
+    secret = None
+    if encrypt:
+        secret = obj.secret(prompt=False) if (obj.key_file or obj.password_file or os.environ.get("OGREFS_PASSWORD")) \
+            else _prompt_new_passphrase()
     repo = Repository.init(obj.url(), s3_endpoint=obj.s3_endpoint, pack_target_size=pack_size * 1024 * 1024,
-                           compression_level=compression_level)
+                           compression_level=compression_level, secret=secret)
     if as_json:
-        emit_json({"id": repo.config.id, "url": repo.store.url, "version": repo.config.version})
+        emit_json({"id": repo.config.id, "url": repo.store.url, "version": repo.config.version,
+                   "encryption": repo.config.encryption})
     else:
-        click.echo(f"created ogrefs repository {repo.config.id[:8]} at {repo.store.url}")
+        enc = " (encrypted)" if encrypt else ""
+        click.echo(f"created ogrefs repository {repo.config.id[:8]} at {repo.store.url}{enc}")
+
+
+def _prompt_new_passphrase():
+    from .repo.keys import Secret
+
+    if not os.isatty(0):
+        raise UsageError("--encrypt needs OGREFS_PASSWORD, --password-file, --key-file or a terminal to ask on")
+    value = click.prompt("new repository passphrase", hide_input=True, confirmation_prompt=True)
+    if not value:
+        raise UsageError("an empty passphrase protects nothing")
+    return Secret(value.encode(), "scrypt")
+
+
+@cli.group()
+def key() -> None:
+    """Manage the passphrases and key files of an encrypted repository."""
+
+
+@key.command(name="list")
+@json_option
+@click.pass_obj
+def key_list(obj: Context, as_json: bool) -> None:
+    """List keys (the one used now is marked *)."""
+    from .repo.keys import list_keys
+
+    repo = obj.open()
+    keys = list_keys(repo.store)
+    if as_json:
+        emit_json([{k: p.get(k) for k in ("id", "kdf", "label", "host", "created")} | {"current": p["id"] == repo.key_id}
+                   for p in keys])
+        return
+    for p in keys:
+        mark = "*" if p["id"] == repo.key_id else " "
+        click.echo(f"{mark} {p['id']}  {p.get('kdf'):6}  {p.get('host', '?'):16}  {p.get('label', '')}")
+
+
+@key.command(name="add")
+@click.option("--new-password-file", help="File with the new passphrase (else OGREFS_NEW_PASSWORD or a prompt).")
+@click.option("--new-key-file", help="Add a raw key file instead of a passphrase.")
+@click.option("--label", default="", help="A note to tell keys apart.")
+@click.pass_obj
+def key_add(obj: Context, new_password_file, new_key_file, label) -> None:
+    """Add a passphrase or key file that also opens the repository."""
+    from .repo.keys import Secret
+
+    repo = obj.open()
+    if new_key_file or new_password_file:
+        new = Secret.from_sources(new_password_file, new_key_file, prompt=False)
+    elif os.environ.get("OGREFS_NEW_PASSWORD"):
+        new = Secret(os.environ["OGREFS_NEW_PASSWORD"].encode(), "scrypt")
+    else:
+        new = _prompt_new_passphrase()
+    params = repo.add_key(new, label)
+    click.echo(f"added key {params['id']}")
+
+
+@key.command(name="remove")
+@click.argument("key_id")
+@click.pass_obj
+def key_remove(obj: Context, key_id: str) -> None:
+    """Remove key KEY_ID (never the last one, nor the one in use)."""
+    from .repo.keys import remove_key
+
+    repo = obj.open()
+    remove_key(repo.store, key_id, repo.key_id or "")
+    click.echo(f"removed key {key_id}")
 
 
 @cli.command()
@@ -220,7 +308,8 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, a
         click.echo(f"warning: {warning}", err=True)
     cat = Catalog(repo.catalog_path(m["id"]))
     line = ProgressLine(enabled=not (as_json or obj.quiet))
-    r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore)
+    r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore,
+                 decode_blob=repo.codec.decode_blob)
     stats = r.run()
     line.done()
     result = {"id": m["id"], "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,

@@ -129,3 +129,98 @@ def unwrap(obj: bytes, what: str = "object") -> bytes:
     if blake3.blake3(plain).digest() != digest:
         raise CorruptObject(f"{what} fails its BLAKE3 check (truncated or corrupted)")
     return plain
+
+
+# -- per-repository codec: the same encodings, optionally encrypted ------------------
+
+ENCRYPTED_FLAG = 0x80
+NONCE_LEN = 12
+TAG_LEN = 16
+
+
+class RepoCodec:
+    """Encodes and decodes a repository's blobs and envelopes, with or without encryption.
+
+    Unencrypted, it is exactly the module functions above.  Encrypted
+    (AES-256-GCM), a blob is ``nonce | AESGCM(codec byte + payload)`` bound to
+    its chunk id, an envelope is ``OGRF | version | codec|0x80 | nonce |
+    AESGCM(payload)`` bound to its object key, so a swapped or tampered object
+    fails authentication instead of decrypting into wrong data.  Chunk ids
+    become keyed BLAKE3, so ids reveal nothing about content.
+
+    Immutable after construction and thread-safe (AESGCM objects are).
+    """
+
+    def __init__(self, level: int = 3, enc_key: bytes | None = None, id_key: bytes | None = None) -> None:
+        self.level = level
+        self.encrypted = enc_key is not None
+        self._id_key = id_key
+        self._aead = None
+        if enc_key is not None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            if id_key is None or len(id_key) != 32 or len(enc_key) != 32:
+                raise ValueError("encryption needs a 32-byte key and a 32-byte id key")
+            self._aead = AESGCM(enc_key)
+
+    def chunk_id(self, data: bytes | memoryview) -> bytes:
+        if self._id_key is None:
+            return chunk_id(data)
+        return blake3.blake3(data, key=self._id_key).digest()
+
+    def _seal(self, plain: bytes, aad: bytes) -> bytes:
+        import os as _os
+
+        nonce = _os.urandom(NONCE_LEN)
+        return nonce + self._aead.encrypt(nonce, plain, aad)
+
+    def _open(self, sealed: bytes | memoryview, aad: bytes, what: str) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
+        if len(sealed) < NONCE_LEN + TAG_LEN:
+            raise CorruptObject(f"{what}: encrypted object too short")
+        try:
+            return self._aead.decrypt(bytes(sealed[:NONCE_LEN]), bytes(sealed[NONCE_LEN:]), aad)
+        except InvalidTag:
+            raise CorruptObject(f"{what}: authentication failed (tampered, swapped or wrong key)") from None
+
+    def encode_blob(self, cid: bytes, data: bytes | memoryview) -> bytes:
+        blob = encode_blob(data, self.level)
+        return self._seal(blob, cid) if self._aead else blob
+
+    def decode_blob(self, blob: bytes | memoryview, raw_len: int, expected_id: bytes) -> bytes:
+        if self._aead:
+            blob = self._open(blob, expected_id, f"chunk {expected_id.hex()[:16]}")
+            data = decode_blob(blob, raw_len, None)
+            if self.chunk_id(data) != expected_id:
+                raise CorruptObject(f"chunk {expected_id.hex()[:16]} fails keyed BLAKE3 verification")
+            return data
+        return decode_blob(blob, raw_len, expected_id)
+
+    def seal(self, name: str, payload: bytes, compress: bool = True) -> bytes:
+        """Envelope for the object stored under key ``name``."""
+        if not self._aead:
+            return wrap(payload, compress, self.level)
+        inner = _compressor(self.level).compress(payload) if compress else payload
+        codec = (CODEC_ZSTD if compress else CODEC_RAW) | ENCRYPTED_FLAG
+        header = ENVELOPE_MAGIC + bytes([ENVELOPE_VERSION, codec])
+        return header + self._seal(inner, header + name.encode())
+
+    def open(self, name: str, obj: bytes) -> bytes:
+        if len(obj) < 6 or obj[:4] != ENVELOPE_MAGIC:
+            raise CorruptObject(f"{name} is not an ogrefs object (bad magic)")
+        encrypted = bool(obj[5] & ENCRYPTED_FLAG)
+        if encrypted != bool(self._aead):
+            state = "encrypted" if encrypted else "not encrypted"
+            raise CorruptObject(f"{name} is {state}, unlike this repository (replaced object?)")
+        if not self._aead:
+            return unwrap(obj, name)
+        if obj[4] != ENVELOPE_VERSION:
+            raise CorruptObject(f"{name} has envelope version {obj[4]}, this ogrefs reads {ENVELOPE_VERSION}")
+        inner = self._open(memoryview(obj)[6:], bytes(obj[:6]) + name.encode(), name)
+        if obj[5] & ~ENCRYPTED_FLAG == CODEC_ZSTD:
+            try:
+                return _decompressor().decompressobj().decompress(inner)
+            except zstandard.ZstdError as exc:
+                raise CorruptObject(f"{name} does not decompress: {exc}") from None
+        return inner

@@ -94,7 +94,7 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
                 obj = repo.store.get(key)
             except NotFound:
                 continue  # consolidated away by a finishing snapshot meanwhile
-            for cid, pack, off, slen, rlen in decode_index(obj, key):
+            for cid, pack, off, slen, rlen in decode_index(obj, key, repo.codec):
                 entries_by_pack.setdefault(pack, {})[cid] = (cid, pack, off, slen, rlen)
                 sizes[pack] = max(sizes.get(pack, 0), off + slen)
         marked, trash_keys = read_trash(repo)

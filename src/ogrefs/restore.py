@@ -108,9 +108,11 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
 class Restorer:
     def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, *,
                  includes: list[bytes] | None = None, workers: int = 8,
-                 progress: Callable[[RestoreStats], None] | None = None) -> None:
+                 progress: Callable[[RestoreStats], None] | None = None,
+                 decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob) -> None:
         self.cat = catalog
         self.read_range = read_range
+        self.decode_blob = decode_blob
         self.target = os.path.abspath(target).rstrip(b"/")
         self.includes = [os.path.normpath(b"/" + i.lstrip(b"/")) for i in (includes or [])]
         self.workers = workers
@@ -230,7 +232,7 @@ class Restorer:
         for b in rng.blobs:
             start = b.pack_offset - rng.offset
             try:
-                plain = codec.decode_blob(data[start:start + b.stored_len], b.raw_len, b.chunk)
+                plain = self.decode_blob(data[start:start + b.stored_len], b.raw_len, b.chunk)
             except CorruptObject as exc:
                 self._fail({t[0] for t in b.targets}, str(exc))
                 continue

@@ -38,7 +38,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from . import codec
 from .catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode
 from .chunker import Chunker, data_extents
 from .errors import OgrefsError, UsageError
@@ -167,7 +166,7 @@ class Snapshotter:
         self._last_progress = 0.0
         self._names = _Names()
         self._chunker = Chunker(repo.config.chunker)
-        self._level = repo.config.compression_level
+        self._codec = repo.codec  # immutable, thread-safe: hash workers use it
         self._claim_lock = threading.Lock()
         self._claimed: set[bytes] = set()
         self._live_packs: set[str] = set()
@@ -196,10 +195,10 @@ class Snapshotter:
             return True
 
     def _process(self, data: bytes) -> tuple[bytes, bytes | None]:
-        cid = codec.chunk_id(data)
+        cid = self._codec.chunk_id(data)
         if not self._claim(cid):
             return cid, None
-        return cid, codec.encode_blob(data, self._level)
+        return cid, self._codec.encode_blob(cid, data)
 
     def _upload(self, name: str, body: bytes, entries: list[tuple[bytes, int, int, int]]) -> tuple[str, list]:
         index_entries = [(cid, name, off, slen, rlen) for cid, off, slen, rlen in entries]

@@ -36,8 +36,10 @@ class RepoConfig:
     encryption: str | None = None
 
     @classmethod
-    def new(cls, pack_target_size: int = 32 * MiB, compression_level: int = 3) -> "RepoConfig":
-        return cls(id=secrets.token_hex(16), pack_target_size=pack_target_size, compression_level=compression_level)
+    def new(cls, pack_target_size: int = 32 * MiB, compression_level: int = 3,
+            encryption: str | None = None) -> "RepoConfig":
+        return cls(id=secrets.token_hex(16), pack_target_size=pack_target_size, compression_level=compression_level,
+                   encryption=encryption)
 
     def to_bytes(self) -> bytes:
         body = {"format": FORMAT_NAME, **asdict(self)}
@@ -73,8 +75,8 @@ class RepoConfig:
             raise RepositoryError(f"{where}: config is malformed ({exc})") from None
         if cfg.hash != "blake3-256" or cfg.compression != "zstd":
             raise RepositoryError(f"{where}: unsupported hash {cfg.hash!r} or compression {cfg.compression!r}")
-        if cfg.encryption is not None:
-            raise RepositoryError(f"{where}: repository is encrypted ({cfg.encryption}); this ogrefs cannot open it")
+        if cfg.encryption not in (None, "aes-256-gcm"):
+            raise RepositoryError(f"{where}: unknown encryption {cfg.encryption!r}; upgrade ogrefs")
         if not (64 <= chunker.min_size <= chunker.avg_size <= chunker.max_size <= 16 * MiB):
             raise RepositoryError(f"{where}: chunker parameters out of range")
         return cfg

@@ -38,13 +38,13 @@ _ENTRY = struct.Struct("<32s32sQII")
 IndexEntry = tuple[bytes, str, int, int, int]  # chunk id, pack name (hex), offset, stored_len, raw_len
 
 
-def encode_index(entries: Iterable[IndexEntry]) -> bytes:
+def encode_index(entries: Iterable[IndexEntry], rc: codec.RepoCodec | None = None, name: str = "") -> bytes:
     body = b"".join(_ENTRY.pack(cid, bytes.fromhex(pack), off, slen, rlen) for cid, pack, off, slen, rlen in entries)
-    return codec.wrap(body)
+    return rc.seal(name, body) if rc else codec.wrap(body)
 
 
-def decode_index(obj: bytes, what: str) -> Iterator[IndexEntry]:
-    raw = codec.unwrap(obj, what)
+def decode_index(obj: bytes, what: str, rc: codec.RepoCodec | None = None) -> Iterator[IndexEntry]:
+    raw = rc.open(what, obj) if rc else codec.unwrap(obj, what)
     if len(raw) % _ENTRY.size:
         raise CorruptObject(f"{what}: index has a partial entry")
     for i in range(0, len(raw), _ENTRY.size):
@@ -53,8 +53,9 @@ def decode_index(obj: bytes, what: str) -> Iterator[IndexEntry]:
 
 
 class ChunkIndex:
-    def __init__(self, store: Store, path: Path) -> None:
+    def __init__(self, store: Store, path: Path, rc: codec.RepoCodec | None = None) -> None:
         self._store = store
+        self._rc = rc
         self._path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = self._connect()
@@ -85,7 +86,7 @@ class ChunkIndex:
                 obj = self._store.get(f"index/{name}")
             except NotFound:
                 continue  # deleted between list and get: its content lives in a consolidated object
-            entries = list(decode_index(obj, f"index/{name}"))
+            entries = list(decode_index(obj, f"index/{name}", self._rc))
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?,?)", entries)
             self._db.execute("INSERT OR IGNORE INTO merged VALUES (?)", (name,))

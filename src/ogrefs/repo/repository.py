@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import codec
 from ..errors import CorruptObject, RepositoryError, SnapshotNotFound
@@ -21,6 +21,7 @@ from ..store import open_store
 from ..store.base import NotFound, Store
 from .config import RepoConfig
 from .index import ChunkIndex, IndexEntry, encode_index
+from .keys import Secret, add_key, open_master
 from .pack import TAIL_SIZE, pack_key, parse_header, parse_trailer_tail
 
 Manifest = dict[str, Any]
@@ -51,42 +52,78 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 class Repository:
-    def __init__(self, store: Store, config: RepoConfig, cache_root: Path | None = None) -> None:
+    def __init__(self, store: Store, config: RepoConfig, cache_root: Path | None = None,
+                 master: bytes | None = None, key_id: str | None = None) -> None:
         self.store = store
         self.config = config
-        self.cache_dir = (cache_root or default_cache_dir()) / "repos" / config.id
+        root = cache_root or default_cache_dir()
+        for d in (root, root / "repos"):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.cache_dir = root / "repos" / config.id
         self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if config.encryption and master is None:
+            raise RepositoryError(f"{store.url}: repository is encrypted; a passphrase or key file is needed")
+        self.key_id = key_id
+        self._master = master
+        self.codec = codec.RepoCodec(config.compression_level, master[:32] if master else None,
+                                     master[32:] if master else None)
         self._index: ChunkIndex | None = None
 
     # -- opening ----------------------------------------------------------------
     @classmethod
     def init(cls, url: str, *, s3_endpoint: str | None = None, cache_root: Path | None = None,
-             pack_target_size: int | None = None, compression_level: int = 3) -> "Repository":
+             pack_target_size: int | None = None, compression_level: int = 3,
+             secret: Secret | None = None) -> "Repository":
+        """Create a repository; with ``secret``, an encrypted one whose first key it wraps."""
         store = open_store(url, s3_endpoint=s3_endpoint)
         if store.exists("config"):
             raise RepositoryError(f"{store.url}: a repository already exists here")
-        kwargs = {"compression_level": compression_level}
+        kwargs: dict = {"compression_level": compression_level}
         if pack_target_size:
             kwargs["pack_target_size"] = pack_target_size
+        master = key_id = None
+        if secret is not None:
+            kwargs["encryption"] = "aes-256-gcm"
+            master = os.urandom(64)
+            key_id = add_key(store, master, secret, label="initial")["id"]
         config = RepoConfig.new(**kwargs)
         store.put("config", config.to_bytes())
-        return cls(store, config, cache_root)
+        return cls(store, config, cache_root, master, key_id)
 
     @classmethod
     def open(cls, url: str, *, s3_endpoint: str | None = None, cache_root: Path | None = None,
-             store: Store | None = None) -> "Repository":
+             store: Store | None = None, secret: Secret | None = None,
+             secret_source: "Callable[[], Secret] | None" = None) -> "Repository":
+        """Open a repository; an encrypted one needs ``secret`` (or asks ``secret_source`` for it)."""
         store = store or open_store(url, s3_endpoint=s3_endpoint)
         try:
             raw = store.get("config")
         except NotFound:
             raise RepositoryError(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
-        return cls(store, RepoConfig.from_bytes(raw, store.url), cache_root)
+        config = RepoConfig.from_bytes(raw, store.url)
+        master = key_id = None
+        if config.encryption:
+            if secret is None:
+                if secret_source is None:
+                    raise RepositoryError(f"{store.url}: repository is encrypted; give a passphrase or key file")
+                secret = secret_source()
+            master, key_id = open_master(store, secret)
+        elif any(True for _ in store.list("keys/")):
+            # Keys exist but the config says plaintext: someone replaced the config.
+            raise RepositoryError(f"{store.url}: config says unencrypted but key objects exist; refusing "
+                                  "(a replaced config would make new data leave this box in plaintext)")
+        return cls(store, config, cache_root, master, key_id)
+
+    def add_key(self, secret: Secret, label: str = "") -> dict:
+        if self._master is None:
+            raise RepositoryError("repository is not encrypted; it has no keys")
+        return add_key(self.store, self._master, secret, label)
 
     # -- packs and index ---------------------------------------------------------
     @property
     def index(self) -> ChunkIndex:
         if self._index is None:
-            self._index = ChunkIndex(self.store, self.cache_dir / "index.sqlite")
+            self._index = ChunkIndex(self.store, self.cache_dir / "index.sqlite", self.codec)
         return self._index
 
     def put_pack(self, name: str, body: bytes) -> None:
@@ -96,7 +133,7 @@ class Repository:
         return self.store.get_range(pack_key(pack), offset, length)
 
     def write_index(self, name: str, entries: list[IndexEntry]) -> None:
-        self.store.put(f"index/{name}", encode_index(entries))
+        self.store.put(f"index/{name}", encode_index(entries, self.codec, f"index/{name}"))
 
     def read_pack_header(self, name: str) -> list[tuple[bytes, int, int, int]]:
         """A pack's own list of blobs, from its trailer.
@@ -128,7 +165,7 @@ class Repository:
     # -- manifests ---------------------------------------------------------------
     def put_manifest(self, manifest: Manifest) -> None:
         body = json.dumps(manifest, sort_keys=True).encode()
-        self.store.put(f"snapshots/{manifest['id']}", codec.wrap(body))
+        self.store.put(f"snapshots/{manifest['id']}", self.codec.seal(f"snapshots/{manifest['id']}", body))
 
     def load_manifest(self, snap_id: str) -> Manifest:
         cached = self.cache_dir / "manifests" / snap_id
@@ -139,10 +176,10 @@ class Repository:
                 obj = self.store.get(f"snapshots/{snap_id}")
             except NotFound:
                 raise SnapshotNotFound(f"no snapshot {snap_id} in {self.store.url}") from None
-            codec.unwrap(obj, f"snapshots/{snap_id}")
+            self.codec.open(f"snapshots/{snap_id}", obj)
             _atomic_write(cached, obj)
         try:
-            manifest = json.loads(codec.unwrap(obj, f"snapshots/{snap_id}"))
+            manifest = json.loads(self.codec.open(f"snapshots/{snap_id}", obj))
         except ValueError:
             raise CorruptObject(f"snapshots/{snap_id}: manifest is not valid JSON") from None
         if not isinstance(manifest, dict) or manifest.get("id") != snap_id:
@@ -176,7 +213,7 @@ class Repository:
 
     # -- catalogs ----------------------------------------------------------------
     def put_catalog(self, snap_id: str, db_path: Path) -> int:
-        obj = codec.wrap(db_path.read_bytes())
+        obj = self.codec.seal(f"catalogs/{snap_id}", db_path.read_bytes())
         self.store.put(f"catalogs/{snap_id}", obj)
         return len(obj)
 
@@ -189,5 +226,5 @@ class Repository:
             obj = self.store.get(f"catalogs/{snap_id}")
         except NotFound:
             raise CorruptObject(f"catalog of snapshot {snap_id[:12]} is missing from the repository") from None
-        _atomic_write(path, codec.unwrap(obj, f"catalogs/{snap_id}"))
+        _atomic_write(path, self.codec.open(f"catalogs/{snap_id}", obj))
         return path
