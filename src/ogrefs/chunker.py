@@ -54,10 +54,23 @@ class Chunker:
             max(256, params.avg_size - params.min_size), min_size=params.min_size, max_size=params.max_size
         )
         self.max_size = params.max_size
+        self.min_size = params.min_size
 
     def chunks(self, fd: int, extents: list[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
         """Yield (file offset, bytes) for every chunk of the given extents, in order."""
         for start, end in extents:
+            if end - start <= self.min_size:
+                # Below the minimum chunk size there is nothing to cut: one read, no copies.
+                data = os.pread(fd, end - start, start)
+                if data:
+                    yield start, data
+                continue
+            if end - start <= WINDOW:
+                data = os.pread(fd, end - start, start)
+                view = memoryview(data)
+                for c in self._cdc.cut_buf(data):
+                    yield start + c.offset, bytes(view[c.offset:c.offset + c.length])
+                continue
             pos = start
             carry = b""
             carry_off = start

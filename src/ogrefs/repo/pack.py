@@ -41,7 +41,7 @@ class PackBuilder:
     """Accumulates blobs for one pack.  Owned by a single thread (the snapshotter)."""
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
+        self._body = bytearray()
         self._entries: list[tuple[bytes, int, int, int]] = []
         self.size = 0
 
@@ -51,7 +51,7 @@ class PackBuilder:
     def add(self, cid: bytes, blob: bytes, raw_len: int) -> int:
         """Append a blob; returns its offset within the pack."""
         offset = self.size
-        self._parts.append(blob)
+        self._body += blob
         self._entries.append((cid, offset, len(blob), raw_len))
         self.size += len(blob)
         return offset
@@ -64,7 +64,10 @@ class PackBuilder:
         deferred deletion of the old one would delete the new one.
         """
         header = zstandard.ZstdCompressor(level=3).compress(b"".join(_ENTRY.pack(*e) for e in self._entries))
-        body = b"".join(self._parts) + header + _TAIL.pack(len(header), TRAILER_MAGIC)
+        self._body += header
+        self._body += _TAIL.pack(len(header), TRAILER_MAGIC)
+        body = bytes(self._body)
+        self._body = bytearray()
         name = secrets.token_hex(32)
         return name, body, list(self._entries)
 
