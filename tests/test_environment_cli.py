@@ -1,0 +1,73 @@
+"""The environment manifest through the CLI: show, diff, hints, and the restore-time check."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ogrefs import codec
+from ogrefs.catalog import Catalog
+from ogrefs.repo import Repository
+
+from .test_cli import assert_one_line_error, run
+from .test_inspect_probe import h100, hf_ckpt, venv, write
+
+
+def _box(root):
+    v = venv(root, {"torch": "2.1.0+cu121", "numpy": "1.26.4"})
+    write(os.path.join(v, "lib", "python3.11", "site-packages", "torch", "version.py"),
+          "__version__ = '2.1.0+cu121'\ncuda = '12.1'\n")
+    run_dir = os.path.join(str(root), "out")
+    hf_ckpt(run_dir, 100)
+    hf_ckpt(run_dir, 200)
+    return v
+
+
+def test_show_diff_and_hints(tmp_path):
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    box = tmp_path / "box"
+    v = _box(box)
+    run(["init"], env)
+    a = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
+    envm = a["environment"]
+    venvs = {e["path"]: e for e in envm["python_envs"]}
+    assert venvs[v]["packages"]["torch"] == "2.1.0+cu121" and venvs[v]["torch"]["cuda"] == "12.1"
+    latest = envm["checkpoints"]["latest_coherent"]
+    assert latest["step"] == 200 and latest["id"].endswith("checkpoint-200")
+    # hints land in the catalog as inodes of the snapshot
+    repo = Repository.open(str(tmp_path / "repo"), cache_root=tmp_path / "cache")
+    cat = Catalog(repo.catalog_path(a["id"]))
+    classes = {k for k, _ino, _rank in cat.hints()}
+    assert {"python", "checkpoint"} <= classes
+    human = run(["show", "latest"], env).stdout
+    assert "checkpoint-200" in human and "torch" in human
+    # the next day: torch upgraded, a new checkpoint
+    site = os.path.join(v, "lib", "python3.11", "site-packages")
+    os.rename(os.path.join(site, "torch-2.1.0+cu121.dist-info"), os.path.join(site, "torch-2.2.0.dist-info"))
+    write(os.path.join(site, "torch-2.2.0.dist-info", "METADATA"), "Name: torch\nVersion: 2.2.0\n")
+    hf_ckpt(os.path.join(str(box), "out"), 300)
+    b = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
+    d = json.loads(run(["diff", "--json", a["id"], b["id"]], env).stdout)
+    assert any(p.endswith("checkpoint-300") for p in d["files"]["added"])
+    flat = json.dumps(d["environment"])
+    assert "2.2.0" in flat and "torch" in flat
+    assert "environment:" in run(["diff", a["id"], b["id"]], env).stdout
+
+
+def test_strict_restore_refuses_on_a_box_without_the_gpus(tmp_path):
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    box = tmp_path / "box"
+    _box(box)
+    run(["init"], env)
+    snap = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
+    # This test box has no GPU; pretend the snapshot came from an 8x H100 machine.
+    key = tmp_path / "repo" / "snapshots" / snap["id"]
+    m = json.loads(codec.unwrap(key.read_bytes()))
+    m["environment"]["gpus"] = h100(8)
+    key.write_bytes(codec.wrap(json.dumps(m).encode()))
+    fresh = dict(env, OGREFS_CACHE_DIR=str(tmp_path / "cache2"))
+    proc = run(["restore", snap["id"], str(tmp_path / "out")], fresh)
+    assert "warning:" in proc.stderr and "GPU" in proc.stderr
+    assert_one_line_error(run(["restore", "--strict", snap["id"], str(tmp_path / "out2")], fresh, check=False),
+                          "--strict")
+    assert not (tmp_path / "out2").exists()
