@@ -630,3 +630,15 @@ def test_real_torch_save_is_understood(tmp_path):
     assert fc.ok is True and fc.kind == "torch-zip"
     assert fc.components == {"model", "optimizer", "progress"} and fc.step == 7
     assert fc.unusual_globals == []
+
+
+def test_data_shards_named_bin_are_not_checkpoints(tmp_path):
+    """Random-content ``shard-00087.bin`` files are data, not broken checkpoints."""
+    from ogrefs.inspect import capture_environment
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in (7, 87):
+        (data / f"shard-{i:05d}.bin").write_bytes(bytes([0xCA, 0xFE]) + os.urandom(4096))
+    env = capture_environment([str(tmp_path)], deadline_s=10)
+    assert env["checkpoints"]["incomplete"] == [] and env["checkpoints"]["count"] == 0

@@ -314,6 +314,8 @@ def _not_a_checkpoint(u: _Unit) -> bool:
     if u.is_dir or len(u.checks) != 1:
         return False
     c = u.checks[0]
+    if c.kind == "unknown" and not c.problems:
+        return True  # neither zip, safetensors nor pickle: "shard-00087.bin" is data
     if u.name_step is not None or u.name_epoch is not None:
         return False  # "ckpt_100.pt" left empty by a crash is worth reporting
     if components_from_name(os.path.basename(c.path)):

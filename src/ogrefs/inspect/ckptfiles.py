@@ -351,6 +351,11 @@ def _check_raw_pickle(f, fc: FileCheck, deadline: Deadline | None) -> None:
             "legacy (pre-zip) torch.save format: intact-ness cannot be checked without loading"
         )
         return
+    if not head.startswith(b"\x80"):
+        # Not a pickle (protocol 2+ always starts with PROTO): data shards,
+        # tokenizer blobs and other ``.bin`` files are not checkpoints.
+        fc.kind = "unknown"
+        return
     fc.kind = "pickle"
     if fc.size > _MAX_PICKLE_BYTES:
         fc.ok = None
