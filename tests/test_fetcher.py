@@ -160,12 +160,15 @@ def test_priority_raise_moves_a_queued_chunk_ahead():
     f = Fetcher(fake.read_range, max_requests=2, reserved_for_read=1)
 
     async def body(nursery):
-        f.prefetch(bg, Priority.BACKGROUND)
-        await trio.sleep(0.2)
-        nursery.start_soon(f.get, bg[5], Priority.READ)  # queued as background, now wanted by a reader
+        f.prefetch(bg[:5], Priority.BACKGROUND)
+        await trio.sleep(0.2)  # one of them holds the only background slot
+        f.prefetch(bg[5:], Priority.BACKGROUND)
+        await trio.sleep(0.1)
+        nursery.start_soon(f.get, bg[5], Priority.READ)  # queued last as background, now wanted by a reader
         await trio.sleep(0.2)
         with fake.lock:
-            assert [c[0] for c in fake.calls] == ["bg0", "bg5"]
+            started = [c[0] for c in fake.calls]
+        assert len(started) == 2 and started[1] == "bg5", started
         fake.gate.set()
         for r in bg:
             await f.get(r)

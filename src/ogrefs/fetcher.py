@@ -172,7 +172,8 @@ class Fetcher:
         self._nursery: trio.Nursery | None = None
         self._net_limiter = trio.CapacityLimiter(max_requests)
         self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
-        self._cache_limiter = trio.CapacityLimiter(4)
+        self._cache_limiter = trio.CapacityLimiter(4)  # cache loads: a reader may be waiting
+        self._cache_write_limiter = trio.CapacityLimiter(2)  # writes with fsync, bookkeeping: nobody waits
 
     # -- lifetime ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -433,7 +434,7 @@ class Fetcher:
     async def _store(self, chunk: bytes, data: bytes) -> None:
         assert self.cache is not None
         try:
-            await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_limiter)
+            await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_write_limiter)
         except _CACHE_ERRORS as exc:
             self.stats.cache_write_errors += 1
             log.warning("chunk cache write failed (%s); serving without caching", exc)
@@ -443,7 +444,7 @@ class Fetcher:
             await trio.sleep(1.0)
             if self.cache is not None:
                 try:
-                    await trio.to_thread.run_sync(self.cache.flush, limiter=self._cache_limiter)
+                    await trio.to_thread.run_sync(self.cache.flush, limiter=self._cache_write_limiter)
                 except _CACHE_ERRORS as exc:
                     log.warning("chunk cache bookkeeping failed: %s", exc)
 

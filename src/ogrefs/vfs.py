@@ -54,6 +54,9 @@ MiB = 1024 * 1024
 
 #: The snapshot never changes, so the kernel may cache names and attributes "forever".
 CACHE_TIMEOUT = 24 * 3600.0
+#: The first page of a listing is read inline (most directories are small: one
+#: indexed query beats a thread hop); later pages, READDIR_PAGE entries each, in a thread.
+READDIR_FIRST_PAGE = 64
 READDIR_PAGE = 512
 BLOCK_SIZE = 4096
 
@@ -144,6 +147,15 @@ class _CatalogExtra:
     def data_bytes(self, ino: int) -> int:
         return self._db().execute("SELECT coalesce(sum(length), 0) FROM extents WHERE ino=?", (ino,)).fetchone()[0]
 
+    def data_bytes_many(self, inos: list[int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        db = self._db()
+        for i in range(0, len(inos), 500):
+            part = inos[i:i + 500]
+            out.update(db.execute(f"SELECT ino, sum(length) FROM extents WHERE ino IN ({','.join('?' * len(part))})"
+                                  " GROUP BY ino", part).fetchall())
+        return out
+
     def parent_of(self, ino: int) -> int:
         row = self._db().execute("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
         return row[0] if row else ROOT_INO
@@ -184,11 +196,15 @@ class SnapshotFS:
 
     # -- attributes --------------------------------------------------------------------
     def _attr(self, node: Inode) -> Attr:
-        if node.is_reg and node.size:
-            return Attr(node, (self._extra.data_bytes(node.ino) + 511) // 512)
+        return Attr(node, self._blocks(node, self._extra.data_bytes(node.ino) if node.is_reg and node.size else 0))
+
+    @staticmethod
+    def _blocks(node: Inode, data_bytes: int) -> int:
+        if node.is_reg:
+            return (data_bytes + 511) // 512
         if node.is_lnk:
-            return Attr(node, 0)
-        return Attr(node, (node.size + 511) // 512)
+            return 0
+        return (node.size + 511) // 512
 
     def _node(self, ino: int) -> Inode:
         node = self.catalog.get(ino)
@@ -263,10 +279,11 @@ class SnapshotFS:
         self._dirs[fh] = _OpenDir(ino)
         return fh
 
-    def _page(self, ino: int, after: bytes | None, skip: int = 0) -> list[tuple[bytes, Attr]]:
-        """Runs in a worker thread: up to READDIR_PAGE entries after ``after`` (or ``skip`` entries in)."""
-        rows = self.catalog.children(ino, after=after, limit=skip + READDIR_PAGE)[skip:]
-        return [(name, self._attr(node)) for name, node in rows]
+    def _page(self, ino: int, after: bytes | None, skip: int, size: int) -> list[tuple[bytes, Attr]]:
+        """Up to ``size`` entries after ``after`` (or ``skip`` entries in), with their attributes."""
+        rows = self.catalog.children(ino, after=after, limit=skip + size)[skip:]
+        data = self._extra.data_bytes_many([n.ino for _, n in rows if n.is_reg and n.size])
+        return [(name, Attr(node, self._blocks(node, data.get(node.ino, 0)))) for name, node in rows]
 
     async def readdir(self, fh: int, start: int, emit: Callable[[bytes, Attr, int], bool]) -> None:
         """Report entries from position ``start`` through ``emit(name, attr, next_position)``.
@@ -288,8 +305,13 @@ class SnapshotFS:
                     after, skip = d.entries[-1][0], 0
                 else:  # the first page, or a seek elsewhere (rewinddir, telldir/seekdir)
                     after, skip = None, pos
-                page = await trio.to_thread.run_sync(self._page, d.ino, after, skip)
-                d.base, d.entries, d.complete = pos, page, len(page) < READDIR_PAGE
+                if pos == 0:
+                    size = READDIR_FIRST_PAGE
+                    page = self._page(d.ino, None, 0, size)
+                else:
+                    size = READDIR_PAGE
+                    page = await trio.to_thread.run_sync(self._page, d.ino, after, skip, size)
+                d.base, d.entries, d.complete = pos, page, len(page) < size
                 if not page:
                     return
                 i = 0
