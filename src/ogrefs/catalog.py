@@ -19,14 +19,18 @@ Inode 1 is ``/``; inode numbers are assigned in walk order and never change, so
 they are stable across mounts.  A reader needs only this file and the packs.
 
 Concurrency: a CatalogWriter belongs to the snapshotting thread.  A Catalog
-(reader) opens one read-only SQLite connection per thread that uses it.
+(reader) opens one read-only SQLite connection per thread that uses it; its
+``rejected`` record is guarded by ``_rejected_lock``.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import sqlite3
 import stat
 import threading
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -35,6 +39,8 @@ import sqlite_utils
 
 from .errors import CorruptObject
 from .repo.pack import BlobLocation
+
+log = logging.getLogger(__name__)
 
 ROOT_INO = 1
 FLAG_CHANGED = 1  # the file kept changing while it was read
@@ -228,93 +234,253 @@ class CatalogWriter:
         self._db.close()
 
 
+#: Longest file name Linux accepts (NAME_MAX); the snapshot walk never records a longer one.
+NAME_MAX = 255
+_U32 = 2**32
+_I64 = 2**63
+
+
+def valid_name(name: object) -> bool:
+    """True if ``name`` can be a directory entry: non-empty bytes, not ``.``/``..``, no ``/`` or NUL.
+
+    A catalog is only ever written by ``snapshot`` from ``listdir``, so it never
+    holds anything else; a name that fails this came from a damaged or forged
+    catalog, and joining it to a path could escape the restore target.
+    """
+    return (type(name) is bytes and 0 < len(name) <= NAME_MAX and name != b"." and name != b".."
+            and b"/" not in name and b"\0" not in name)
+
+
+def _int_in(v: object, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v < hi
+
+
+def _check_inode(row: tuple, where: str) -> Inode:
+    """An Inode from a catalog row, or CorruptObject if a column has the wrong type or range.
+
+    SQLite does not enforce column types, so a damaged or forged catalog can
+    hold text where a mode is expected, negative sizes, or a NUL in a symlink
+    target; none of that may reach ``os`` calls (where it would raise
+    TypeError, OverflowError or ValueError instead of a clean error).
+    """
+    (ino, mode, uid, gid, user, grp, size, atime, mtime, ctime, nlink, rdev, target, src_dev, src_ino,
+     flags) = row
+    ok = (_int_in(ino, 1, _I64) and _int_in(mode, 0, _U32) and _int_in(uid, 0, _U32) and _int_in(gid, 0, _U32)
+          and (user is None or type(user) is str) and (grp is None or type(grp) is str)
+          and _int_in(size, 0, _I64) and _int_in(atime, -_I64, _I64) and _int_in(mtime, -_I64, _I64)
+          and _int_in(ctime, -_I64, _I64) and _int_in(nlink, 0, _I64) and _int_in(rdev, 0, _I64)
+          and (target is None or (type(target) is bytes and b"\0" not in target))
+          and type(src_dev) is int and type(src_ino) is int and type(flags) is int)
+    if not ok:
+        raise CorruptObject(f"catalog {where}: inode {ino!r} has a malformed row")
+    return Inode(*row)
+
+
+def _check_location(chunk: object, pack: object, poff: object, slen: object, where: str) -> None:
+    if not (type(chunk) is bytes and len(chunk) == 32 and type(pack) is str and _PACK_NAME.fullmatch(pack)
+            and _int_in(poff, 0, _I64) and _int_in(slen, 1, _U32)):
+        raise CorruptObject(f"catalog {where}: a blob location is malformed")
+
+
+_PACK_NAME = re.compile(r"[0-9a-f]{64}")
+
+#: Every table and column a reader uses; checked once when a catalog is opened.
+_SCHEMA = {
+    "inodes": _INODE_COLS,
+    "dirents": "parent, name, ino",
+    "xattrs": "ino, name, value",
+    "extents": "ino, offset, length, blob",
+    "blobs": "id, chunk, pack, offset, stored_len, raw_len",
+    "packs": "id, name",
+    "roots": "path",
+    "hints": "class, ino, rank",
+    "meta": "key, value",
+}
+
+
 class Catalog:
-    """Read access to a catalog file; safe to share between threads."""
+    """Read access to a catalog file; safe to share between threads.
+
+    The reader trusts nothing in the file: a catalog that is not SQLite, lacks
+    a table, or holds a row of the wrong shape raises CorruptObject (never a
+    sqlite3, Type or Overflow error).  Directory entries whose name is not a
+    valid file name (empty, ``.``, ``..``, containing ``/`` or NUL, longer
+    than NAME_MAX), repeated names, and a directory reached a second time
+    (a loop or a hard-linked directory) are *skipped*: logged once as a
+    warning and recorded in :attr:`rejected`, so that neither a restore nor a
+    mount can be led outside its tree.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._local = threading.local()
+        self._rejected_lock = threading.Lock()
+        #: (parent ino, name, reason) of every entry skipped so far.
+        self.rejected: dict[tuple[int, bytes], str] = {}
+        self._uri = f"file:{urllib.parse.quote(str(Path(path).absolute()))}?mode=ro&immutable=1"
         try:
             db = self._db()
-            db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone()
-        except sqlite3.DatabaseError as exc:
+            for table, cols in _SCHEMA.items():
+                db.execute(f"SELECT {cols} FROM {table} LIMIT 0").fetchall()
+            row = db.execute(f"SELECT {_INODE_COLS} FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone()
+        except sqlite3.Error as exc:
             raise CorruptObject(f"catalog {path.name} is not a readable SQLite catalog ({exc})") from None
+        if row is None or not stat.S_ISDIR(_check_inode(row, path.name).mode):
+            raise CorruptObject(f"catalog {path.name} has no root directory")
 
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(f"file:{self.path}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+            db = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
             self._local.db = db
         return db
 
+    def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
+        try:
+            return self._db().execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise CorruptObject(f"catalog {self.path.name} is damaged ({exc})") from None
+
+    def _iter(self, sql: str, args: tuple = ()) -> Iterator[tuple]:
+        try:
+            cur = self._db().execute(sql, args)
+            while rows := cur.fetchmany(1024):
+                yield from rows
+        except sqlite3.Error as exc:
+            raise CorruptObject(f"catalog {self.path.name} is damaged ({exc})") from None
+
+    def _reject(self, parent: int, name: object, reason: str) -> None:
+        key = (parent, name if isinstance(name, bytes) else repr(name).encode())
+        with self._rejected_lock:
+            if key in self.rejected:
+                return
+            self.rejected[key] = reason
+        log.warning("catalog %s: skipped entry %r in directory inode %d: %s", self.path.name, key[1], parent, reason)
+
     def get(self, ino: int) -> Inode | None:
-        row = self._db().execute(f"SELECT {_INODE_COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()
-        return Inode(*row) if row else None
+        rows = self._rows(f"SELECT {_INODE_COLS} FROM inodes WHERE ino=?", (ino,))
+        return _check_inode(rows[0], self.path.name) if rows else None
 
     def lookup(self, parent: int, name: bytes) -> Inode | None:
-        row = self._db().execute(
+        if not valid_name(name):
+            return None
+        rows = self._rows(
             f"SELECT {_I_COLS} FROM dirents d "
-            "JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.name=?",
+            "JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.name=? LIMIT 1",
             (parent, name),
-        ).fetchone()
-        return Inode(*row) if row else None
+        )
+        return _check_inode(rows[0], self.path.name) if rows else None
 
     def children(self, parent: int, after: bytes | None = None, limit: int = -1) -> list[tuple[bytes, Inode]]:
-        rows = self._db().execute(
-            f"SELECT d.name, {_I_COLS} FROM dirents d JOIN inodes i ON i.ino = d.ino "
-            "WHERE d.parent=? AND d.name > ? ORDER BY d.name LIMIT ?",
-            (parent, after or b"", limit),
-        )
-        return [(r[0], Inode(*r[1:])) for r in rows]
+        """Up to ``limit`` valid entries of ``parent`` whose name sorts after ``after``, in name order.
+
+        Invalid and repeated names are skipped (see the class docstring); the
+        page is refilled so that a short page still means "end of directory".
+        """
+        out: list[tuple[bytes, Inode]] = []
+        cursor = after or b""
+        prev: bytes | None = None
+        while limit < 0 or len(out) < limit:
+            want = -1 if limit < 0 else limit - len(out)
+            rows = self._rows(
+                f"SELECT d.name, {_I_COLS} FROM dirents d JOIN inodes i ON i.ino = d.ino "
+                "WHERE d.parent=? AND d.name > ? ORDER BY d.name LIMIT ?",
+                (parent, cursor, want),
+            )
+            for r in rows:
+                name = r[0]
+                if not valid_name(name):
+                    self._reject(parent, name, "not a valid file name")
+                elif name == prev:
+                    self._reject(parent, name, "name appears twice in one directory")
+                else:
+                    out.append((name, _check_inode(r[1:], self.path.name)))
+                prev = name
+            if want < 0 or len(rows) < want:
+                break
+            last = rows[-1][0]
+            if type(last) is not bytes:
+                break  # a non-blob name sorts before every blob: nothing valid follows in this order
+            cursor = last
+        return out
 
     def xattrs(self, ino: int) -> list[tuple[bytes, bytes]]:
-        return [(r[0], r[1]) for r in self._db().execute("SELECT name, value FROM xattrs WHERE ino=? ORDER BY name", (ino,))]
+        out = []
+        for name, value in self._rows("SELECT name, value FROM xattrs WHERE ino=? ORDER BY name", (ino,)):
+            if type(name) is bytes and name and b"\0" not in name and type(value) is bytes:
+                out.append((name, value))
+            else:
+                self._reject(ino, b"xattr " + (name if type(name) is bytes else repr(name).encode()),
+                             "malformed extended attribute")
+        return out
 
     def extents(self, ino: int) -> list[Extent]:
-        rows = self._db().execute(
+        rows = self._rows(
             "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len FROM extents e "
             "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack WHERE e.ino=? ORDER BY e.offset",
             (ino,),
-        ).fetchall()
+        )
         out = []
         for off, length, chunk, pack, poff, slen in rows:
             if pack is None:
-                raise CorruptObject(f"catalog {self.path.name}: chunk {chunk.hex()[:12]} has no location")
+                hexid = chunk.hex()[:12] if isinstance(chunk, bytes) else "?"
+                raise CorruptObject(f"catalog {self.path.name}: chunk {hexid} has no location")
+            self._check_extent(off, length)
+            _check_location(chunk, pack, poff, slen, self.path.name)
             out.append(Extent(off, length, chunk, pack, poff, slen))
         return out
 
+    def _check_extent(self, off: object, length: object) -> None:
+        if not (_int_in(off, 0, _I64) and _int_in(length, 0, _U32)):
+            raise CorruptObject(f"catalog {self.path.name}: an extent is malformed")
+
     def located_extents(self, ino: int) -> list[tuple[int, int, bytes, BlobLocation | None]]:
         """(offset, length, chunk id, location or None) in one query: for incremental reuse."""
-        return [(off, ln, cid, BlobLocation(pack, poff, slen, rlen) if pack else None)
-                for off, ln, cid, pack, poff, slen, rlen in self._db().execute(
-                    "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM extents e "
-                    "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack WHERE e.ino=? ORDER BY e.offset",
-                    (ino,))]
+        out = []
+        for off, ln, cid, pack, poff, slen, rlen in self._rows(
+                "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM extents e "
+                "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack WHERE e.ino=? ORDER BY e.offset",
+                (ino,)):
+            self._check_extent(off, ln)
+            if pack is not None:
+                _check_location(cid, pack, poff, slen, self.path.name)
+            elif not (type(cid) is bytes and len(cid) == 32):
+                raise CorruptObject(f"catalog {self.path.name}: a chunk id is malformed")
+            out.append((off, ln, cid, BlobLocation(pack, poff, slen, rlen) if pack else None))
+        return out
 
     def raw_extents(self, ino: int) -> list[tuple[int, int, bytes, int]]:
         """(offset, length, chunk id, raw_len) without locations: for incremental reuse."""
-        return self._db().execute(
+        return self._rows(
             "SELECT e.offset, e.length, b.chunk, b.raw_len FROM extents e JOIN blobs b ON b.id = e.blob "
-            "WHERE e.ino=? ORDER BY e.offset", (ino,)).fetchall()
+            "WHERE e.ino=? ORDER BY e.offset", (ino,))
 
     def blob_location(self, chunk: bytes) -> BlobLocation | None:
-        row = self._db().execute(
+        rows = self._rows(
             "SELECT p.name, b.offset, b.stored_len, b.raw_len FROM blobs b JOIN packs p ON p.id = b.pack "
-            "WHERE b.chunk=?", (chunk,)).fetchone()
-        return BlobLocation(*row) if row else None
+            "WHERE b.chunk=? LIMIT 1", (chunk,))
+        if not rows:
+            return None
+        pack, poff, slen, rlen = rows[0]
+        _check_location(chunk, pack, poff, slen, self.path.name)
+        return BlobLocation(pack, poff, slen, rlen)
 
     def pack_names(self) -> list[str]:
-        return [r[0] for r in self._db().execute("SELECT name FROM packs")]
+        names = [r[0] for r in self._rows("SELECT name FROM packs")]
+        for n in names:
+            if not (type(n) is str and _PACK_NAME.fullmatch(n)):
+                raise CorruptObject(f"catalog {self.path.name}: a pack name is malformed")
+        return names
 
     def roots(self) -> list[bytes]:
-        return [r[0] for r in self._db().execute("SELECT path FROM roots ORDER BY path")]
+        return [r[0] for r in self._rows("SELECT path FROM roots ORDER BY path")]
 
     def hints(self) -> list[tuple[str, int, int]]:
-        return self._db().execute("SELECT class, ino, rank FROM hints ORDER BY rank").fetchall()
+        return self._rows("SELECT class, ino, rank FROM hints ORDER BY rank")
 
     def meta(self, key: str) -> str | None:
-        row = self._db().execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
+        rows = self._rows("SELECT value FROM meta WHERE key=?", (key,))
+        return rows[0][0] if rows else None
 
     def resolve(self, path: bytes) -> Inode | None:
         """The inode at an absolute path, or None."""
@@ -328,34 +494,53 @@ class Catalog:
         return node
 
     def walk(self, ino: int = ROOT_INO, prefix: bytes = b"") -> Iterator[tuple[bytes, Inode]]:
-        """Depth-first (path, inode) for every entry below ``ino`` (not ``ino`` itself), names sorted."""
+        """Depth-first (path, inode) for every entry below ``ino`` (not ``ino`` itself), names sorted.
+
+        Each directory is entered once: a directory inode met again (a loop, or
+        a hard-linked directory) is skipped and recorded in :attr:`rejected`,
+        so a damaged catalog cannot make a walk endless.
+        """
+        seen = {ino}
         stack = [(ino, prefix)]
         while stack:
             dino, dpath = stack.pop()
-            kids = self.children(dino)
+            kids = []
+            for name, node in self.children(dino):
+                if node.is_dir:
+                    if node.ino in seen:
+                        self._reject(dino, name, f"directory inode {node.ino} is reached a second time")
+                        continue
+                    seen.add(node.ino)
+                kids.append((name, node))
             for name, node in kids:
-                path = dpath + b"/" + name
-                yield path, node
+                yield dpath + b"/" + name, node
             for name, node in reversed(kids):
                 if node.is_dir:
                     stack.append((node.ino, dpath + b"/" + name))
 
     def counts(self) -> dict[str, int]:
-        db = self._db()
         return {
-            "inodes": db.execute("SELECT count(*) FROM inodes").fetchone()[0],
-            "blobs": db.execute("SELECT count(*) FROM blobs").fetchone()[0],
-            "packs": db.execute("SELECT count(*) FROM packs").fetchone()[0],
+            "inodes": self._rows("SELECT count(*) FROM inodes")[0][0],
+            "blobs": self._rows("SELECT count(*) FROM blobs")[0][0],
+            "packs": self._rows("SELECT count(*) FROM packs")[0][0],
         }
 
     def all_blobs(self) -> Iterator[tuple[bytes, str, int, int, int]]:
         """(chunk, pack, offset, stored_len, raw_len) for every blob, pack by pack."""
-        yield from self._db().execute(
-            "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM blobs b JOIN packs p ON p.id = b.pack "
-            "ORDER BY p.name, b.offset")
+        for row in self._iter(
+                "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM blobs b JOIN packs p ON p.id = b.pack "
+                "ORDER BY p.name, b.offset"):
+            _check_location(row[0], row[1], row[2], row[3], self.path.name)
+            if not _int_in(row[4], 0, _U32):
+                raise CorruptObject(f"catalog {self.path.name}: a blob length is malformed")
+            yield row
 
     def all_extents(self) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
         """(ino, file offset, length, chunk, pack, pack offset, stored_len) for every extent."""
-        yield from self._db().execute(
-            "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len FROM extents e "
-            "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack")
+        for row in self._iter(
+                "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len FROM extents e "
+                "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack"):
+            self._check_extent(row[1], row[2])
+            if row[4] is not None:
+                _check_location(row[3], row[4], row[5], row[6], self.path.name)
+            yield row

@@ -12,9 +12,17 @@ The algorithm, in plain words:
    flight at once; many small files in one directory cost one request.
 3. A worker thread fetches a range, decodes and BLAKE3-verifies each blob, and
    ``pwrite``s it into every file that references it.  A blob that fails
-   verification is never written; its files are reported and removed.
+   verification is fetched once more on its own (a bit flipped or a response
+   cut short on the way is not a bad pack); if it fails again it is never
+   written, and its files are reported and removed.
 4. Owners, modes (setuid after chown), xattrs and times are applied last,
    directories deepest first so their mtimes survive.
+
+Nothing is written outside the target: the catalog reader skips entries whose
+name is not a plain file name (``..``, ``a/b``, empty, NUL) and directories met
+twice (see :class:`ogrefs.catalog.Catalog`); those are listed in
+:attr:`Restorer.skipped`.  Data is written through ``O_NOFOLLOW``, so even a
+symlink that appeared where a restored file was cannot redirect a write.
 
 Threads: the main thread owns the plan; workers receive one immutable range
 description each and write disjoint byte ranges of files; ``_lock`` guards
@@ -69,6 +77,7 @@ class RestoreStats:
     written_bytes: int = 0
     fetched_bytes: int = 0
     requests: int = 0
+    refetched: int = 0  # blobs fetched a second time after failing verification
     started: float = field(default_factory=time.monotonic)
 
 
@@ -120,6 +129,7 @@ class Restorer:
         self.stats = RestoreStats()
         self._lock = threading.Lock()
         self.failed: dict[bytes, str] = {}  # restored path -> reason
+        self.skipped: list[str] = []  # catalog entries not restored because they are unsafe or malformed
         self._paths: dict[int, bytes] = {}  # ino -> first restored path, for data and hardlinks
         self._meta: list[tuple[bytes, Inode]] = []
         self._dirs: list[tuple[bytes, Inode]] = []
@@ -180,7 +190,8 @@ class Restorer:
         """Create entries; returns the inos of regular files whose data is needed."""
         os.makedirs(self.target or b"/", exist_ok=True)
         root = self.cat.get(ROOT_INO)
-        assert root is not None
+        if root is None:  # Catalog() refuses such a file; a defence for other readers
+            raise CorruptObject("catalog has no root directory")
         if self.target:
             self._dirs.append((self.target, root))
         wanted: set[int] = set()
@@ -233,13 +244,14 @@ class Restorer:
             start = b.pack_offset - rng.offset
             try:
                 plain = self.decode_blob(data[start:start + b.stored_len], b.raw_len, b.chunk)
-            except CorruptObject as exc:
-                self._fail({t[0] for t in b.targets}, str(exc))
-                continue
+            except CorruptObject:
+                plain = self._refetch(rng.pack, b)
+                if plain is None:
+                    continue
             for ino, off in b.targets:
                 path = self._paths[ino]
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                     try:
                         os.pwrite(fd, plain, off)
                     finally:
@@ -249,6 +261,18 @@ class Restorer:
                     continue
                 with self._lock:
                     self.stats.written_bytes += len(plain)
+
+    def _refetch(self, pack: str, b: _Blob) -> bytes | None:
+        """A blob that failed verification, fetched once more on its own; None (and its files failed) if bad again."""
+        with self._lock:
+            self.stats.refetched += 1
+        try:
+            data = self.read_range(pack, b.pack_offset, b.stored_len)
+            return self.decode_blob(data, b.raw_len, b.chunk)
+        except (StoreError, CorruptObject) as exc:
+            self._fail({t[0] for t in b.targets}, f"pack {pack[:12]}: {exc}" if isinstance(exc, StoreError)
+                       else str(exc))
+            return None
 
     # -- step 4: metadata ----------------------------------------------------------
     def _apply_meta(self, dest: bytes, node: Inode) -> None:
@@ -291,5 +315,7 @@ class Restorer:
                 self._apply_meta(dest, node)
         for dest, node in reversed(self._dirs):
             self._apply_meta(dest, node)
+        self.skipped = [f"{name!r} in directory inode {parent}: {reason}"
+                        for (parent, name), reason in sorted(self.cat.rejected.items())]
         self._tick(force=True)
         return self.stats

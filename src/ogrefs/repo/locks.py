@@ -96,7 +96,16 @@ class HeldLock:
             if others:
                 raise LockedError(f"another prune is running: {others[0].describe()} "
                                   "(if it died, `ogrefs unlock` removes stale locks)")
-        self.store.put(self.key, _encode(self.info))
+        try:
+            self.store.put(self.key, _encode(self.info))
+        except StoreError:
+            # The put may have reached the store anyway (a lost acknowledgement): remove what
+            # may be there, or prune would treat it as a live lock until it turns stale.
+            try:
+                self.store.delete(self.key)
+            except StoreError:
+                pass
+            raise
         if self.info.kind == "prune":
             # Two prunes that started at the same moment: the lower id wins.
             rivals = [lk for lk in read_locks(self.store) if lk.kind == "prune" and not lk.stale()
