@@ -64,7 +64,8 @@ class Mounter:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         res = subprocess.run([sys.executable, "-m", "ogrefs.cli_mount", "--repo", self.repo_url, *self.global_args,
-                              *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+                              *args], env=self.env, capture_output=True, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL)
         if check and res.returncode != 0:
             raise AssertionError(f"ogrefs {' '.join(args)} failed ({res.returncode}): {res.stderr}")
         return res
@@ -416,4 +417,31 @@ def test_s3_read_waits_through_a_server_restart(tmp_path, seaweed):
         assert st["errors"] == 0 and st["read_errors"] == 0
     finally:
         seaweed.ensure_running()
+        mounter.cleanup()
+
+
+def test_encrypted_repository_mounts_with_its_passphrase(tmp_path, monkeypatch):
+    from ogrefs.repo.keys import Secret
+
+    repo = Repository.init(f"file://{tmp_path}/enc", cache_root=tmp_path / "xdg", secret=Secret(b"pw", "scrypt"))
+    src = tmp_path / "src"
+    src.mkdir()
+    payload = os.urandom(3 * MiB)
+    (src / "secret.bin").write_bytes(payload)
+    m = snapshot(repo, src)
+    mounter = Mounter(tmp_path, repo.store.url, extra_env={"OGREFS_PASSWORD": "pw"})
+    try:
+        mp = mounter.mount(m["id"], tmp_path / "mnt", "--cache-dir", str(tmp_path / "chunks"))
+        assert (under(mp, src) / "secret.bin").read_bytes() == payload
+        # the chunk cache verifies with the repository's keyed ids: a remount is served from it
+        mounter.unmount(mp)
+        mounter.mount(m["id"], mp, "--cache-dir", str(tmp_path / "chunks"))
+        assert (under(mp, src) / "secret.bin").read_bytes() == payload
+        st = mounter.status(mp)
+        assert st["bytes_fetched"] == 0 and st["cache_hits_disk"] >= 3 and st["errors"] == 0
+        mounter.unmount(mp)
+        mounter.env.pop("OGREFS_PASSWORD")
+        res = mounter.cli("mount", m["id"], str(mp), "--read-only", check=False)
+        assert res.returncode != 0 and "encrypted" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    finally:
         mounter.cleanup()

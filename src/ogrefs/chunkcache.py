@@ -13,7 +13,7 @@ Why it is safe to share between mounts and processes, and to crash at any time:
   rename: a crash in between leaves a row without a file, which reads as a miss
   and is dropped by the next eviction.
 * Every load is verified (raw length and BLAKE3 of the plaintext against the
-  name) before its bytes are used.  BLAKE3 runs at several GB/s, so this costs
+  name; keyed BLAKE3 for an encrypted repository) before its bytes are used.  BLAKE3 runs at several GB/s, so this costs
   ~0.2 ms per MiB and protects against a torn disk, bit rot and tampering; a
   file that fails is deleted and the chunk is fetched again.
 * Eviction deletes the least recently used rows and then their files.  A reader
@@ -23,6 +23,9 @@ Why it is safe to share between mounts and processes, and to crash at any time:
 Recency is recorded lazily: a hit adds the id to an in-memory batch that
 :meth:`flush` writes in one transaction (the fetcher calls it about once a
 second), so a hot read path never waits on an SQLite write.
+
+Chunks are plaintext, also those of encrypted repositories (a mount serves
+plaintext anyway): directories are created 0700 and files 0600.
 
 Concurrency: every method blocks (disk and SQLite) and is meant to be called
 from worker threads.  Each thread gets its own SQLite connection; ``_lock``
@@ -40,6 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import blake3
 
@@ -68,7 +72,8 @@ def default_cache_size(root: Path) -> int:
 class ChunkCache:
     """A directory of verified chunks shared by every mount of this user."""
 
-    def __init__(self, root: Path, max_bytes: int | None = None, *, verify: bool = True) -> None:
+    def __init__(self, root: Path, max_bytes: int | None = None, *, verify: bool = True,
+                 chunk_id: Callable[[bytes], bytes] | None = None) -> None:
         self.root = Path(root)
         self.data_dir = self.root / "data"
         self.tmp_dir = self.root / "tmp"
@@ -76,6 +81,8 @@ class ChunkCache:
         self.tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_bytes = max_bytes if max_bytes is not None else default_cache_size(self.root)
         self.verify = verify
+        # an encrypted repository names chunks by keyed BLAKE3: verify with its function
+        self._chunk_id = chunk_id or (lambda data: blake3.blake3(data).digest())
         self._db_path = self.root / "lru.sqlite"
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -119,7 +126,7 @@ class ChunkCache:
                 data = fh.read(raw_len + 1)
         except FileNotFoundError:
             return None
-        if len(data) != raw_len or (self.verify and blake3.blake3(data).digest() != cid):
+        if len(data) != raw_len or (self.verify and self._chunk_id(data) != cid):
             log.warning("chunk cache: %s is damaged (%d bytes, expected %d); dropping it", path, len(data), raw_len)
             self.discard(cid)
             return None

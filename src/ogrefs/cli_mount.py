@@ -52,7 +52,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, foreground: bool, c
                         chunk_cache=cache_dir, cache_size=parse_size(cache_size) if cache_size else None,
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO")
-    do_mount(opts)
+    do_mount(opts, open_repo=obj.open)
     if not foreground and not getattr(obj, "quiet", False):
         click.echo(f"mounted {snap} at {opts.mountpoint}")
 

@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 
 ReadRange = Callable[[str, int, int], bytes]
+#: (blob, raw length, chunk id) -> verified plaintext; raises CorruptObject.  ``Repository.codec.decode_blob``
+#: for an encrypted repository.
+DecodeBlob = Callable[[memoryview, int, bytes], bytes]
 
 #: A failing cache never fails a read: it only costs a fetch.
 _CACHE_ERRORS = (OSError, sqlite3.Error)
@@ -138,19 +141,17 @@ class _Pending:
         self.error: FetchError | None = None
 
 
-def _decode(view: memoryview, raw_len: int, chunk: bytes) -> bytes:
-    return codec.decode_blob(view, raw_len, chunk)
-
-
 class Fetcher:
     """Delivers verified chunk plaintext to trio tasks; see the module docstring."""
 
     def __init__(self, read_range: ReadRange, cache: ChunkCache | None = None, *, max_requests: int = 8,
                  reserved_for_read: int = 2, max_range: int = 16 * MiB, memory_bytes: int = 128 * MiB,
-                 retry_for: float = 60.0, decode_threads: int | None = None) -> None:
+                 retry_for: float = 60.0, decode_threads: int | None = None,
+                 decode: DecodeBlob = codec.decode_blob) -> None:
         if not 0 <= reserved_for_read < max_requests:
             raise ValueError("reserved_for_read must be below max_requests")
         self._read_range = read_range
+        self._decode_blob = decode
         self.cache = cache
         self.max_requests = max_requests
         self.reserved_for_read = reserved_for_read
@@ -402,7 +403,8 @@ class Fetcher:
             self.stats.corrupt += 1
             raise ChunkCorrupt(ref, f"store returned {len(view)} bytes, expected {ref.stored_len}")
         try:
-            return await trio.to_thread.run_sync(_decode, view, ref.raw_len, ref.chunk, limiter=self._cpu_limiter)
+            return await trio.to_thread.run_sync(self._decode_blob, view, ref.raw_len, ref.chunk,
+                                                 limiter=self._cpu_limiter)
         except CorruptObject as exc:
             self.stats.corrupt += 1
             raise ChunkCorrupt(ref, str(exc)) from None

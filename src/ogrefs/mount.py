@@ -1,12 +1,14 @@
 """Mount a snapshot: early checks, the daemon, wiring, status, unmount.
 
 ``mount`` checks everything that can fail early in the calling process (FUSE
-present, mountpoint an empty directory, snapshot exists, catalog readable),
-then forks a daemon (double fork, new session) and waits on a pipe until the
-daemon writes ``ready`` (the kernel's FUSE INIT was answered, so the root
-lists) or ``error <reason>``.  The daemon builds the stack fresh in its own
-process — repository → chunk cache → fetcher → vfs → pyfuse3 adapter — and
-runs it on one trio loop.
+present, mountpoint an empty directory, repository opened and unlocked,
+snapshot exists, catalog readable), then forks a daemon (double fork, new
+session) and waits on a pipe until the daemon writes ``ready`` (the kernel's
+FUSE INIT was answered, so the root lists) or ``error <reason>``.  The daemon
+inherits the opened repository (no second passphrase prompt or key
+stretching; the parent only waits on the pipe after the fork) and builds the
+rest of the stack in its own process — chunk cache → fetcher → vfs → pyfuse3
+adapter — on one trio loop.
 
 While mounted, the daemon registers itself in the runtime directory
 (``$OGREFS_RUNTIME_DIR``, else ``/run/ogrefs`` when writable, else
@@ -36,9 +38,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import OgrefsError, UsageError
+
+if TYPE_CHECKING:
+    from .repo import Repository
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +211,14 @@ def pid_alive(pid: int) -> bool:
 
 
 # -- mounting -------------------------------------------------------------------------------------
-def mount(opts: MountOptions) -> None:
-    """Mount and return once ready (or, with ``foreground``, once unmounted)."""
+def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None) -> None:
+    """Mount and return once ready (or, with ``foreground``, once unmounted).
+
+    ``open_repo`` opens (and, if encrypted, unlocks) the repository; by
+    default ``Repository.open`` of ``opts.repo_url``.  The daemon inherits the
+    opened repository across the fork, so a passphrase is asked and stretched
+    once; the calling process does not touch it after forking.
+    """
     problem = fuse_problem()
     if problem:
         raise MountError(problem)
@@ -215,20 +226,24 @@ def mount(opts: MountOptions) -> None:
     from .catalog import Catalog
     from .repo import Repository
 
-    repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
+    if open_repo is None:
+        repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
+    else:
+        repo = open_repo()
     manifest = repo.resolve(opts.snapshot)
     cat_path = repo.catalog_path(manifest["id"])
     Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
     reg = Registration.for_mountpoint(opts.mountpoint)
     if opts.foreground:
-        code = _serve(opts, manifest, cat_path, reg, ready_fd=None)
+        code = _serve(opts, repo, manifest, cat_path, reg, ready_fd=None)
         if code:
             raise MountError(f"the mount of {opts.mountpoint} ended with an error (see above)")
         return
-    _daemonize_and_wait(opts, manifest, cat_path, reg)
+    _daemonize_and_wait(opts, repo, manifest, cat_path, reg)
 
 
-def _daemonize_and_wait(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration) -> None:
+def _daemonize_and_wait(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
+                        reg: Registration) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     r, w = os.pipe()
@@ -239,7 +254,7 @@ def _daemonize_and_wait(opts: MountOptions, manifest: dict, cat_path: Path, reg:
             os.close(r)
             os.setsid()
             if os.fork() == 0:
-                code = _daemon_main(opts, manifest, cat_path, reg, w)
+                code = _daemon_main(opts, repo, manifest, cat_path, reg, w)
             else:
                 code = 0
         finally:
@@ -278,7 +293,8 @@ def _read_line(fd: int, timeout: float) -> str:
     return buf.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def _daemon_main(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration, ready_fd: int) -> int:
+def _daemon_main(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path, reg: Registration,
+                 ready_fd: int) -> int:
     """The daemon process: stdio detached, log to the registration's log file."""
     os.chdir("/")
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -289,7 +305,7 @@ def _daemon_main(opts: MountOptions, manifest: dict, cat_path: Path, reg: Regist
     os.close(devnull)
     os.close(logfd)
     try:
-        return _serve(opts, manifest, cat_path, reg, ready_fd)
+        return _serve(opts, repo, manifest, cat_path, reg, ready_fd)
     except BaseException as exc:  # noqa: BLE001 - the daemon must report, not crash silently
         logging.getLogger(__name__).exception("mount daemon failed")
         with contextlib.suppress(OSError):
@@ -297,7 +313,8 @@ def _daemon_main(opts: MountOptions, manifest: dict, cat_path: Path, reg: Regist
         return 1
 
 
-def _serve(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration, ready_fd: int | None) -> int:
+def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path, reg: Registration,
+           ready_fd: int | None) -> int:
     """Build the stack, mount, serve until unmounted or signalled.  Returns an exit code."""
     import trio
 
@@ -305,17 +322,16 @@ def _serve(opts: MountOptions, manifest: dict, cat_path: Path, reg: Registration
     from .catalog import Catalog
     from .chunkcache import ChunkCache
     from .fetcher import Fetcher
-    from .repo import Repository, default_cache_dir
+    from .repo import default_cache_dir
     from .vfs import SnapshotFS
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
-    repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
     catalog = Catalog(cat_path)
     chunk_dir = opts.chunk_cache or (opts.cache_root or default_cache_dir()) / "chunks"
-    cache = ChunkCache(chunk_dir, opts.cache_size)
+    cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id)
     fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
-                      memory_bytes=opts.memory_cache)
+                      memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob)
     fs = SnapshotFS(catalog, fetcher)
     started = time.time()
     info = {"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "snapshot": manifest["id"],
