@@ -103,8 +103,11 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 class SeaweedServer:
     """One ``weed server -s3`` process; see the module docstring."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, ip: str = "127.0.0.1", netns: str | None = None) -> None:
+        """``ip``/``netns``: serve on an address inside a network namespace (the resume benchmark's shaped link)."""
         self.binary = binary
+        self.ip = ip
+        self.netns = netns
         self.workdir = Path(workdir)
         self.datadir = self.workdir / "data"
         self.log_path = self.workdir / "weed.log"
@@ -112,7 +115,7 @@ class SeaweedServer:
         self.secret_key = SECRET_KEY
         (self.master_port, self.master_grpc, self.volume_port, self.volume_grpc,
          self.filer_port, self.filer_grpc, self.s3_port, self.s3_grpc) = free_ports(8)
-        self.endpoint = f"http://127.0.0.1:{self.s3_port}"
+        self.endpoint = f"http://{ip}:{self.s3_port}"
         self.startup_seconds: list[float] = []  # one entry per start(), for the curious
         self._proc: subprocess.Popen[bytes] | None = None
         self._buckets = itertools.count(1)
@@ -125,9 +128,10 @@ class SeaweedServer:
         return self._proc is not None and self._proc.poll() is None
 
     def _args(self) -> list[str]:
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         return [
-            self.binary, "server",
-            f"-dir={self.datadir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            *prefix, self.binary, "server",
+            f"-dir={self.datadir}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
             "-master.peers=none", "-master.telemetry=false",
             f"-master.port={self.master_port}", f"-master.port.grpc={self.master_grpc}",
             "-master.volumeSizeLimitMB=64",
