@@ -436,7 +436,9 @@ class Fetcher:
     async def _store(self, chunk: bytes, data: bytes) -> None:
         assert self.cache is not None
         try:
-            await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_write_limiter)
+            # shielded: an unmount waits for chunks already fetched to reach the cache, so a remount reuses them
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_write_limiter)
         except _CACHE_ERRORS as exc:
             self.stats.cache_write_errors += 1
             log.warning("chunk cache write failed (%s); serving without caching", exc)
