@@ -296,3 +296,294 @@ def test_restore_with_random_corrupt_and_truncated_reads_never_writes_wrong_byte
             else:
                 assert dst.read_bytes() == src.read_bytes(), f"{dst} holds wrong bytes"
     assert len(r.failed) < 14  # the re-fetch rescues most files
+
+
+# -- snapshot: the process killed at seeded points -----------------------------------------------------
+
+SITECUSTOMIZE = '''
+import os, time
+_log = os.environ.get("OGREFS_TEST_PUTLOG")
+if _log:
+    def _hook(cls):
+        orig = cls.put
+        delay = float(os.environ.get("OGREFS_TEST_PUT_DELAY", "0"))
+        def put(self, key, data):
+            orig(self, key, data)
+            with open(_log, "a") as fh:
+                fh.write(key + "\\n")
+            time.sleep(delay)
+        cls.put = put
+    from ogrefs.store import file as _file
+    _hook(_file.FileStore)
+    if os.environ.get("OGREFS_TEST_BACKEND") == "s3":
+        from ogrefs.store import s3 as _s3
+        _hook(_s3.S3Store)
+'''
+
+
+def _kill_after_puts(url: str, tmp: Path, src: Path, k: int, env: dict[str, str] | None = None) -> list[str]:
+    """Run ``python -m ogrefs snapshot`` and SIGKILL it once ``k`` puts have completed; returns the keys put."""
+    hooks = tmp / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    putlog = tmp / "puts.log"
+    putlog.write_text("")
+    env = dict(os.environ, **(env or {}), OGREFS_REPO=url, OGREFS_CACHE_DIR=str(tmp / "killed-cache"),
+               PYTHONPATH=str(hooks), OGREFS_TEST_PUTLOG=str(putlog), OGREFS_TEST_PUT_DELAY="0.3",
+               OGREFS_TEST_BACKEND=url.partition("://")[0])
+    proc = subprocess.Popen([sys.executable, "-m", "ogrefs", "-q", "snapshot", str(src)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(putlog.read_text().splitlines()) >= k:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, f"the snapshot ended on its own: {proc.stderr.read()!r}"
+    return putlog.read_text().splitlines()
+
+
+def _kill_points(put_count: int) -> list[int]:
+    rng = random.Random(2026)
+    return sorted(rng.sample(range(1, put_count - 2), 3)) + [put_count - 1]  # the last: catalog put, no manifest
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_sigkill_at_seeded_points_then_rerun(which, tree, put_count, tmp_path):
+    url = f"file://{tmp_path}/repo"
+    Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    k = _kill_points(put_count)[which]
+    done = _kill_after_puts(url, tmp_path, tree, k)
+    assert len(done) >= k and not any(key.startswith("snapshots/") for key in done)
+    if which == 3:  # killed after the catalog was stored, before the manifest
+        assert any(key.startswith("catalogs/") for key in done)
+    assert Repository.open(url, cache_root=tmp_path / "c1").snapshot_ids() == []
+    m = rerun_reuses(url, tmp_path, tree)
+    if sum(key.startswith("packs/") for key in done) >= 2:
+        assert m["totals"]["new_chunks"] < m["totals"]["chunks"]  # the killed run's packs were reused
+    verify(url, tmp_path, {m["id"]: tree})
+
+
+@pytest.mark.s3
+def test_sigkill_over_s3_then_rerun(tree, put_count, tmp_path, seaweed, monkeypatch):
+    seaweed.ensure_running()
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{seaweed.new_bucket()}/repo"
+    Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    done = _kill_after_puts(url, tmp_path, tree, put_count // 2, env=seaweed.env())
+    assert not any(key.startswith("snapshots/") for key in done)
+    m = rerun_reuses(url, tmp_path, tree)
+    assert m["totals"]["new_chunks"] < m["totals"]["chunks"]
+    verify(url, tmp_path, {m["id"]: tree})
+
+
+# -- snapshot: the S3 server goes away ---------------------------------------------------------------
+
+class _AfterPuts(FaultyStore):
+    """Runs ``action`` (once) right after the ``n``-th successful put of a pack."""
+
+    def __init__(self, inner: Store, n: int, action) -> None:
+        super().__init__(inner)
+        self.n = n
+        self.action = action
+        self.packs = 0
+        self._mu = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> None:
+        super().put(key, data)
+        if key.startswith("packs/"):
+            with self._mu:
+                self.packs += 1
+                fire = self.packs == self.n
+            if fire:
+                self.action()
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(240)
+def test_s3_server_stopped_mid_snapshot(tree, tmp_path, seaweed, monkeypatch):
+    """Twice: an outage longer than the retries (clean failure, no manifest), then one the retries ride out."""
+    seaweed.ensure_running()
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{seaweed.new_bucket()}/repo"
+    Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    try:
+        # 1. the server dies after the third pack and stays down: a one-line StoreError, nothing committed
+        gate = _AfterPuts(open_store(url, retry=False), 3, lambda: seaweed.stop(grace=0))
+        repo = Repository.open(url, store=RetryingStore(gate, attempts=3, base_delay=0.05), cache_root=tmp_path / "c1")
+        with pytest.raises(TransientError) as info:
+            _snap(repo, tree)
+        assert "\n" not in str(info.value) and not seaweed.running
+        seaweed.start()
+        assert Repository.open(url, cache_root=tmp_path / "c2").snapshot_ids() == []
+
+        # 2. the server dies after the second pack and is back ~1 s later: the retries carry the snapshot through.
+        # (start() runs on this thread: the server dies with the thread that started it, PR_SET_PDEATHSIG.)
+        before = _pack_chunks(Repository.open(url, cache_root=tmp_path / "c3"))
+        survived = set().union(*before.values())
+        down = threading.Event()
+        gate = _AfterPuts(open_store(url, retry=False), 2, lambda: (seaweed.stop(grace=0), down.set()))
+        repo = Repository.open(url, store=RetryingStore(gate, attempts=40, base_delay=0.1, max_delay=1.0),
+                               cache_root=tmp_path / "c4")
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["manifest"] = _snap(repo, tree)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert down.wait(120), "the snapshot never reached its second pack"
+        time.sleep(1.0)
+        assert worker.is_alive() and not result  # still retrying, not failed
+        seaweed.start()
+        worker.join(120)
+        assert "error" not in result, result.get("error")
+        m = result["manifest"]
+        chunks = {c for c, *_ in Catalog(repo.catalog_path(m["id"])).all_blobs()}
+        assert survived and m["totals"]["new_chunks"] == len(chunks - survived)  # run 1's packs were reused
+        verify(url, tmp_path, {m["id"]: tree})
+    finally:
+        seaweed.ensure_running()
+
+
+# -- the mount: the store goes away, the daemon is killed -------------------------------------------------
+
+needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0, reason="needs /dev/fuse and root")
+
+
+class _Mount:
+    """``python -m ogrefs mount`` in a subprocess; :meth:`close` always leaves no mount behind."""
+
+    def __init__(self, tmp: Path, url: str, env: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.mp = tmp / "mnt"
+        self.mp.mkdir(exist_ok=True)
+        self.env = dict(os.environ, **(env or {}), OGREFS_RUNTIME_DIR=str(tmp / "run"),
+                        OGREFS_CACHE_DIR=str(tmp / "xdg"))
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        res = subprocess.run([sys.executable, "-m", "ogrefs", "--repo", self.url, *args], env=self.env,
+                             capture_output=True, text=True, timeout=120)
+        assert not check or res.returncode == 0, f"ogrefs {args}: {res.stderr}"
+        return res
+
+    def mount(self, snap: str, *opts: str) -> Path:
+        self.cli("mount", snap, str(self.mp), "--read-only", *opts)
+        return self.mp
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", str(self.mp), "--json").stdout)
+
+    def close(self) -> None:
+        from ogrefs.mount import mounted_fstype
+
+        if mounted_fstype(self.mp) is not None and self.cli("unmount", str(self.mp), check=False).returncode:
+            subprocess.run(["umount", "-l", str(self.mp)], capture_output=True)
+
+
+def _read(path: Path, result: dict) -> None:
+    try:
+        result["data"] = path.read_bytes()
+    except OSError as exc:
+        result["error"] = exc
+
+
+@pytest.mark.s3
+@pytest.mark.fuse
+@needs_fuse
+@pytest.mark.timeout(240)
+def test_mount_read_fails_with_eio_after_the_retry_window_then_works_again(tmp_path, seaweed, monkeypatch):
+    """The store is gone longer than --retry-for: EIO, not a hang; once it is back the same read succeeds."""
+    seaweed.ensure_running()
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{seaweed.new_bucket()}/repo"
+    repo = Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    src = tmp_path / "src"
+    src.mkdir()
+    first, later = os.urandom(MiB), os.urandom(2 * MiB)
+    (src / "first.bin").write_bytes(first)
+    (src / "later.bin").write_bytes(later)
+    m = _snap(repo, src)
+    mnt = _Mount(tmp_path, url, seaweed.env())
+    try:
+        base = mnt.mount(m["id"], "--retry-for", "3") / str(src).lstrip("/")
+        assert (base / "first.bin").read_bytes() == first
+        seaweed.stop(grace=0)
+        t0 = time.monotonic()
+        result: dict = {}
+        _read(base / "later.bin", result)
+        waited = time.monotonic() - t0
+        assert isinstance(result.get("error"), OSError) and result["error"].errno == 5, result  # EIO
+        assert 2.5 <= waited < 60, f"failed after {waited:.1f} s with --retry-for 3"
+        seaweed.start()
+        again: dict = {}
+        _read(base / "later.bin", again)
+        assert again.get("data") == later, again.get("error")
+        st = mnt.status()
+        assert st["read_errors"] >= 1 and st["errors"] >= 1
+    finally:
+        seaweed.ensure_running()
+        mnt.close()
+
+
+@pytest.mark.fuse
+@needs_fuse
+@pytest.mark.timeout(180)
+def test_mount_daemon_sigkill_then_remount_serves_correct_bytes(tree, tmp_path):
+    """kill -9 of the daemon mid-read; unmount the dead mount; remount on the same chunk cache.
+
+    The cache never holds half a chunk (write to tmp, fsync, rename), and a
+    chunk damaged on disk behind its back is detected and fetched again.
+    """
+    from ogrefs.mount import mounted_fstype
+
+    url = f"file://{tmp_path}/repo"
+    repo = Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    m = _snap(repo, tree)
+    cache = tmp_path / "chunks"
+    mnt = _Mount(tmp_path, url)
+    try:
+        base = mnt.mount(m["id"], "--cache-dir", str(cache)) / str(tree).lstrip("/")
+        assert (base / "f01.bin").read_bytes() == (tree / "f01.bin").read_bytes()
+        pid = mnt.status()["pid"]
+        result: dict = {}
+        reader = threading.Thread(target=_read, args=(base / "f00.bin", result))
+        reader.start()
+        time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        reader.join(60)
+        assert not reader.is_alive()
+        assert "error" in result or result.get("data") == (tree / "f00.bin").read_bytes()  # never wrong bytes
+        assert mounted_fstype(mnt.mp) == "fuse.ogrefs"  # the dead mount is still there ...
+        mnt.cli("unmount", str(mnt.mp))  # ... and unmount clears it
+        assert mounted_fstype(mnt.mp) is None
+
+        # every chunk the dead daemon left in the cache is whole
+        cached = list((cache / "data").rglob("*"))
+        files = [p for p in cached if p.is_file()]
+        assert files, "the first read should have filled the cache"
+        for p in files:
+            assert blake3.blake3(p.read_bytes()).hexdigest() == p.name, f"half or wrong chunk {p}"
+        # damage one behind the cache's back: the remounted daemon must notice, not serve it
+        victim = files[0]
+        victim.write_bytes(victim.read_bytes()[:1000])
+
+        mnt.mount(m["id"], "--cache-dir", str(cache))
+        for dirpath, _, names in os.walk(tree):
+            for name in names:
+                p = Path(dirpath) / name
+                assert (base / p.relative_to(tree)).read_bytes() == p.read_bytes(), p
+        assert mnt.status()["errors"] == 0
+    finally:
+        mnt.close()
