@@ -117,7 +117,11 @@ class ChunkCache:
                     if entry.stat().st_mtime < cutoff:
                         os.unlink(entry.path)
 
-    # -- the three operations --------------------------------------------------------
+    # -- the operations ----------------------------------------------------------------
+    def contains(self, cid: bytes) -> bool:
+        """Whether a file for the chunk exists (it is verified only when loaded)."""
+        return self.path(cid).exists()
+
     def load(self, cid: bytes, raw_len: int) -> bytes | None:
         """The chunk's verified plaintext, or None when absent or damaged (then removed)."""
         path = self.path(cid)

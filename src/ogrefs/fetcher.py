@@ -7,8 +7,9 @@ recorded trace, hints and background materialization next):
 2. Otherwise the chunk gets exactly one *pending* entry, however many readers
    want it; later callers wait on the same entry (single flight) and a caller
    with a more urgent priority raises the entry's priority.
-3. The pending entry first probes the disk cache (:class:`ChunkCache`) in a
-   worker thread; a hit is verified there and finishes the entry.
+3. New entries are looked up in the disk cache (:class:`ChunkCache`) in a
+   worker thread, all entries of one request at once; hits are loaded and
+   verified there, a few per thread call, and finish their entries.
 4. A miss goes into a priority queue.  The dispatcher starts store requests in
    priority order with at most ``max_requests`` in flight, of which
    ``reserved_for_read`` can only be used by ``Priority.READ``: a reader never
@@ -67,7 +68,7 @@ DecodeBlob = Callable[[memoryview, int, bytes], bytes]
 
 #: A failing cache never fails a read: it only costs a fetch.
 _CACHE_ERRORS = (OSError, sqlite3.Error)
-#: Chunks probed in the disk cache by one worker-thread call.
+#: Cached chunks loaded and verified by one worker-thread call.
 _PROBE_BATCH = 4
 
 
@@ -254,30 +255,56 @@ class Fetcher:
                 for p in new:
                     del self._pending[p.ref.chunk]
                 raise RuntimeError("Fetcher.run() is not running")
-            for i in range(0, len(new), _PROBE_BATCH):
-                self._nursery.start_soon(self._probe, new[i:i + _PROBE_BATCH])
+            self._nursery.start_soon(self._probe, new)
         return out
 
     async def _probe(self, batch: list[_Pending]) -> None:
-        """Look for chunks in the disk cache (one thread hop for the batch); queue the misses."""
-        found: list[bytes | None] = [None] * len(batch)
+        """Sort new entries into disk-cache hits and misses (one stat each, one thread hop).
+
+        The misses are queued together, so neighbours among them share a GET;
+        the hits are loaded and verified in small batches in parallel, so the
+        first ones are served before the last are read.
+        """
+        present = [False] * len(batch)
         if self.cache is not None:
-            keys = [(p.ref.chunk, p.ref.raw_len) for p in batch]
             try:
-                found = await trio.to_thread.run_sync(self._load_many, keys, limiter=self._cache_limiter)
+                present = await trio.to_thread.run_sync(self._present, [p.ref.chunk for p in batch],
+                                                        limiter=self._cache_limiter)
             except _CACHE_ERRORS as exc:
                 log.warning("chunk cache unreadable (%s); fetching from the store", exc)
+        self._enqueue([p for p, hit in zip(batch, present) if not hit])
+        hits = [p for p, hit in zip(batch, present) if hit]
+        assert self._nursery is not None
+        for i in range(0, len(hits), _PROBE_BATCH):
+            self._nursery.start_soon(self._load, hits[i:i + _PROBE_BATCH])
+
+    async def _load(self, batch: list[_Pending]) -> None:
+        found: list[bytes | None] = [None] * len(batch)
+        try:
+            found = await trio.to_thread.run_sync(self._load_many, [(p.ref.chunk, p.ref.raw_len) for p in batch],
+                                                  limiter=self._cache_limiter)
+        except _CACHE_ERRORS as exc:
+            log.warning("chunk cache unreadable (%s); fetching from the store", exc)
         for p, data in zip(batch, found):
             if data is not None:
                 self.stats.hits_disk += 1
                 self._finish(p, data)
-                continue
+            else:  # evicted or damaged since the stat: fetch it
+                self._enqueue([p])
+
+    def _enqueue(self, batch: list[_Pending]) -> None:
+        for p in batch:
             self.stats.misses += 1
             p.state = "queued"
             self._queued += 1
             self._by_start[(p.ref.pack, p.ref.offset)] = p
             self._by_end[(p.ref.pack, p.ref.offset + p.ref.stored_len)] = p
             self._push(p)
+
+    def _present(self, chunks: list[bytes]) -> list[bool]:
+        """Worker thread: which chunks have a file in the disk cache."""
+        assert self.cache is not None
+        return [self.cache.contains(c) for c in chunks]
 
     def _load_many(self, keys: list[tuple[bytes, int]]) -> list[bytes | None]:
         """Worker thread: read and verify cached chunks."""

@@ -58,6 +58,8 @@ CACHE_TIMEOUT = 24 * 3600.0
 #: indexed query beats a thread hop); later pages, READDIR_PAGE entries each, in a thread.
 READDIR_FIRST_PAGE = 64
 READDIR_PAGE = 512
+#: Files up to this size (a few dozen chunks) load their extent list inline at open.
+INLINE_EXTENTS_BELOW = 16 * MiB
 BLOCK_SIZE = 4096
 
 
@@ -338,7 +340,10 @@ class SnapshotFS:
             raise FsError(errno.EISDIR)
         if not node.is_reg:
             raise FsError(errno.ENXIO)
-        extents = await trio.to_thread.run_sync(self.catalog.extents, ino) if node.size else []
+        if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
+            extents = self.catalog.extents(ino) if node.size else []
+        else:
+            extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
         fh = self._new_fh()
         self._files[fh] = _OpenFile(ino, node.size, extents)
         self.stats.opens += 1
