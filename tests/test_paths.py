@@ -362,3 +362,21 @@ def test_real_mount_of_a_forged_snapshot_stays_inside(base, tmp_path):
         res = subprocess.run([*cmd, "unmount", str(mp)], env=env, capture_output=True, text=True, timeout=60)
         if res.returncode != 0:
             subprocess.run(["umount", "-l", str(mp)], capture_output=True)
+
+
+def test_check_read_data_reports_entries_restore_would_refuse(base, tmp_path):
+    """A forged catalog stored as a snapshot: ``check --read-data`` names each entry restore would skip."""
+    from ogrefs.check import check_repository
+
+    _, _, src = base
+    repo = Repository.init(f"memory://paths-check-{secrets.token_hex(4)}", cache_root=tmp_path / "xdg")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    assert check_repository(repo, read_data=True).problems == []
+    cat, f = _forged_with_everything((repo, repo.catalog_path(m["id"]), src), tmp_path)
+    forged_id = secrets.token_hex(32)
+    repo.put_catalog(forged_id, cat.path)
+    repo.put_manifest({**repo.load_manifest(m["id"]), "id": forged_id})
+    problems = check_repository(repo, read_data=True).problems
+    assert any("b'..'" in p and forged_id[:12] in p for p in problems)
+    assert any("zz-loop" in p and "second time" in p for p in problems)
+    assert not any(m["id"][:12] in p for p in problems)  # the genuine snapshot is fine

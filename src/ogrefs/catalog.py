@@ -283,6 +283,17 @@ def _check_location(chunk: object, pack: object, poff: object, slen: object, whe
 
 
 _PACK_NAME = re.compile(r"[0-9a-f]{64}")
+#: What a damaged SQLite file can raise: its own errors, and a column *name* that is not UTF-8.
+_DB_ERRORS = (sqlite3.Error, UnicodeDecodeError)
+
+
+def _one_line(exc: BaseException) -> str:
+    """SQLite quotes schema text (newlines included) in its errors; the user gets one line."""
+    return " ".join(str(exc).split())[:300]
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
 
 #: Every table and column a reader uses; checked once when a catalog is opened.
 _SCHEMA = {
@@ -323,8 +334,8 @@ class Catalog:
             for table, cols in _SCHEMA.items():
                 db.execute(f"SELECT {cols} FROM {table} LIMIT 0").fetchall()
             row = db.execute(f"SELECT {_INODE_COLS} FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone()
-        except sqlite3.Error as exc:
-            raise CorruptObject(f"catalog {path.name} is not a readable SQLite catalog ({exc})") from None
+        except _DB_ERRORS as exc:
+            raise CorruptObject(f"catalog {path.name} is not a readable SQLite catalog ({_one_line(exc)})") from None
         if row is None or not stat.S_ISDIR(_check_inode(row, path.name).mode):
             raise CorruptObject(f"catalog {path.name} has no root directory")
 
@@ -332,22 +343,23 @@ class Catalog:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+            db.text_factory = _text  # a damaged file may hold text that is not UTF-8
             self._local.db = db
         return db
 
     def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
         try:
             return self._db().execute(sql, args).fetchall()
-        except sqlite3.Error as exc:
-            raise CorruptObject(f"catalog {self.path.name} is damaged ({exc})") from None
+        except _DB_ERRORS as exc:
+            raise CorruptObject(f"catalog {self.path.name} is damaged ({_one_line(exc)})") from None
 
     def _iter(self, sql: str, args: tuple = ()) -> Iterator[tuple]:
         try:
             cur = self._db().execute(sql, args)
             while rows := cur.fetchmany(1024):
                 yield from rows
-        except sqlite3.Error as exc:
-            raise CorruptObject(f"catalog {self.path.name} is damaged ({exc})") from None
+        except _DB_ERRORS as exc:
+            raise CorruptObject(f"catalog {self.path.name} is damaged ({_one_line(exc)})") from None
 
     def _reject(self, parent: int, name: object, reason: str) -> None:
         key = (parent, name if isinstance(name, bytes) else repr(name).encode())

@@ -3,7 +3,9 @@
 Without ``--read-data``: every manifest and catalog decodes, every pack that a
 catalog references exists, and every indexed pack exists.  With it, every
 referenced pack is downloaded and every blob in it is decoded and verified
-against its BLAKE3 id; the pack trailer must agree with the catalogs.
+against its BLAKE3 id; the pack trailer must agree with the catalogs; and
+every catalog's tree is walked, so a malformed row or an entry that restore
+would refuse (a name such as ``..``, a directory loop) is reported.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def _check_pack(repo: Repository, name: str, expected: dict[bytes, tuple[int, in
     except StoreError as exc:
         return [f"pack {name[:16]}: {exc}"], 0, 0
     try:
-        header_len = parse_trailer_tail(body[-TAIL_SIZE:], f"pack {name[:16]}")
-        header = body[-TAIL_SIZE - header_len:-TAIL_SIZE] if header_len else b""
+        header_len = parse_trailer_tail(body[-TAIL_SIZE:], f"pack {name[:16]}", len(body))
+        header = body[len(body) - TAIL_SIZE - header_len:len(body) - TAIL_SIZE]
         entries = parse_header(header, len(body), f"pack {name[:16]}")
     except CorruptObject as exc:
         return [str(exc)], 0, len(body)
@@ -62,6 +64,14 @@ def _check_pack(repo: Repository, name: str, expected: dict[bytes, tuple[int, in
     return problems, checked, len(body)
 
 
+def _check_tree(cat: Catalog) -> None:
+    """Walk every entry and read every file's extents: malformed rows raise, unsafe names land in ``rejected``."""
+    for _path, node in cat.walk():
+        if node.is_reg:
+            cat.extents(node.ino)
+        cat.xattrs(node.ino)
+
+
 def check_repository(repo: Repository, read_data: bool = False, workers: int = 4,
                      progress: Callable[[str], None] | None = None) -> CheckReport:
     report = CheckReport()
@@ -77,12 +87,21 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
         report.snapshots += 1
         if progress:
             progress(f"snapshot {sid[:12]} ({manifest.get('time', '?')})")
-        for chunk, pack, off, slen, rlen in cat.all_blobs():
-            if pack not in packs:
-                report.problems.append(f"snapshot {sid[:12]}: pack {pack[:16]} is missing")
-                packs.add(pack)  # report each missing pack once
-                expected.setdefault(pack, {})
-            expected.setdefault(pack, {})[chunk] = (off, slen, rlen)
+        try:
+            for chunk, pack, off, slen, rlen in cat.all_blobs():
+                if pack not in packs:
+                    report.problems.append(f"snapshot {sid[:12]}: pack {pack[:16]} is missing")
+                    packs.add(pack)  # report each missing pack once
+                    expected.setdefault(pack, {})
+                expected.setdefault(pack, {})[chunk] = (off, slen, rlen)
+            if read_data:
+                _check_tree(cat)
+        except OgrefsError as exc:
+            report.problems.append(f"snapshot {sid[:12]}: {exc}")
+            continue
+        for (parent, name), reason in sorted(cat.rejected.items()):
+            report.problems.append(f"snapshot {sid[:12]}: catalog entry {name!r} in directory inode {parent} "
+                                   f"cannot be restored: {reason}")
     for name in repo.store.list("index/"):
         try:
             from .repo.index import decode_index

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import asdict, dataclass, field
 
@@ -12,6 +13,12 @@ FORMAT_NAME = "ogrefs-repository"
 FORMAT_VERSION = 1
 
 MiB = 1024 * 1024
+
+_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+def _int(v: object) -> bool:
+    return type(v) is int  # not bool, not float
 
 
 @dataclass(frozen=True)
@@ -47,14 +54,21 @@ class RepoConfig:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "RepoConfig":
+        """Parse and validate a config object; anything malformed is a one-line RepositoryError.
+
+        Every field is checked for type and range, because each one flows
+        somewhere that would fail obscurely otherwise: the id names a local
+        cache directory (so it must be plain hex), the sizes drive the chunker
+        and the packer, the level goes to zstd.
+        """
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise RepositoryError(f"{where}: config is not valid JSON; is this an ogrefs repository?") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise RepositoryError(f"{where}: not an ogrefs repository (config has no ogrefs format tag)")
         version = body.get("version")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:
             raise RepositoryError(
                 f"{where}: repository format version {version!r} is not supported by this ogrefs "
                 f"(it reads version {FORMAT_VERSION}); upgrade ogrefs"
@@ -62,21 +76,30 @@ class RepoConfig:
         try:
             chunker = ChunkerParams(**body["chunker"])
             cfg = cls(
-                id=str(body["id"]),
+                id=body["id"],
                 version=version,
                 chunker=chunker,
                 hash=body["hash"],
                 compression=body["compression"],
-                compression_level=int(body["compression_level"]),
-                pack_target_size=int(body["pack_target_size"]),
+                compression_level=body["compression_level"],
+                pack_target_size=body["pack_target_size"],
                 encryption=body.get("encryption"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RepositoryError(f"{where}: config is malformed ({exc})") from None
+        if not (isinstance(cfg.id, str) and _ID.fullmatch(cfg.id)):
+            raise RepositoryError(f"{where}: config is malformed (id {cfg.id!r} is not a hex repository id)")
         if cfg.hash != "blake3-256" or cfg.compression != "zstd":
             raise RepositoryError(f"{where}: unsupported hash {cfg.hash!r} or compression {cfg.compression!r}")
         if cfg.encryption not in (None, "aes-256-gcm"):
             raise RepositoryError(f"{where}: unknown encryption {cfg.encryption!r}; upgrade ogrefs")
-        if not (64 <= chunker.min_size <= chunker.avg_size <= chunker.max_size <= 16 * MiB):
+        if not (_int(cfg.compression_level) and -(1 << 17) <= cfg.compression_level <= 22):
+            raise RepositoryError(f"{where}: compression level {cfg.compression_level!r} is out of range")
+        if not (_int(cfg.pack_target_size) and 1 <= cfg.pack_target_size <= 4 * 1024 * MiB):
+            raise RepositoryError(f"{where}: pack target size {cfg.pack_target_size!r} is out of range")
+        if chunker.algorithm != "fastcdc2020":
+            raise RepositoryError(f"{where}: unsupported chunker {chunker.algorithm!r}; upgrade ogrefs")
+        sizes = (chunker.min_size, chunker.avg_size, chunker.max_size)
+        if not (all(_int(v) for v in sizes) and 64 <= chunker.min_size <= chunker.avg_size <= chunker.max_size <= 16 * MiB):
             raise RepositoryError(f"{where}: chunker parameters out of range")
         return cfg

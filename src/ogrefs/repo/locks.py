@@ -21,6 +21,7 @@ by ``release``; the store is thread-safe.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import socket
@@ -65,16 +66,37 @@ def _encode(info: LockInfo) -> bytes:
     return codec.wrap(json.dumps(info.__dict__).encode(), compress=False)
 
 
+_LOCK_TYPES = {"id": (str,), "kind": (str,), "purpose": (str,), "host": (str,), "pid": (int,),
+               "created": (int, float), "heartbeat": (int, float)}
+
+
+def _decode(obj: bytes, key: str) -> LockInfo | None:
+    """A lock object's content, or None if it is not a well-formed lock."""
+    try:
+        body = json.loads(codec.unwrap(obj, key))
+    except (CorruptObject, ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    for name, types in _LOCK_TYPES.items():
+        value = body.get(name)
+        if type(value) not in types or (isinstance(value, float) and not math.isfinite(value)):
+            return None
+    if key != f"locks/{body['id']}":
+        return None  # the id names the object that `unlock` deletes: it must be this one
+    return LockInfo(**{k: body[k] for k in _LOCK_TYPES})
+
+
 def read_locks(store: Store) -> list[LockInfo]:
+    """Every well-formed lock object; unreadable ones are treated as absent (``unlock --all`` removes them)."""
     out = []
     for key in store.list("locks/"):
         try:
-            body = json.loads(codec.unwrap(store.get(key), key))
-            out.append(LockInfo(**{k: body[k] for k in LockInfo.__dataclass_fields__}))
+            info = _decode(store.get(key), key)
         except NotFound:
             continue  # released while we listed
-        except (CorruptObject, ValueError, KeyError, TypeError):
-            continue  # unreadable lock: treated as absent; `unlock --all` removes it
+        if info is not None:
+            out.append(info)
     return out
 
 

@@ -76,25 +76,52 @@ def pack_key(name: str) -> str:
     return f"packs/{name[:2]}/{name}"
 
 
-def parse_trailer_tail(tail: bytes, what: str) -> int:
-    """From the last TAIL_SIZE bytes, the header length; raises CorruptObject."""
+def parse_trailer_tail(tail: bytes, what: str, pack_size: int | None = None) -> int:
+    """From the last TAIL_SIZE bytes, the header length; raises CorruptObject.
+
+    With ``pack_size`` (the whole pack's length), a header length that does
+    not fit in the pack is refused here, before anyone slices with it.
+    """
     if len(tail) != TAIL_SIZE:
         raise CorruptObject(f"{what}: pack too short")
     header_len, magic = _TAIL.unpack(tail)
     if magic != TRAILER_MAGIC:
         raise CorruptObject(f"{what}: pack trailer has bad magic")
+    if pack_size is not None and header_len > pack_size - TAIL_SIZE:
+        raise CorruptObject(f"{what}: pack trailer gives a header longer than the pack")
     return header_len
 
 
 def parse_header(header: bytes, pack_size: int, what: str) -> list[tuple[bytes, int, int, int]]:
-    """Decode a pack header into entries, checking each lies inside the pack body."""
+    """Decode a pack header into entries, checking each lies inside the pack body.
+
+    The header is a single zstd frame; it is never inflated beyond what the
+    pack could describe (one entry per byte of body at most), so a small
+    forged header cannot expand into gigabytes.
+    """
+    body_end = pack_size - len(header) - TAIL_SIZE
+    if body_end < 0:
+        raise CorruptObject(f"{what}: pack header is longer than the pack")
+    limit = body_end * _ENTRY.size
     try:
-        raw = zstandard.ZstdDecompressor().decompressobj().decompress(header)
+        size = zstandard.frame_content_size(header)
+        if size > limit:
+            raise CorruptObject(f"{what}: pack header claims more entries than the pack can hold")
+        if size >= 0:
+            raw = zstandard.ZstdDecompressor().decompress(header, max_output_size=size)
+        else:  # a frame without its size: inflate piecewise, no further than the limit
+            reader = zstandard.ZstdDecompressor().stream_reader(header)
+            parts, total = [], 0
+            while piece := reader.read(1 << 20):
+                total += len(piece)
+                if total > limit:
+                    raise CorruptObject(f"{what}: pack header claims more entries than the pack can hold")
+                parts.append(piece)
+            raw = b"".join(parts)
     except zstandard.ZstdError as exc:
         raise CorruptObject(f"{what}: pack header does not decompress ({exc})") from None
     if len(raw) % _ENTRY.size:
         raise CorruptObject(f"{what}: pack header has a partial entry")
-    body_end = pack_size - len(header) - TAIL_SIZE
     entries = []
     for i in range(0, len(raw), _ENTRY.size):
         cid, off, slen, rlen = _ENTRY.unpack_from(raw, i)
