@@ -35,7 +35,8 @@ from ogrefs.check import check_repository
 from ogrefs.repo import Repository
 from ogrefs.restore import Restorer
 from ogrefs.snapshot import SnapshotOptions, take_snapshot
-from ogrefs.store import FaultyStore, RetryingStore, TransientError, open_store
+from ogrefs.errors import OgrefsError
+from ogrefs.store import FaultyStore, RetryingStore, StoreError, TransientError, open_store
 from ogrefs.store.base import Store
 
 from .treegen import compare_trees
@@ -482,7 +483,13 @@ class _Mount:
         return self.mp
 
     def status(self) -> dict:
-        return json.loads(self.cli("status", str(self.mp), "--json").stdout)
+        """The daemon's status as written after this call (it rewrites it every 0.5 s)."""
+        since = time.time()
+        while True:
+            st = json.loads(self.cli("status", str(self.mp), "--json").stdout)
+            if st["time"] > since or time.time() > since + 30:
+                return st
+            time.sleep(0.2)
 
     def close(self) -> None:
         from ogrefs.mount import mounted_fstype
@@ -585,5 +592,123 @@ def test_mount_daemon_sigkill_then_remount_serves_correct_bytes(tree, tmp_path):
                 p = Path(dirpath) / name
                 assert (base / p.relative_to(tree)).read_bytes() == p.read_bytes(), p
         assert mnt.status()["errors"] == 0
+    finally:
+        mnt.close()
+
+
+# -- local disks that are full (small tmpfs mounts) ----------------------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``make(size)`` mounts a tmpfs of ``size`` bytes and returns its path; all are unmounted afterwards."""
+    mounts: list[Path] = []
+
+    def make(size: int) -> Path:
+        mp = tmp_path / f"small-{len(mounts)}"
+        mp.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mp)], capture_output=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+        mounts.append(mp)
+        return mp
+
+    yield make
+    for mp in mounts:
+        subprocess.run(["umount", "-l", str(mp)], capture_output=True)
+
+
+def _fill(path: Path) -> Path:
+    """Fill the file system holding ``path`` (a filler file); returns the filler."""
+    filler = path / "filler"
+    with open(filler, "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_repository_disk_full_mid_snapshot_then_space_freed(tree, tmp_path, small_fs):
+    """The file store's disk fills up during a snapshot: a one-line StoreError, no manifest; rerun after freeing space."""
+    disk = small_fs(24 * MiB)
+    url = f"file://{disk}/repo"
+    Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    ballast = disk / "ballast"
+    ballast.write_bytes(b"\0" * (19 * MiB))  # about 5 MiB left: the ~10 MiB snapshot cannot fit
+    repo = Repository.open(url, cache_root=tmp_path / "c1")
+    with pytest.raises(StoreError) as info:
+        _snap(repo, tree)
+    assert "\n" not in str(info.value) and "space" in str(info.value).lower()
+    assert Repository.open(url, cache_root=tmp_path / "c2").snapshot_ids() == []
+    ballast.unlink()
+    m = rerun_reuses(url, tmp_path, tree)
+    assert m["totals"]["new_chunks"] < m["totals"]["chunks"]  # what fitted before was kept and reused
+    verify(url, tmp_path, {m["id"]: tree})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_restore_target_disk_full_leaves_no_wrong_file(tree, tmp_path, small_fs):
+    """Restoring ~10 MiB into 4 MiB: files that do not fit are reported and removed, the others are exact."""
+    url = f"file://{tmp_path}/repo"
+    repo = Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    m = _snap(repo, tree)
+    disk = small_fs(4 * MiB)
+    r = Restorer(Catalog(repo.catalog_path(m["id"])), repo.read_pack_range, os.fsencode(disk / "out"), workers=4)
+    r.run()
+    assert r.failed and all("No space left" in why for why in r.failed.values())
+    restored = disk / "out" / str(tree).lstrip("/")
+    exact = 0
+    for dirpath, _, names in os.walk(tree):
+        for name in names:
+            src = Path(dirpath) / name
+            dst = restored / src.relative_to(tree)
+            if os.fsencode(dst) in r.failed:
+                assert not dst.exists()
+            else:
+                assert dst.read_bytes() == src.read_bytes(), dst
+                exact += 1
+    assert exact >= 1  # and no file holds wrong bytes
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+@pytest.mark.xfail(strict=True, reason="snapshot.py/CatalogWriter: a full disk under the cache directory raises "
+                                        "sqlite3.OperationalError ('database or disk is full'), which cli.main "
+                                        "prints as a traceback; lead: map sqlite3.Error from the catalog writer "
+                                        "and the index cache to an OgrefsError naming the cache directory")
+def test_cache_disk_full_during_snapshot_is_a_clean_error(tree, tmp_path, small_fs):
+    disk = small_fs(2 * MiB)
+    url = f"file://{tmp_path}/repo"
+    Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    repo = Repository.open(url, cache_root=disk / "cache")
+    repo.index  # the index cache fits; the snapshot's catalog will not, once the disk is full
+    _fill(disk)
+    with pytest.raises((OgrefsError, StoreError, OSError)):
+        _snap(repo, tree)
+
+
+@pytest.mark.fuse
+@needs_fuse
+@pytest.mark.timeout(180)
+def test_mount_chunk_cache_on_a_full_disk_still_serves_correct_bytes(tree, tmp_path, small_fs):
+    """The chunk cache cannot be written (its disk is full): reads are served from the store, correctly."""
+    url = f"file://{tmp_path}/repo"
+    repo = Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    m = _snap(repo, tree)
+    disk = small_fs(1 * MiB)
+    cache = disk / "chunks"
+    mnt = _Mount(tmp_path, url)
+    try:
+        base = mnt.mount(m["id"], "--cache-dir", str(cache)) / str(tree).lstrip("/")
+        _fill(disk)
+        for dirpath, _, names in os.walk(tree):
+            for name in names:
+                p = Path(dirpath) / name
+                assert (base / p.relative_to(tree)).read_bytes() == p.read_bytes(), p
+        st = mnt.status()
+        assert st["errors"] == 0 and st["read_errors"] == 0
+        assert st["cache_write_errors"] >= 1
     finally:
         mnt.close()

@@ -102,6 +102,17 @@ def plan_ranges(blobs_by_pack: dict[str, list[_Blob]]) -> list[_Range]:
     return ranges
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a full disk may accept part of a write and say so only by its count."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+        offset += n
+
+
 def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
     """(record this entry, descend below it) for an ``--include`` list."""
     if not includes:
@@ -253,7 +264,7 @@ class Restorer:
                 try:
                     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                     try:
-                        os.pwrite(fd, plain, off)
+                        _pwrite_all(fd, plain, off)
                     finally:
                         os.close(fd)
                 except OSError as exc:
