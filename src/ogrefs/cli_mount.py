@@ -33,7 +33,8 @@ def parse_size(text: str) -> int:
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
-@click.option("--cache-size", default=None, help="Bound of the chunk cache, e.g. 20G (default: 10G or 1/4 of free space).")
+@click.option("--cache-size", default=None,
+              help="Bound of the chunk cache, e.g. 20G (default: 10G or 1/4 of free space).")
 @click.option("--allow-other", is_flag=True, help="Let other users see the mount (needs user_allow_other).")
 @click.option("--retry-for", type=click.FloatRange(0, 86400), default=60.0, show_default=True,
               help="Seconds to keep retrying an unreachable store before a read fails with EIO.")

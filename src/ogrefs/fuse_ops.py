@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import os
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3

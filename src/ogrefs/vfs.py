@@ -34,7 +34,6 @@ import errno
 import logging
 import os
 import sqlite3
-import stat
 import threading
 from bisect import bisect_right
 from dataclasses import dataclass
