@@ -82,6 +82,8 @@ def decode_blob(blob: bytes | memoryview, raw_len: int, expected_id: bytes | Non
     """
     if len(blob) < 1:
         raise CorruptObject("empty blob")
+    if not 0 <= raw_len < 2**32:
+        raise CorruptObject(f"blob claims an impossible size ({raw_len} bytes)")
     codec = blob[0]
     payload = blob[1:]
     if codec == CODEC_RAW:

@@ -51,6 +51,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def _check_manifest_fields(m: Manifest, what: str) -> None:
+    """The fields every reader relies on have the right types (a malformed object is corrupt, not a crash)."""
+    ok = (isinstance(m.get("time"), str) and isinstance(m.get("host"), str)
+          and isinstance(m.get("paths"), list) and all(isinstance(p, str) for p in m["paths"])
+          and isinstance(m.get("tags", []), list) and all(isinstance(t, str) for t in m.get("tags", []))
+          and isinstance(m.get("totals", {}), dict)
+          and (m.get("parent") is None or isinstance(m.get("parent"), str)))
+    if not ok:
+        raise CorruptObject(f"{what}: manifest fields have the wrong types")
+
+
 class Repository:
     def __init__(self, store: Store, config: RepoConfig, cache_root: Path | None = None,
                  master: bytes | None = None, key_id: str | None = None) -> None:
@@ -180,10 +191,11 @@ class Repository:
             _atomic_write(cached, obj)
         try:
             manifest = json.loads(self.codec.open(f"snapshots/{snap_id}", obj))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CorruptObject(f"snapshots/{snap_id}: manifest is not valid JSON") from None
         if not isinstance(manifest, dict) or manifest.get("id") != snap_id:
             raise CorruptObject(f"snapshots/{snap_id}: manifest does not describe this snapshot")
+        _check_manifest_fields(manifest, f"snapshots/{snap_id}")
         return manifest
 
     def snapshot_ids(self) -> list[str]:
