@@ -29,7 +29,13 @@ def parse_size(text: str) -> int:
 @click.command()
 @click.argument("snap")
 @click.argument("mountpoint", type=click.Path(path_type=Path))
-@click.option("--read-only", "read_only", is_flag=True, help="Mount read-only (the only mode so far).")
+@click.option("--read-only", "read_only", is_flag=True,
+              help="Browse: a read-only FUSE mount. Without it, writes land on local disk (overlayfs).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Upper dirs, local copy and fetch state of a writable mount "
+                   "(default /var/lib/ogrefs/mounts/<snapshot>-<target>); the same dir resumes.")
+@click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
+@click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
@@ -42,20 +48,36 @@ def parse_size(text: str) -> int:
               help="Concurrent store requests.")
 @click.option("--debug", is_flag=True, help="Verbose log.")
 @click.pass_obj
-def mount(obj, snap: str, mountpoint: Path, read_only: bool, foreground: bool, cache_dir: Path | None,
-          cache_size: str | None, allow_other: bool, retry_for: float, max_requests: int, debug: bool) -> None:
-    """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read."""
+def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
+          foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          max_requests: int, debug: bool) -> None:
+    """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
+
+    At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
+    its original place; at any other directory the snapshot's tree appears
+    below it. Without --read-only, writes land on local disk.
+    """
+    from .compat import environment_warning
     from .mount import MountOptions, mount as do_mount
 
-    if not read_only:
-        raise UsageError("only read-only mounts exist so far: add --read-only")
     opts = MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=mountpoint, s3_endpoint=obj.s3_endpoint,
                         chunk_cache=cache_dir, cache_size=parse_size(cache_size) if cache_size else None,
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
-                        max_requests=max_requests, log_level="DEBUG" if debug else "INFO")
-    do_mount(opts, open_repo=obj.open)
+                        max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
+                        read_only=read_only, state_dir=state_dir, force=force)
+
+    def open_repo():
+        repo = obj.open()
+        warning = environment_warning(repo.resolve(snap), strict)
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+        return repo
+
+    do_mount(opts, open_repo=open_repo)
     if not foreground and not getattr(obj, "quiet", False):
-        click.echo(f"mounted {snap} at {opts.mountpoint}")
+        where = opts.target or opts.mountpoint
+        mode = "read-only" if read_only else f"writable, local state in {opts.state_dir}"
+        click.echo(f"mounted {snap} at {where} ({mode})")
 
 
 @click.command()

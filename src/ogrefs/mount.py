@@ -71,6 +71,12 @@ class MountOptions:
     memory_cache: int = 128 * 1024 * 1024
     readahead_kb: int = 16384  # kernel read-ahead of the mount (bdi), best effort
     log_level: str = "INFO"
+    # writable mounts (issue 4): kernel overlayfs over the FUSE lower, see overlay.py
+    read_only: bool = True
+    state_dir: Path | None = None  # default: /var/lib/ogrefs/mounts/<snapshot>-<target key>
+    force: bool = False  # allow covering /proc, /sys, /dev, /run, /boot, / as a whole
+    target: Path | None = None  # writable: where the user sees the tree (mountpoint is then state/lower)
+    overlays: list = None  # type: ignore[assignment]  # planned overlay.Overlay list (writable)
 
 
 # -- early checks -----------------------------------------------------------------------------
@@ -222,7 +228,10 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
     problem = fuse_problem()
     if problem:
         raise MountError(problem)
-    opts.mountpoint = check_mountpoint(opts.mountpoint)
+    if opts.read_only:
+        opts.mountpoint = check_mountpoint(opts.mountpoint)
+    else:
+        _check_target(Path(os.path.abspath(opts.mountpoint)))
     from .catalog import Catalog
     from .repo import Repository
 
@@ -232,14 +241,57 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         repo = open_repo()
     manifest = repo.resolve(opts.snapshot)
     cat_path = repo.catalog_path(manifest["id"])
-    Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
-    reg = Registration.for_mountpoint(opts.mountpoint)
+    catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
+    if not opts.read_only:
+        _prepare_writable(opts, manifest, catalog)
+    reg = Registration.for_mountpoint(opts.target or opts.mountpoint)
     if opts.foreground:
         code = _serve(opts, repo, manifest, cat_path, reg, ready_fd=None)
         if code:
             raise MountError(f"the mount of {opts.mountpoint} ended with an error (see above)")
         return
     _daemonize_and_wait(opts, repo, manifest, cat_path, reg)
+
+
+def default_state_dir(snapshot_id: str, target: Path) -> Path:
+    base = Path(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs/mounts")
+    return base / f"{snapshot_id[:16]}-{_key(target)[:12]}"
+
+
+def _check_target(target: Path) -> None:
+    if mounted_fstype(target) == "fuse.ogrefs" or (Registration.for_mountpoint(target).read() or {}).get("pid") \
+            and pid_alive((Registration.for_mountpoint(target).read() or {}).get("pid", 0)):
+        raise UsageError(f"{target} is already an ogrefs mount; `ogrefs unmount {target}` first")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise UsageError(f"{target} is not a directory")
+
+
+def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
+    """Plan the overlays (refusing protected paths early) and prepare the state directory.
+
+    The FUSE mount moves to ``state/lower``; the user's target gets the overlays.
+    A state directory left by a daemon that died (kill -9) still has overlays
+    and a dead FUSE mount on it: they are detached first, and the upper
+    directories are kept, so the new mount resumes with every write intact.
+    """
+    from . import overlay
+    from .catalog import ROOT_INO
+
+    target = Path(os.path.abspath(opts.mountpoint))
+    state = Path(os.path.abspath(opts.state_dir or default_state_dir(manifest["id"], target)))
+    roots = [os.fsdecode(r) for r in catalog.roots()]
+    top = [os.fsdecode(name) for name, node in catalog.children(ROOT_INO) if node.is_dir]
+    plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top)
+    for old in overlay.load(state):
+        overlay.unmount_all([old], lazy=True)
+    if mounted_fstype(state / "lower") is not None:
+        subprocess.run(["umount", "-l", str(state / "lower")], capture_output=True)
+    (state / "lower").mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(state, 0o700)
+    opts.state_dir = state
+    opts.target = target
+    opts.mountpoint = check_mountpoint(state / "lower")
+    opts.overlays = plans
 
 
 def _daemonize_and_wait(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
@@ -334,7 +386,10 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                       memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob)
     fs = SnapshotFS(catalog, fetcher)
     started = time.time()
-    info = {"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "snapshot": manifest["id"],
+    info = {"pid": os.getpid(), "mountpoint": str(opts.target or opts.mountpoint), "snapshot": manifest["id"],
+            "writable": not opts.read_only, "lower": str(opts.mountpoint),
+            "state_dir": str(opts.state_dir) if opts.state_dir else None,
+            "overlays": [o.target for o in (opts.overlays or [])],
             "repo": repo.store.url, "status": str(reg.status), "log": str(reg.log), "started": started,
             "chunk_cache": str(chunk_dir)}
 
@@ -377,6 +432,17 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     async def announce() -> None:
         await initialized[0].wait()
         await trio.to_thread.run_sync(_tune_readahead, opts.mountpoint, opts.readahead_kb)
+        if opts.overlays:
+            from . import overlay
+
+            try:
+                await trio.to_thread.run_sync(overlay.mount_all, opts.overlays, opts.state_dir)
+            except OgrefsError as exc:
+                if ready_fd is not None:
+                    os.write(ready_fd, f"error {exc}\n".encode())
+                    os.close(ready_fd)
+                fuse_ops.terminate()
+                return
         await trio.to_thread.run_sync(_atomic_json, reg.status, status())
         if ready_fd is not None:
             os.write(ready_fd, b"ready\n")
@@ -401,6 +467,12 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         log.exception("mount of %s failed", opts.mountpoint)
         code = 1
     finally:
+        if opts.overlays:
+            from . import overlay
+
+            # Overlays first: the FUSE lower cannot go while they stand on it.
+            for err in overlay.unmount_all(opts.overlays, lazy=True):
+                log.warning("overlay unmount: %s", err)
         with contextlib.suppress(Exception):
             fuse_ops.fuse_close(unmount=True)
         with contextlib.suppress(Exception):
@@ -426,6 +498,9 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> N
     reg = Registration.for_mountpoint(mp)
     info = reg.read()
     pid = info.get("pid") if info else None
+    if info and (info.get("writable") or info.get("finalized")):
+        _unmount_writable(mp, reg, info, lazy, timeout)
+        return
     if mounted_fstype(mp) is None:
         if pid and pid_alive(pid):
             _wait_exit(pid, timeout, mp)
@@ -443,6 +518,25 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> N
         raise MountError(f"cannot unmount {mp}: {reason}")
     if pid and pid_alive(pid):
         _wait_exit(pid, timeout, mp)
+
+
+def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, timeout: float) -> None:
+    """Overlays in reverse order, then the FUSE lower; the upper directories stay for the next mount."""
+    from . import overlay
+
+    state = Path(info["state_dir"])
+    errors = overlay.unmount_all(overlay.load(state), lazy=lazy)
+    if errors:
+        busy = any("busy" in e.lower() for e in errors)
+        raise MountError(f"cannot unmount {errors[0]}" + ("; close what uses it or use --lazy" if busy else ""))
+    pid = info.get("pid")
+    if info.get("finalized") or not (pid and pid_alive(pid)):
+        if mounted_fstype(state / "lower") is not None:
+            subprocess.run(["umount", "-l", str(state / "lower")], capture_output=True)
+        reg.remove()
+        return
+    unmount(state / "lower", lazy=lazy, timeout=timeout)
+    _wait_exit(pid, timeout, mp)
 
 
 def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
