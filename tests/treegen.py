@@ -89,10 +89,17 @@ def _xattrs(path: bytes) -> dict:
         return {}
 
 
-def _content_digest(path: bytes) -> str:
+def _content_digest(path: bytes, layout: bool = True) -> str:
     """Digest of (offset, bytes) of every data extent: equal for equal content
-    *and* equal hole layout, and quick on multi-GiB sparse files."""
+    *and* equal hole layout, and quick on multi-GiB sparse files.  With
+    ``layout=False``, the plain bytes (for file systems that cannot report
+    holes through SEEK_DATA, such as a FUSE mount)."""
     h = hashlib.blake2b()
+    if not layout:
+        with open(path, "rb") as fh:
+            while block := fh.read(4 * 1024 * 1024):
+                h.update(block)
+        return h.hexdigest()
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -131,7 +138,7 @@ def describe(root: Path | bytes, *, times: bool = True, check_holes: bool = True
             kind = stat.S_IFMT(st.st_mode)
             content: object = None
             if stat.S_ISREG(st.st_mode):
-                content = (st.st_size, _content_digest(p))
+                content = (st.st_size, _content_digest(p, layout=check_holes))
                 if check_holes:
                     content += (st.st_blocks * 512 < st.st_size // 2 if st.st_size > 1024 * 1024 else None,)
             elif stat.S_ISLNK(st.st_mode):

@@ -1,0 +1,148 @@
+"""Writable mounts at the original paths, inside private mount namespaces (tier 5).
+
+Each test runs a shell script under ``unshare --mount --propagation private``:
+it hides the source tree with a tmpfs (a fresh box has nothing there), mounts
+the snapshot at ``/`` and checks what a user would. Nothing leaks into the
+host's mount table; the namespace dies with its last process, and teardown
+kills any daemon a failed test left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .treegen import compare_trees, make_fidelity_tree
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here"),
+    pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare missing"),
+]
+
+OGREFS = f"{sys.executable} -m ogrefs"
+
+
+@pytest.fixture
+def box(tmp_path):
+    """A repository with one snapshot of tmp_path/box/proj, and the env to use it."""
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    proj = tmp_path / "box" / "proj"
+    make_fidelity_tree(proj)
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=env, check=True)
+    out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(proj)], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    yield {"env": env, "proj": proj, "snap": json.loads(out)["id"], "tmp": tmp_path}
+    for reg in (tmp_path / "run" / "mounts").glob("*.json") if (tmp_path / "run" / "mounts").exists() else []:
+        try:
+            pid = json.loads(reg.read_text()).get("pid")
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
+    body = "set -euo pipefail\n" + textwrap.dedent(script)
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", body], env=box["env"],
+                          capture_output=True, text=True, timeout=150)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_mount_at_original_paths_writes_land_locally_and_resume(box):
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    copy = tmp / "expected"
+    subprocess.run(["cp", "-a", str(proj), str(copy)], check=True)  # keeps FIFOs, devices, xattrs, times
+    in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}      # a fresh box: nothing at the original path
+        {OGREFS} mount {snap} /
+        grep -q "^{proj} " <(awk '{{print $5" "$9}}' /proc/self/mountinfo)
+        {sys.executable} - <<'PY'
+import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+from tests.treegen import compare_trees
+diffs = compare_trees({str(copy)!r}, {str(proj)!r}, check_holes=False)
+assert diffs == [], diffs
+PY
+        echo "new checkpoint" > {proj}/written-after-restore
+        echo "appended" >> {proj}/small.txt
+        rm {proj}/random.bin
+        {OGREFS} status / --json > {tmp}/status.json
+        {OGREFS} unmount /
+        ! grep -q ogrefs /proc/self/mountinfo
+        {OGREFS} mount {snap} /                    # same state dir: resumes with every write
+        test "$(cat {proj}/written-after-restore)" = "new checkpoint"
+        tail -n1 {proj}/small.txt | grep -q appended
+        test ! -e {proj}/random.bin
+        {OGREFS} unmount /
+    """)
+    status = json.loads((tmp / "status.json").read_text())
+    assert status["writable"] and status["overlays"] == [str(proj)]
+    # writes went to the state directory, never to the snapshot or the source
+    uppers = list((tmp / "state").glob("*/upper/0/written-after-restore"))
+    assert len(uppers) == 1 and uppers[0].read_text() == "new checkpoint\n"
+    assert compare_trees(copy, proj) == []
+
+
+def test_existing_content_stays_visible_below_the_snapshot(box):
+    proj, snap = box["proj"], box["snap"]
+    in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        mkdir -p {proj}
+        echo "from the new box" > {proj}/local-only
+        echo "box version" > {proj}/small.txt
+        {OGREFS} mount {snap} /
+        test "$(cat {proj}/local-only)" = "from the new box"
+        test "$(cat {proj}/small.txt)" = "hello ogrefs"   # the snapshot's copy is on top
+        {OGREFS} unmount /
+        test "$(cat {proj}/small.txt)" = "box version"    # and the box's own is back afterwards
+    """)
+
+
+def test_other_target_shows_the_roots_below_it(box):
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    target = tmp / "elsewhere"
+    in_namespace(box, f"""
+        mkdir -p {target}
+        {OGREFS} mount {snap} {target}
+        test "$(cat {target}{proj}/small.txt)" = "hello ogrefs"
+        echo x > {target}{proj}/scratch
+        {OGREFS} unmount {target}
+    """)
+    assert not (proj / "scratch").exists()
+
+
+@pytest.mark.parametrize("target", ["/proc", "/sys/kernel", "/boot"])
+def test_protected_targets_are_refused(box, target):
+    proc = in_namespace(box, f"{OGREFS} mount {box['snap']} {target}", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("ogrefs: refusing to cover") and "--force" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_daemon_killed_then_remount_with_same_state_dir(box):
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        {OGREFS} mount {snap} /
+        echo "survives" > {proj}/kept
+        pid=$({sys.executable} -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" {tmp}/run/mounts/*.status.json)
+        kill -9 "$pid"
+        sleep 0.2
+        ! cat {proj}/small.txt 2>/dev/null                # the lower is gone ...
+        {OGREFS} mount {snap} /                            # ... and a remount recovers
+        test "$(cat {proj}/kept)" = "survives"
+        test "$(cat {proj}/small.txt)" = "hello ogrefs"
+        {OGREFS} unmount /
+    """)
