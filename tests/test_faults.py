@@ -154,14 +154,12 @@ def test_put_failure_at_each_point_then_rerun_file(point, tree, put_count, tmp_p
 
 @pytest.mark.s3
 @pytest.mark.parametrize("point", ["first-pack", "middle", "catalog", "manifest"])
-def test_put_failure_at_each_point_then_rerun_s3(point, tree, put_count, tmp_path, seaweed):
+def test_put_failure_at_each_point_then_rerun_s3(point, tree, put_count, tmp_path, seaweed, monkeypatch):
     seaweed.ensure_running()
-    os.environ["OGREFS_S3_ENDPOINT"] = seaweed.endpoint
-    try:
-        url = f"s3://{seaweed.new_bucket()}/repo"
-        _fail_put_then_rerun(url, tmp_path, tree, PUT_POINTS[point](put_count))
-    finally:
-        os.environ.pop("OGREFS_S3_ENDPOINT", None)
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{seaweed.new_bucket()}/repo"
+    _fail_put_then_rerun(url, tmp_path, tree, PUT_POINTS[point](put_count))
 
 
 def test_delete_failure_at_commit_then_rerun(store_url, tree, tmp_path):
