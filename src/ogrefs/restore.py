@@ -125,6 +125,69 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
     return False, False
 
 
+def make_dir(dest: bytes) -> None:
+    """A directory at ``dest``, owner-only until its final mode is applied; whatever else is there is replaced."""
+    try:
+        os.mkdir(dest, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(dest) or os.path.islink(dest):
+            os.unlink(dest)
+            os.mkdir(dest, 0o700)
+
+
+def create_entry(dest: bytes, node: Inode, link_to: bytes | None = None) -> bool:
+    """Create one non-directory entry at ``dest``: a hardlink to ``link_to`` when given, else an empty
+    regular file of the node's size (all hole), a symlink, a FIFO or a device node, owner-only.
+
+    An entry already at ``dest`` is replaced (a directory there is an error).  Returns False for a
+    type that is not restored (a socket).  Owners, modes, xattrs and times come later, from
+    :func:`apply_metadata`, once the data is in place.
+    """
+    mode = node.mode
+    if os.path.lexists(dest):
+        if os.path.isdir(dest) and not os.path.islink(dest):
+            raise OgrefsError(f"{os.fsdecode(dest)}: a directory is in the way of a file")
+        os.unlink(dest)
+    if link_to is not None:
+        os.link(link_to, dest, follow_symlinks=False)
+        return True
+    if stat.S_ISREG(mode):
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, node.size)
+        finally:
+            os.close(fd)
+    elif stat.S_ISLNK(mode):
+        os.symlink(node.target or b"", dest)
+    elif stat.S_ISFIFO(mode):
+        os.mkfifo(dest, 0o600)
+    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        os.mknod(dest, stat.S_IFMT(mode) | 0o600, node.rdev)
+    else:
+        return False
+    return True
+
+
+def apply_metadata(dest: bytes, node: Inode, xattrs: list[tuple[bytes, bytes]], *, as_root: bool) -> None:
+    """Owner (as root), xattrs, mode and times of ``node`` onto ``dest``, in the order that keeps them all:
+    chown first (it clears setuid bits and capabilities), chmod after the xattrs, times last."""
+    link = stat.S_ISLNK(node.mode)
+    if as_root:
+        try:
+            os.chown(dest, node.uid, node.gid, follow_symlinks=False)
+        except OSError:
+            pass
+    for name, value in xattrs:
+        try:
+            os.setxattr(dest, name, value, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTSUP, errno.EPERM):
+                raise
+    if not link:
+        os.chmod(dest, stat.S_IMODE(node.mode))
+    os.utime(dest, ns=(node.atime_ns, node.mtime_ns), follow_symlinks=False)
+
+
 class Restorer:
     def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, *,
                  includes: list[bytes] | None = None, workers: int = 8,
@@ -157,43 +220,19 @@ class Restorer:
 
     # -- step 1: the tree ---------------------------------------------------------
     def _make(self, dest: bytes, node: Inode) -> None:
-        mode = node.mode
-        if stat.S_ISDIR(mode):
-            try:
-                os.mkdir(dest, 0o700)
-            except FileExistsError:
-                if not os.path.isdir(dest) or os.path.islink(dest):
-                    os.unlink(dest)
-                    os.mkdir(dest, 0o700)
+        if stat.S_ISDIR(node.mode):
+            make_dir(dest)
             self._dirs.append((dest, node))
             self.stats.dirs += 1
             return
-        if os.path.lexists(dest):
-            if os.path.isdir(dest) and not os.path.islink(dest):
-                raise OgrefsError(f"{os.fsdecode(dest)}: a directory is in the way of a file")
-            os.unlink(dest)
-        if node.nlink > 1 and node.ino in self._paths:
-            os.link(self._paths[node.ino], dest, follow_symlinks=False)
+        link_to = self._paths.get(node.ino) if node.nlink > 1 else None
+        if not create_entry(dest, node, link_to) or link_to is not None:
             return
-        if stat.S_ISREG(mode):
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, node.size)
-            finally:
-                os.close(fd)
+        if stat.S_ISREG(node.mode):
             self.stats.files += 1
             self.stats.total_bytes += node.size
-        elif stat.S_ISLNK(mode):
-            os.symlink(node.target or b"", dest)
-            self.stats.others += 1
-        elif stat.S_ISFIFO(mode):
-            os.mkfifo(dest, 0o600)
-            self.stats.others += 1
-        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-            os.mknod(dest, stat.S_IFMT(mode) | 0o600, node.rdev)
-            self.stats.others += 1
         else:
-            return
+            self.stats.others += 1
         self._paths[node.ino] = dest
         self._meta.append((dest, node))
 
@@ -287,21 +326,7 @@ class Restorer:
 
     # -- step 4: metadata ----------------------------------------------------------
     def _apply_meta(self, dest: bytes, node: Inode) -> None:
-        link = stat.S_ISLNK(node.mode)
-        if self._is_root:
-            try:
-                os.chown(dest, node.uid, node.gid, follow_symlinks=False)
-            except OSError:
-                pass
-        for name, value in self.cat.xattrs(node.ino):
-            try:
-                os.setxattr(dest, name, value, follow_symlinks=False)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOTSUP, errno.EPERM):
-                    raise
-        if not link:
-            os.chmod(dest, stat.S_IMODE(node.mode))
-        os.utime(dest, ns=(node.atime_ns, node.mtime_ns), follow_symlinks=False)
+        apply_metadata(dest, node, self.cat.xattrs(node.ino), as_root=self._is_root)
 
     def run(self) -> RestoreStats:
         if self.includes:
