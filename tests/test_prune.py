@@ -163,3 +163,30 @@ def test_concurrent_snapshots_from_many_boxes(store_url, tmp_path):
     assert check_repository(repo, read_data=True).problems == []
     for i, m in enumerate(manifests):
         _restore_ok(repo, m, srcs[i], tmp_path / f"out{i}")
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here")
+def test_prune_never_deletes_what_a_live_mount_reads(tmp_path):
+    """A mount of a snapshot that is forgotten meanwhile keeps reading: its lock defers the deletion."""
+    from .test_mount import Mounter
+
+    repo = Repository.init(str(tmp_path / "repo"), cache_root=tmp_path / "cache", pack_target_size=1 * MiB)
+    src = tmp_path / "src"
+    src.mkdir()
+    payload = os.urandom(3 * MiB)
+    (src / "model.bin").write_bytes(payload)
+    m = _snap(repo, src)
+    mounter = Mounter(tmp_path, repo.store.url)
+    mp = mounter.mount(m["id"], tmp_path / "mnt")
+    try:
+        repo.store.delete(f"snapshots/{m['id']}")
+        repo.store.delete(f"catalogs/{m['id']}")
+        prune(repo)
+        second = prune(repo)
+        assert second.deleted == [] and second.deferred
+        assert (mp / str(src).lstrip("/") / "model.bin").read_bytes() == payload  # nothing was in the cache yet
+    finally:
+        mounter.cli("unmount", str(mp))
+    assert prune(repo).deleted
+    assert _packs(repo) == set()

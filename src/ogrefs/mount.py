@@ -77,6 +77,7 @@ class MountOptions:
     force: bool = False  # allow covering /proc, /sys, /dev, /run, /boot, / as a whole
     target: Path | None = None  # writable: where the user sees the tree (mountpoint is then state/lower)
     overlays: list = None  # type: ignore[assignment]  # planned overlay.Overlay list (writable)
+    lock: Any = None  # the shared repository lock (repo.locks.HeldLock), taken before the snapshot is resolved
 
 
 # -- early checks -----------------------------------------------------------------------------
@@ -234,23 +235,32 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         _check_target(Path(os.path.abspath(opts.mountpoint)))
     from .catalog import Catalog
     from .repo import Repository
+    from .repo.locks import HeldLock
 
     if open_repo is None:
         repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
     else:
         repo = open_repo()
-    manifest = repo.resolve(opts.snapshot)
-    cat_path = repo.catalog_path(manifest["id"])
-    catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
-    if not opts.read_only:
-        _prepare_writable(opts, manifest, catalog)
-    reg = Registration.for_mountpoint(opts.target or opts.mountpoint)
-    if opts.foreground:
-        code = _serve(opts, repo, manifest, cat_path, reg, ready_fd=None)
-        if code:
-            raise MountError(f"the mount of {opts.mountpoint} ended with an error (see above)")
-        return
-    _daemonize_and_wait(opts, repo, manifest, cat_path, reg)
+    # A shared lock before the snapshot is resolved: prune never deletes a pack this mount
+    # may read (it defers packs it marked after this lock's creation).  The daemon takes it over.
+    opts.lock = HeldLock(repo.store, "shared", "mount").acquire()
+    try:
+        manifest = repo.resolve(opts.snapshot)
+        cat_path = repo.catalog_path(manifest["id"])
+        catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
+        if not opts.read_only:
+            _prepare_writable(opts, manifest, catalog)
+        reg = Registration.for_mountpoint(opts.target or opts.mountpoint)
+        if opts.foreground:
+            code = _serve(opts, repo, manifest, cat_path, reg, ready_fd=None)
+            if code:
+                raise MountError(f"the mount of {opts.mountpoint} ended with an error (see above)")
+            return
+        _daemonize_and_wait(opts, repo, manifest, cat_path, reg)
+    except BaseException:
+        if opts.lock is not None and opts.lock._thread is not None:  # not handed over to a daemon
+            opts.lock.release()
+        raise
 
 
 def default_state_dir(snapshot_id: str, target: Path) -> Path:
@@ -259,8 +269,8 @@ def default_state_dir(snapshot_id: str, target: Path) -> Path:
 
 
 def _check_target(target: Path) -> None:
-    if mounted_fstype(target) == "fuse.ogrefs" or (Registration.for_mountpoint(target).read() or {}).get("pid") \
-            and pid_alive((Registration.for_mountpoint(target).read() or {}).get("pid", 0)):
+    info = Registration.for_mountpoint(target).read() or {}
+    if mounted_fstype(target) == "fuse.ogrefs" or pid_alive(info.get("pid") or 0):
         raise UsageError(f"{target} is already an ogrefs mount; `ogrefs unmount {target}` first")
     if os.path.exists(target) and not os.path.isdir(target):
         raise UsageError(f"{target} is not a directory")
@@ -300,6 +310,8 @@ def _daemonize_and_wait(opts: MountOptions, repo: Repository, manifest: dict, ca
     sys.stderr.flush()
     r, w = os.pipe()
     pid = os.fork()
+    if pid != 0 and opts.lock is not None:
+        opts.lock.hand_over()  # the daemon refreshes and releases it from now on
     if pid == 0:  # the intermediate child: detach and leave
         code = 1
         try:
@@ -379,6 +391,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    if opts.lock is not None:
+        opts.lock.start_refresher()  # in a forked daemon the parent's heartbeat thread did not survive
     catalog = Catalog(cat_path)
     chunk_dir = opts.chunk_cache or (opts.cache_root or default_cache_dir()) / "chunks"
     cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id)
@@ -477,6 +491,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             fuse_ops.fuse_close(unmount=True)
         with contextlib.suppress(Exception):
             cache.close()
+        if opts.lock is not None:
+            opts.lock.release()
         reg.remove()
         log.info("unmounted %s", opts.mountpoint)
     return code

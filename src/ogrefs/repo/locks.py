@@ -139,6 +139,19 @@ class HeldLock:
         self._thread.start()
         return self
 
+    def start_refresher(self) -> None:
+        """(Re)start the heartbeat thread: after a fork only the forking thread survives."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, name="ogrefs-lock", daemon=True)
+        self._thread.start()
+
+    def hand_over(self) -> None:
+        """Stop refreshing here without deleting the lock: another process (the daemon) owns it now."""
+        self._stop.set()
+        self._thread = None
+
     def _refresh(self) -> None:
         while not self._stop.wait(self._refresh_s):
             info = LockInfo(**{**self.info.__dict__, "heartbeat": time.time()})
