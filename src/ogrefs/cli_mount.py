@@ -113,6 +113,10 @@ def status(mountpoint: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return
+    if st.get("finalized"):
+        click.echo(f"ogrefs mount of snapshot {st['snapshot'][:12]} at {st['mountpoint']}: finalized, "
+                   f"runs from local disk ({st['state_dir']}/tree) with no daemon")
+        return
     up = st["time"] - st["started"]
     amp = st["bytes_fetched"] / st["bytes_read"] if st["bytes_read"] else 0.0
     lines = [
@@ -129,8 +133,18 @@ def status(mountpoint: Path, as_json: bool) -> None:
     click.echo("\n".join(lines))
 
 
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+def finalize(mountpoint: Path) -> None:
+    """Once everything is local, run MOUNTPOINT from local disk alone (no daemon, no store)."""
+    from .mount import finalize as do_finalize
+
+    targets = do_finalize(mountpoint)
+    click.echo(f"finalized {mountpoint}: {', '.join(targets)} now run from local disk; the daemon has exited")
+
+
 def register(group: click.Group) -> None:
-    for cmd in (mount, unmount, status):
+    for cmd in (mount, unmount, status, finalize):
         group.add_command(cmd)
 
 

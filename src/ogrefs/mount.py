@@ -555,6 +555,56 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
     _wait_exit(pid, timeout, mp)
 
 
+def finalize(target: Path, timeout: float = 30.0) -> list[str]:
+    """Swap the FUSE lower of a fully materialized writable mount for the local copy.
+
+    Afterwards the tree keeps working with no daemon and no store: each
+    overlay is remounted with ``state/tree`` as its lower layer (same upper
+    and work directories, so no write is lost), then the FUSE mount and its
+    daemon go. Refused while the copy is incomplete or while a process has a
+    file under the mount open for writing. Returns the overlay targets.
+    """
+    from . import overlay
+
+    mp = Path(os.path.abspath(target))
+    reg = Registration.for_mountpoint(mp)
+    info = reg.read()
+    if not info or not info.get("writable"):
+        raise UsageError(f"{mp} is not a writable ogrefs mount")
+    if info.get("finalized"):
+        raise UsageError(f"{mp} is already finalized: it runs from local disk with no daemon")
+    status = read_status(mp)
+    mat = status.get("materialize") or {}
+    if not mat.get("complete"):
+        done, total = mat.get("bytes_done", 0), mat.get("bytes_total", 0)
+        why = mat.get("reason") or f"{done / 2**30:.2f} of {total / 2**30:.2f} GiB are local"
+        raise UsageError(f"{mp} is not fully local yet ({why}); wait for `ogrefs status {mp}` to say complete")
+    state = Path(info["state_dir"])
+    old = overlay.load(state)
+    writers = overlay.open_for_writing([o.target for o in old])
+    if writers:
+        raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
+    lower_root, tree_root = str(state / "lower"), str(state / "tree")
+    new = [overlay.Overlay(o.target, tree_root + o.lower[len(lower_root):], o.upper, o.work, o.keep_existing)
+           for o in old]
+    for o_old, o_new in zip(old, new):
+        errors = overlay.unmount_all([o_old])
+        if errors:
+            raise MountError(f"cannot finalize: {errors[0]} (close what uses it and try again)")
+        overlay.mount_one(o_new)
+    overlay.save(new, state)
+    info.update(finalized=True, pid=None, lower=None)
+    reg.write(info)
+    pid = status.get("pid")
+    subprocess.run(["umount", str(state / "lower")], capture_output=True)
+    if pid and pid_alive(pid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        _wait_exit(pid, timeout, mp)
+    reg.write(info)  # the daemon removed its registration on the way out; the finalized mount keeps one
+    return [o.target for o in new]
+
+
 def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
     deadline = time.monotonic() + timeout
     while pid_alive(pid):
@@ -569,6 +619,8 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
     info = reg.read()
     if info is None:
         raise UsageError(f"{mp} is not an ogrefs mount")
+    if info.get("finalized"):
+        return {**info, "age": 0.0, "materialize": {"complete": True}}
     if not pid_alive(info.get("pid", 0)):
         raise MountError(f"the daemon of {mp} (pid {info.get('pid')}) is gone; run `ogrefs unmount {mp}`")
     try:
