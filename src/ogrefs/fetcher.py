@@ -48,7 +48,7 @@ import os
 import sqlite3
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import trio
 
@@ -56,6 +56,9 @@ from . import codec
 from .chunkcache import ChunkCache
 from .errors import CorruptObject, OgrefsError
 from .store.base import NotFound, PermissionDenied, ShortRead, StoreError, TransientError
+
+if TYPE_CHECKING:
+    from .catalog import Extent
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,11 @@ class ChunkRef:
     offset: int  # of the blob in the pack
     stored_len: int
     raw_len: int
+
+    @classmethod
+    def from_extent(cls, ext: "Extent") -> "ChunkRef":
+        """The chunk behind a catalog extent (an extent is always one whole chunk)."""
+        return cls(ext.chunk, ext.pack, ext.pack_offset, ext.stored_len, ext.length)
 
 
 class FetchError(OgrefsError):
@@ -130,16 +138,40 @@ class FetchStats:
 class _Pending:
     """One chunk on its way; the single flight every reader of the chunk waits on."""
 
-    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error")
+    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep")
 
-    def __init__(self, ref: ChunkRef, priority: Priority) -> None:
+    def __init__(self, ref: ChunkRef, priority: Priority, keep: bool = True) -> None:
         self.ref = ref
         self.priority = priority
+        self.keep = keep  # goes into the memory LRU and the disk cache once fetched
         self.seq = 0
         self.state = "probe"  # probe -> queued -> fetching -> (removed)
         self.done = trio.Event()
         self.data: bytes | None = None
         self.error: FetchError | None = None
+
+
+class Ticket:
+    """One chunk asked for with :meth:`Fetcher.request`; it holds the result until it is awaited."""
+
+    __slots__ = ("ref", "_pending", "_data")
+
+    def __init__(self, ref: ChunkRef, pending: _Pending | None, data: bytes | None) -> None:
+        self.ref = ref
+        self._pending = pending
+        self._data = data
+
+    async def result(self) -> bytes:
+        """The chunk's verified plaintext; raises :class:`FetchError`."""
+        if self._data is not None:
+            return self._data
+        p = self._pending
+        assert p is not None
+        await p.done.wait()
+        if p.error is not None:
+            raise type(p.error)(p.error.ref, p.error.reason)
+        assert p.data is not None
+        return p.data
 
 
 class Fetcher:
@@ -217,6 +249,29 @@ class Fetcher:
         self._want([r for r in refs if r.chunk not in self._mem], priority)
         return len(self._pending) - before
 
+    def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: bool = True) -> list[Ticket]:
+        """Schedule chunks like :meth:`prefetch` and return one :class:`Ticket` per ref, in order.
+
+        A ticket holds its chunk until awaited, so nothing is fetched twice however
+        long the caller takes.  ``keep=False`` (materialization, which writes every
+        chunk to its own file) keeps the chunks out of the memory LRU and the disk
+        cache, unless another caller wants the same chunk kept.
+        """
+        out: list[Ticket] = []
+        missing: list[ChunkRef] = []
+        for ref in refs:
+            data = self._mem_get(ref.chunk)
+            if data is not None:
+                self.stats.hits_memory += 1
+            else:
+                missing.append(ref)
+            out.append(Ticket(ref, None, data))
+        pending = iter(self._want(missing, priority, keep))
+        for t in out:
+            if t._data is None:
+                t._pending = next(pending)
+        return out
+
     def is_cached_in_memory(self, chunk: bytes) -> bool:
         return chunk in self._mem
 
@@ -237,17 +292,18 @@ class Fetcher:
         return out
 
     # -- single flight -------------------------------------------------------------------------
-    def _want(self, refs: list[ChunkRef], priority: Priority) -> list[_Pending]:
+    def _want(self, refs: list[ChunkRef], priority: Priority, keep: bool = True) -> list[_Pending]:
         out, new = [], []
         for ref in refs:
             p = self._pending.get(ref.chunk)
             if p is not None:
+                p.keep = p.keep or keep
                 if priority < p.priority:
                     p.priority = priority
                     if p.state == "queued":
                         self._push(p)
             else:
-                p = self._pending[ref.chunk] = _Pending(ref, priority)
+                p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
                 new.append(p)
             out.append(p)
         if new:
@@ -314,7 +370,8 @@ class Fetcher:
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data
         self._pending.pop(p.ref.chunk, None)
-        self._mem_put(p.ref.chunk, data)
+        if p.keep:
+            self._mem_put(p.ref.chunk, data)
         p.done.set()
 
     def _fail(self, p: _Pending, error: FetchError) -> None:
@@ -412,7 +469,7 @@ class Fetcher:
             else:
                 self.stats.chunks_fetched += 1
                 self._finish(p, data)
-                if self.cache is not None:
+                if self.cache is not None and p.keep:
                     assert self._nursery is not None
                     self._nursery.start_soon(self._store, ref.chunk, data)
             finally:

@@ -113,7 +113,7 @@ class _OpenFile:
         self.size = size
         self.extents = extents
         self.starts = [e.offset for e in extents]
-        self.refs = [ChunkRef(e.chunk, e.pack, e.pack_offset, e.stored_len, e.length) for e in extents]
+        self.refs = [ChunkRef.from_extent(e) for e in extents]
         self.next_offset = 0  # where a sequential reader reads next
         self.window = 0  # read-ahead distance; 0 until reads look sequential
         self.ahead = 0  # index of the first extent not yet requested by read-ahead
