@@ -77,10 +77,16 @@ def test_tampered_and_swapped_objects_are_detected(tmp_path, enc):
     (repo / "snapshots" / a).write_bytes((repo / "snapshots" / b).read_bytes())
     fresh = dict(enc, OGREFS_CACHE_DIR=str(tmp_path / "cache2"))
     assert_one_line_error(run(["show", a], fresh, check=False), "authentication failed")
-    # a flipped bit in a pack: the files it holds fail, nothing wrong is written
-    pack = next(p for p in (repo / "packs").rglob("*") if p.is_file())
+    # a flipped bit inside a blob of a pack: the file it holds fails, nothing wrong is written
+    from ogrefs.catalog import Catalog
+    from ogrefs.repo.keys import Secret
+
+    r = Repository.open(str(repo), cache_root=tmp_path / "cache3", secret=Secret(enc["OGREFS_PASSWORD"].encode(), "scrypt"))
+    cat = Catalog(r.catalog_path(b))
+    ext = cat.extents(cat.resolve(os.fsencode(src / "weights.bin")).ino)[0]
+    pack = repo / "packs" / ext.pack[:2] / ext.pack
     body = bytearray(pack.read_bytes())
-    body[40] ^= 1
+    body[ext.pack_offset + ext.stored_len // 2] ^= 1
     pack.write_bytes(bytes(body))
     proc = run(["restore", b, str(tmp_path / "out")], fresh, check=False)
     assert proc.returncode != 0 and "authentication failed" in proc.stderr

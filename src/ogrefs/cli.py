@@ -232,7 +232,8 @@ def _environment_observers() -> list:
 def snapshots(obj: Context, tags, host, as_json) -> None:
     """List snapshots, oldest first."""
     repo = obj.open()
-    items = repo.list_snapshots()
+    items = repo.list_snapshots(on_error=lambda sid, exc: click.echo(
+        f"warning: snapshot {sid[:12]} is unreadable and not listed: {exc}", err=True))
     if tags:
         items = [m for m in items if set(tags) <= set(m.get("tags", []))]
     if host:
@@ -315,7 +316,7 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, a
     result = {"id": m["id"], "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,
               "others": stats.others, "bytes": stats.total_bytes, "written_bytes": stats.written_bytes,
               "fetched_bytes": stats.fetched_bytes, "requests": stats.requests,
-              "failed": {os.fsdecode(k): v for k, v in sorted(r.failed.items())}}
+              "failed": {os.fsdecode(k): v for k, v in sorted(r.failed.items())}, "skipped": r.skipped}
     if as_json:
         emit_json(result)
     else:
@@ -323,7 +324,9 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, a
                    f"from {m['id'][:12]} to {os.fsdecode(target)}")
     for path, reason in sorted(r.failed.items()):
         click.echo(f"error: {os.fsdecode(path)}: {reason} (file not restored)", err=True)
-    if r.failed:
+    for entry in r.skipped:
+        click.echo(f"error: catalog entry {entry} not restored (unsafe or malformed)", err=True)
+    if r.failed or r.skipped:
         sys.exit(1)
 
 

@@ -27,6 +27,7 @@ import os
 import pwd
 import secrets
 import socket
+import sqlite3
 import stat
 import tempfile
 import threading
@@ -557,4 +558,9 @@ class Snapshotter:
 
 def take_snapshot(repo: Repository, opts: SnapshotOptions,
                   progress: Callable[[Stats], None] | None = None) -> dict[str, Any]:
-    return Snapshotter(repo, opts, progress).run()
+    try:
+        return Snapshotter(repo, opts, progress).run()
+    except sqlite3.Error as exc:
+        # the catalog being built and the index cache live in the local cache directory
+        raise OgrefsError(f"local cache {repo.cache_dir}: {exc} (is the disk full?); "
+                          "nothing was saved as a snapshot") from None

@@ -77,6 +77,11 @@ def _kek(secret: Secret, params: dict) -> bytes:
         return blake3.blake3(secret.value, derive_key_context="ogrefs 2026 raw key file wraps master key").digest()
     from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
+    n, r, p = params.get("n"), params.get("r"), params.get("p")
+    # A planted key object must not make us allocate the machine away: scrypt needs 128*n*r bytes.
+    if not (isinstance(n, int) and isinstance(r, int) and isinstance(p, int)
+            and 2 <= n <= 2**20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
+        raise ValueError("scrypt parameters out of bounds")
     return Scrypt(salt=base64.b64decode(params["salt"]), length=32, n=params["n"], r=params["r"],
                   p=params["p"]).derive(secret.value)
 
@@ -113,7 +118,7 @@ def list_keys(store: Store) -> list[dict]:
     for key in store.list("keys/"):
         try:
             params = json.loads(store.get(key))
-        except (NotFound, ValueError):
+        except (NotFound, ValueError, RecursionError):
             continue
         if isinstance(params, dict):
             out.append(params)

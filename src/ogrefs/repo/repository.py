@@ -154,7 +154,7 @@ class Repository:
         """
         key = pack_key(name)
         body = self.store.get(key)
-        header_len = parse_trailer_tail(body[-TAIL_SIZE:], key)
+        header_len = parse_trailer_tail(body[-TAIL_SIZE:], key, len(body))
         header = body[len(body) - TAIL_SIZE - header_len:len(body) - TAIL_SIZE]
         return parse_header(header, len(body), key)
 
@@ -201,9 +201,20 @@ class Repository:
     def snapshot_ids(self) -> list[str]:
         return [k.rsplit("/", 1)[1] for k in self.store.list("snapshots/")]
 
-    def list_snapshots(self) -> list[Manifest]:
-        """Every readable manifest, oldest first."""
-        out = [self.load_manifest(i) for i in self.snapshot_ids()]
+    def list_snapshots(self, on_error: "Callable[[str, Exception], None] | None" = None) -> list[Manifest]:
+        """Every readable manifest, oldest first.
+
+        Without ``on_error`` an unreadable manifest is an error (retention and
+        prune must not decide on a partial list); with it, it is reported and skipped.
+        """
+        out = []
+        for i in self.snapshot_ids():
+            try:
+                out.append(self.load_manifest(i))
+            except CorruptObject as exc:
+                if on_error is None:
+                    raise
+                on_error(i, exc)
         out.sort(key=lambda m: (m.get("time", ""), m["id"]))
         return out
 
