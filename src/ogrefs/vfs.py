@@ -34,11 +34,12 @@ import errno
 import logging
 import os
 import sqlite3
+import stat
 import threading
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import trio
 
@@ -103,10 +104,26 @@ class VfsStats:
     bytes_read: int = 0  # bytes returned to applications (the kernel)
     read_errors: int = 0
     read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
+    local_opens: int = 0  # opens served from the local copy (materialization)
+    local_reads: int = 0
+
+
+class AccessRecorder(Protocol):
+    """What the vfs tells about reads (``ogrefs.trace.Recorder``): first touches of chunks."""
+
+    active: bool
+
+    def record(self, ino: int, offset: int) -> None: ...
+
+
+class LocalCopy(Protocol):
+    """Where a complete local copy of a file is (``ogrefs.materialize.Materializer``)."""
+
+    def local_path(self, ino: int) -> bytes | None: ...
 
 
 class _OpenFile:
-    __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead")
+    __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd")
 
     def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
         self.ino = ino
@@ -117,6 +134,7 @@ class _OpenFile:
         self.next_offset = 0  # where a sequential reader reads next
         self.window = 0  # read-ahead distance; 0 until reads look sequential
         self.ahead = 0  # index of the first extent not yet requested by read-ahead
+        self.local_fd: int | None = None  # the complete local copy, when there is one
 
 
 class _OpenDir:
@@ -180,9 +198,12 @@ class SnapshotFS:
     """The file-system operations of one mounted snapshot."""
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, *, readahead_max: int = 32 * MiB,
-                 readahead_min: int = 4 * MiB) -> None:
+                 readahead_min: int = 4 * MiB, recorder: AccessRecorder | None = None,
+                 local: LocalCopy | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
+        self.recorder = recorder  # told the first chunks each read touches (access trace)
+        self.local = local  # complete local copies of files are read from there, never from the store
         self.readahead_max = readahead_max
         self.readahead_min = readahead_min
         self.stats = VfsStats()
@@ -339,6 +360,15 @@ class SnapshotFS:
             raise FsError(errno.EISDIR)
         if not node.is_reg:
             raise FsError(errno.ENXIO)
+        if self.local is not None:
+            fd = self._open_local(node)
+            if fd is not None:
+                fh = self._new_fh()
+                f = self._files[fh] = _OpenFile(ino, node.size, [])
+                f.local_fd = fd
+                self.stats.opens += 1
+                self.stats.local_opens += 1
+                return fh
         if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
             extents = self.catalog.extents(ino) if node.size else []
         else:
@@ -348,8 +378,39 @@ class SnapshotFS:
         self.stats.opens += 1
         return fh
 
+    def _open_local(self, node: Inode) -> int | None:
+        """An fd of the complete local copy of ``node``, or None (then the store serves it).
+
+        Inline on the trio thread, like a catalog point query: one open and one
+        fstat of a local file.  A copy that cannot be opened or has the wrong size
+        is not used.
+        """
+        assert self.local is not None
+        path = self.local.local_path(node.ino)
+        if path is None:
+            return None
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            try:
+                fd = os.open(path, flags | os.O_NOATIME)
+            except PermissionError:  # O_NOATIME needs ownership (or root)
+                fd = os.open(path, flags)
+        except OSError as exc:
+            log.warning("local copy %s cannot be opened (%s); reading from the store", os.fsdecode(path),
+                        exc.strerror)
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != node.size:
+            os.close(fd)
+            log.warning("local copy %s is not the snapshot's file (size %d, expected %d); reading from the store",
+                        os.fsdecode(path), st.st_size, node.size)
+            return None
+        return fd
+
     def release(self, fh: int) -> None:
-        self._files.pop(fh, None)
+        f = self._files.pop(fh, None)
+        if f is not None and f.local_fd is not None:
+            os.close(f.local_fd)
 
     @property
     def open_files(self) -> int:
@@ -363,11 +424,16 @@ class SnapshotFS:
         end = min(offset + size, f.size)
         if offset >= end:
             return b""
+        if f.local_fd is not None:
+            return await self._read_local(f, offset, end)
         first = max(0, bisect_right(f.starts, offset) - 1)
         last = first
         while last < len(f.extents) and f.extents[last].offset < end:
             last += 1
         wanted = [k for k in range(first, last) if f.extents[k].end > offset]
+        if self.recorder is not None and self.recorder.active:
+            for k in wanted:
+                self.recorder.record(f.ino, f.extents[k].offset)
         ahead = self._read_ahead(f, offset, end, last)
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together
@@ -399,6 +465,28 @@ class SnapshotFS:
         self.stats.reads += 1
         self.stats.bytes_read += end - offset
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read_local(self, f: _OpenFile, offset: int, end: int) -> bytes:
+        """A read served from the complete local copy (pread in a worker thread)."""
+        if self.recorder is not None and self.recorder.active:
+            granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
+            for off in range(offset - offset % granule, end, granule):
+                self.recorder.record(f.ino, off)
+        assert f.local_fd is not None
+        try:
+            data = await trio.to_thread.run_sync(os.pread, f.local_fd, end - offset, offset)
+        except OSError as exc:
+            data = b""
+            log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
+        if len(data) != end - offset:
+            self.stats.read_errors += 1
+            if data:
+                log.error("local copy of inode %d is shorter than the snapshot's file", f.ino)
+            raise FsError(errno.EIO)
+        self.stats.reads += 1
+        self.stats.local_reads += 1
+        self.stats.bytes_read += len(data)
+        return data
 
     def _read_ahead(self, f: _OpenFile, offset: int, end: int, next_index: int) -> list[ChunkRef]:
         """On sequential reads, the chunks of the next ``window`` bytes not yet requested.
