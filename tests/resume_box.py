@@ -54,8 +54,8 @@ def make_tree(src: Path, seed: int = 0) -> None:
     (ckpt / "model.bin").write_bytes(os.urandom(4 * MiB + 5))
     data = src / "data"
     data.mkdir()
-    for i in range(4):
-        (data / f"shard{i}.bin").write_bytes(os.urandom(3 * MiB + i))
+    for i in range(4):  # shard0 is larger than the largest chunk: at least two chunks
+        (data / f"shard{i}.bin").write_bytes(os.urandom((5 if i == 0 else 3) * MiB + i))
 
 
 @dataclass

@@ -26,7 +26,7 @@ MiB = 1024 * 1024
 
 def write_tree(src: Path) -> None:
     (src / "lib").mkdir(parents=True, exist_ok=True)
-    (src / "lib" / "f1.bin").write_bytes(os.urandom(3 * MiB))
+    (src / "lib" / "f1.bin").write_bytes(os.urandom(5 * MiB))  # more than the largest chunk: 2+ chunks
     (src / "lib" / "f2.bin").write_bytes(os.urandom(2 * MiB))
     (src / "f3.txt").write_bytes(b"three\n")
     (src / "f4.bin").write_bytes(os.urandom(3 * MiB // 2))
@@ -192,7 +192,7 @@ def test_replay_fetches_in_trace_order_at_trace_priority(tmp_path, monkeypatch):
     run_trio(fetcher, rep.run)
     assert [(r.pack, r.offset, r.stored_len) for r in want] == log.calls
     assert priorities == [Priority.TRACE] * len(want)
-    assert rep.stats.dropped == 1 and rep.stats.chunks_done == len(want) == 4
+    assert rep.stats.dropped == 1 and rep.stats.chunks_done == len(want) >= 3  # f1 has 2 or 3 chunks
 
 
 def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
