@@ -1,0 +1,149 @@
+"""The mount daemon's prefetch task: the access trace, then catalog hints, then everything (materialization).
+
+One task in the daemon's nursery, started once the mount is ready::
+
+    pf = Prefetch(catalog, fetcher, trace_entries=entries, materializer=m)   # m = None: --no-materialize
+    await nursery.start(pf.run)
+    ... pf.stats()  # for the status file
+
+With a :class:`~ogrefs.materialize.Materializer`, everything goes to the local
+tree in three classes (trace at ``Priority.TRACE``, hints at
+``Priority.HINT``, the rest at ``Priority.BACKGROUND``).  Without one (or when
+it refuses to start for lack of disk space), only the trace and then the hints
+are fetched, into the bounded chunk cache, at most half of the cache's bound
+(more would only evict itself).  Readers (``Priority.READ``) always go first:
+the fetcher keeps request slots for them.
+
+Owned by the trio loop, like the fetcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import trio
+
+from .catalog import Catalog
+from .fetcher import ChunkRef, Fetcher, Priority
+from .materialize import CLASSES, Materializer
+from .trace import Entry, Replayer
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+def hint_refs(catalog: Catalog, max_bytes: int | None = None) -> list[ChunkRef]:
+    """The chunks of the catalog's hints in rank order (directories: every file below), each once.
+
+    Blocking (catalog queries): run it in a worker thread.  Stops at ``max_bytes``.
+    """
+    out: list[ChunkRef] = []
+    seen: set[bytes] = set()
+    total = 0
+    for _klass, ino, _rank in catalog.hints():
+        node = catalog.get(ino)
+        if node is None:
+            continue
+        files = [node] if node.is_reg else [n for _p, n in catalog.walk(ino) if n.is_reg] if node.is_dir else []
+        for f in files:
+            if not f.size:
+                continue
+            for ext in catalog.extents(f.ino):
+                if ext.chunk in seen:
+                    continue
+                if max_bytes is not None and total + ext.length > max_bytes:
+                    return out
+                seen.add(ext.chunk)
+                out.append(ChunkRef.from_extent(ext))
+                total += ext.length
+    return out
+
+
+class Prefetch:
+    """Trace → hints → background materialization (or trace → hints into the chunk cache)."""
+
+    def __init__(self, catalog: Catalog, fetcher: Fetcher, *, trace_entries: list[Entry] | None = None,
+                 materializer: Materializer | None = None, cache_budget: int | None = None,
+                 window_bytes: int = 64 * MiB) -> None:
+        self.catalog = catalog
+        self.fetcher = fetcher
+        self.trace_entries = trace_entries or []
+        self.materializer = materializer
+        if cache_budget is None:
+            bound = fetcher.cache.max_bytes if fetcher.cache is not None else fetcher.memory_bytes
+            cache_budget = bound // 2
+        self.cache_budget = cache_budget
+        self.window_bytes = window_bytes
+        self.mode = "materialize" if materializer is not None else "cache"
+        self.state = "idle"
+        self.reason: str | None = None
+        self._replays: dict[str, Replayer] = {}
+        self._samples: deque[tuple[float, int]] = deque()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run to the end (or until cancelled); never raises for fetch failures or a full disk."""
+        task_status.started()
+        self.state = "running"
+        m = self.materializer
+        if m is not None:
+            await m.run(self.trace_entries)
+            if m.state != "not materializing":
+                self.state, self.reason = m.state, m.reason
+                return
+            self.mode, self.reason = "cache", m.reason  # no room for a local copy: warm the cache instead
+        await self._warm_cache()
+        self.state = "done"
+
+    async def _warm_cache(self) -> None:
+        budget = self.cache_budget
+        trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
+                         window_bytes=self.window_bytes, max_bytes=budget)
+        self._replays["trace"] = trace
+        if self.trace_entries:
+            await trace.run()
+            budget -= trace.stats.bytes_done
+        if budget > 0:
+            refs = await trio.to_thread.run_sync(hint_refs, self.catalog, budget)
+            hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,
+                                       window_bytes=self.window_bytes)
+            self._replays["hint"] = hints
+            await hints.run()
+        log.info("prefetch into the chunk cache done: %s", {k: r.stats.bytes_done for k, r in self._replays.items()})
+
+    def stats(self) -> dict[str, Any]:
+        """For the status file: mode, state, reason, per class bytes done/total, rate, ETA."""
+        if self.mode == "materialize" and self.materializer is not None:
+            out = self.materializer.stats()
+            out["mode"] = "materialize"
+            out["trace_entries"] = len(self.trace_entries)
+            return out
+        classes = {name: {"bytes_done": 0, "bytes_total": 0} for name in CLASSES}
+        for name, r in self._replays.items():
+            classes[name] = {"bytes_done": r.stats.bytes_done, "bytes_total": r.stats.bytes_total}
+        done = sum(c["bytes_done"] for c in classes.values())
+        total = sum(c["bytes_total"] for c in classes.values())
+        now = time.monotonic()
+        self._samples.append((now, done))
+        while len(self._samples) > 2 and now - self._samples[1][0] > 10.0:
+            self._samples.popleft()
+        t0, b0 = self._samples[0]
+        rate = (done - b0) / (now - t0) if now - t0 > 0.05 else 0.0
+        trace = self._replays.get("trace")
+        return {"mode": "cache", "state": self.state, "reason": self.reason, "complete": False, "classes": classes,
+                "bytes_done": done, "bytes_total": total, "rate_bps": round(rate),
+                "eta_s": round((total - done) / rate, 1) if rate > 0 and self.state == "running" else None,
+                "trace_entries": len(self.trace_entries), "trace_dropped": trace.stats.dropped if trace else 0,
+                "failed_chunks": sum(r.stats.failed for r in self._replays.values())}
+
+
+async def run_prefetch(catalog: Catalog, fetcher: Fetcher, *, trace_entries: list[Entry] | None,
+                       materializer: Materializer | None, task_status=trio.TASK_STATUS_IGNORED) -> Prefetch:
+    """Functional form of ``Prefetch(...).run()``; ``await nursery.start(run_prefetch, ...)`` style callers
+    should use the class to keep a handle for ``stats()``."""
+    pf = Prefetch(catalog, fetcher, trace_entries=trace_entries, materializer=materializer)
+    await pf.run(task_status=task_status)
+    return pf

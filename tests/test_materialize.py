@@ -1,0 +1,467 @@
+"""Background materialization into a local tree, without a kernel mount: fidelity, order, crashes, full disks."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from ogrefs.catalog import ROOT_INO
+from ogrefs.chunkcache import ChunkCache
+from ogrefs.fetcher import Fetcher, Priority
+from ogrefs.materialize import Materializer
+from ogrefs.prefetch import Prefetch
+from ogrefs.vfs import SnapshotFS
+
+from .resume_box import Box, CallLog, make_box, run_trio
+from .treegen import compare_trees
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory) -> Box:
+    return make_box(tmp_path_factory.mktemp("box"))
+
+
+def all_refs(box: Box):
+    """Every distinct chunk of the snapshot, by chunk id."""
+    from ogrefs.fetcher import ChunkRef
+
+    out = {}
+    for _ino, off, length, chunk, pack, poff, slen in box.catalog.all_extents():
+        out[chunk] = ChunkRef(chunk, pack, poff, slen, length)
+    return out
+
+
+def materialize(box: Box, state: Path, read_range=None, *, fetcher_kw=None, trace=None, cls=Materializer,
+                **kw) -> tuple[Materializer, Fetcher]:
+    fetcher = Fetcher(read_range or box.repo.read_pack_range, **(fetcher_kw or {}))
+    m = cls(box.catalog, fetcher, state, **kw)
+
+    async def body():
+        await m.run(trace)
+
+    run_trio(fetcher, body)
+    return m, fetcher
+
+
+def done_chunks(state: Path) -> set[bytes]:
+    with sqlite3.connect(state / "materialize.sqlite") as db:
+        return {r[0] for r in db.execute("SELECT chunk FROM chunks WHERE done=1")}
+
+
+async def read_all_through_vfs(box: Box, fs: SnapshotFS) -> None:
+    """Every regular file under the source, read through the vfs, equals the source."""
+    for path, node in box.catalog.walk():
+        if not node.is_reg or not path.startswith(os.fsencode(box.src)):
+            continue
+        fh = await fs.open(node.ino, os.O_RDONLY)
+        got = bytearray()
+        while chunk := await fs.read(fh, len(got), 4 * MiB):
+            got += chunk
+        fs.release(fh)
+        with open(path, "rb") as fh_src:
+            assert got == fh_src.read(), path
+
+
+# -- fidelity -------------------------------------------------------------------------------------
+def test_materialized_tree_equals_the_source_and_skips_the_chunk_cache(box, tmp_path):
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    state = tmp_path / "state"
+    m, f = materialize(box, state, fetcher_kw={"cache": cache})
+    assert m.state == "done" and m.complete, m.stats()
+    assert compare_trees(box.src, box.tree_of(state)) == []
+    st = m.stats()
+    assert st["classes"]["hint"]["bytes_total"] > 4 * MiB  # the venv and the checkpoint
+    assert st["classes"]["background"]["bytes_total"] > 12 * MiB
+    assert st["bytes_done"] == st["bytes_total"] == sum(r.raw_len for r in all_refs(box).values())
+    assert st["files_complete"] == st["files_total"] > 60
+    # every chunk fetched once; none went to the bounded cache or the memory LRU (materialization keeps its own)
+    assert f.stats.chunks_fetched == len(all_refs(box))
+    assert cache.usage() == 0 and f.snapshot_stats()["memory_bytes"] == 0
+    # the vfs side: complete files have a local path, directories and symlinks do not
+    node = box.catalog.resolve(box.path("ckpt/model.bin"))
+    assert m.local_path(node.ino) == os.fsencode(box.tree_of(state) / "ckpt" / "model.bin")
+    assert m.local_path(box.catalog.resolve(box.path("dir")).ino) is None
+    # a second Materializer on the same state knows at once that everything is local, fetches nothing
+    log = CallLog(box.repo.read_pack_range)
+    m2, f2 = materialize(box, state, log)
+    assert m2.complete and m2.state == "done" and log.calls == []
+
+
+def test_hints_come_before_background_and_the_trace_before_both(box, tmp_path):
+    """All requests queue behind a reader that holds the only non-reader slot; then they go in class order."""
+    refs = all_refs(box)
+    trace = [(box.path("data/shard2.bin"), 0), (box.path("data/shard0.bin"), MiB + 7)]
+    trace_chunks = {e.chunk for p, off in trace for e in box.catalog.extents(box.catalog.resolve(p).ino)
+                    if e.offset <= off < e.end}
+    hint_files = [n.ino for _p, n in box.catalog.walk(box.catalog.resolve(box.path("venv/lib/site-packages")).ino)
+                  if n.is_reg] + [box.catalog.resolve(box.path("ckpt/model.bin")).ino]
+    hint_chunks = {e.chunk for ino in hint_files for e in box.catalog.extents(ino)} - trace_chunks
+    klass = {c: 0 if c in trace_chunks else 1 if c in hint_chunks else 2 for c in refs}
+    by_loc = {(r.pack, r.offset): klass[c] for c, r in refs.items()}
+
+    log = CallLog(box.repo.read_pack_range, hold_first=True)
+    fetcher = Fetcher(log, max_requests=2, reserved_for_read=1)
+    state = tmp_path / "state"
+    m = Materializer(box.catalog, fetcher, state, window_bytes=GiB, group_bytes=4 * MiB)
+    blocker = next(r for c, r in refs.items() if klass[c] == 2)
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(fetcher.get, blocker, Priority.READ)  # holds the one slot prefetch may use
+            n.start_soon(m.run, trace)
+            with trio.fail_after(20):
+                while fetcher.queued < len(refs) - 1:
+                    await trio.sleep(0.01)
+            log.release()
+
+    run_trio(fetcher, body)
+    assert m.complete
+    sequence = []
+    for pack, off, length in log.calls[1:]:
+        sequence.append(min(k for (p, o), k in by_loc.items() if p == pack and off <= o < off + length))
+    assert sequence == sorted(sequence), sequence
+    assert sequence[0] == 0 and 1 in sequence and sequence[-1] == 2
+    st = m.stats()["classes"]
+    assert st["trace"]["bytes_total"] == sum(refs[c].raw_len for c in trace_chunks)
+    assert st["hint"]["bytes_total"] == sum(refs[c].raw_len for c in hint_chunks)
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
+# -- crashes ---------------------------------------------------------------------------------------
+_CHILD = r"""
+import sys, time, trio
+from pathlib import Path
+from ogrefs.catalog import Catalog
+from ogrefs.fetcher import Fetcher
+from ogrefs.materialize import Materializer
+from ogrefs.repo import Repository
+
+url, cache_root, snap, state = sys.argv[1:5]
+repo = Repository.open(url, cache_root=Path(cache_root))
+cat = Catalog(repo.catalog_path(snap))
+
+def slow(pack, off, n):
+    time.sleep(0.03)
+    return repo.read_pack_range(pack, off, n)
+
+fetcher = Fetcher(slow, max_requests=3, reserved_for_read=1, max_range=512 * 1024)
+m = Materializer(cat, fetcher, Path(state), window_bytes=1 << 20, group_bytes=256 << 10, batch_bytes=256 << 10,
+                 flush_after=0.01)
+
+async def main():
+    async with trio.open_nursery() as n:
+        await n.start(fetcher.run)
+        await m.run()
+        n.cancel_scope.cancel()
+
+trio.run(main)
+"""
+
+
+def test_kill_9_then_restart_fetches_no_done_chunk_and_ends_exact(box, tmp_path):
+    state = tmp_path / "state"
+    refs = all_refs(box)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, box.repo_url, str(box.cache_root), box.snap_id,
+                              str(state)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert child.poll() is None, "the child finished before it could be killed"
+            assert time.monotonic() < deadline, "no progress in the child"
+            try:
+                if len(done_chunks(state)) >= len(refs) // 3:
+                    break
+            except sqlite3.Error:
+                pass
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    done = done_chunks(state)
+    assert 0 < len(done) < len(refs)
+    log = CallLog(box.repo.read_pack_range)
+    m, f = materialize(box, state, log)
+    assert m.complete, m.stats()
+    fetched = {r.chunk for r in log.chunks_fetched(list(refs.values()))}
+    assert not fetched & done, "a chunk recorded done was fetched again"
+    assert fetched == set(refs) - done
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
+def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkeypatch):
+    """The third batch is written torn (garbage) and the process "dies" at its fdatasync, before the commit."""
+    import ogrefs.materialize as mz
+
+    crash: dict = {"on": False, "chunks": []}
+    real_pwrite, real_sync = mz._pwrite_all, os.fdatasync
+
+    def torn_pwrite(fd, data, off):
+        real_pwrite(fd, b"\xaa" * len(data) if crash["on"] else data, off)
+
+    def failing_sync(fd):
+        if crash["on"]:
+            raise OSError(errno.EIO, "simulated crash after the write, before the commit")
+        real_sync(fd)
+
+    class Crash(Materializer):
+        def _write_batch(self, batch):
+            self.batches = getattr(self, "batches", 0) + 1
+            crash["on"] = self.batches == 3
+            if crash["on"]:
+                crash["chunks"] = [item.ref.chunk for item, _ in batch]
+            return super()._write_batch(batch)
+
+    monkeypatch.setattr(mz, "_pwrite_all", torn_pwrite)
+    monkeypatch.setattr(os, "fdatasync", failing_sync)
+    state = tmp_path / "state"
+    m, _ = materialize(box, state, cls=Crash, batch_bytes=512 * 1024, batch_chunks=2)
+    monkeypatch.undo()
+    assert m.state == "stopped" and "simulated crash" in m.reason
+    crashed = set(crash["chunks"])
+    assert crashed
+    done = done_chunks(state)
+    assert not done & crashed
+    # files holding garbage are not served as local copies
+    for ino, _off, _l, chunk, *_ in box.catalog.all_extents():
+        if chunk in crashed:
+            assert m.local_path(ino) is None
+    log = CallLog(box.repo.read_pack_range)
+    m2, _ = materialize(box, state, log)
+    assert m2.complete
+    fetched = {r.chunk for r in log.chunks_fetched(list(all_refs(box).values()))}
+    assert crashed <= fetched
+    assert not fetched & done
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
+def test_cancelled_mid_way_resumes_where_it_stopped(box, tmp_path):
+    state = tmp_path / "state"
+    refs = all_refs(box)
+    log = CallLog(box.repo.read_pack_range)
+    fetcher = Fetcher(lambda *a: (time.sleep(0.02), log(*a))[1], max_requests=3, reserved_for_read=1,
+                      max_range=512 * 1024)
+    m = Materializer(box.catalog, fetcher, state, window_bytes=MiB, group_bytes=256 * 1024,
+                     batch_bytes=256 * 1024, flush_after=0.01)
+
+    async def body():
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as n:
+                n.start_soon(m.run)
+                while m.stats()["bytes_done"] < m.stats()["bytes_total"] // 3 or m.state != "running":
+                    await trio.sleep(0.01)
+                n.cancel_scope.cancel()  # an unmount
+
+    run_trio(fetcher, body)
+    assert not m.complete
+    done = done_chunks(state)
+    assert 0 < len(done) < len(refs)
+    log2 = CallLog(box.repo.read_pack_range)
+    m2, _ = materialize(box, state, log2)
+    assert m2.complete
+    assert not {r.chunk for r in log2.chunks_fetched(list(refs.values()))} & done
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
+# -- disk space -----------------------------------------------------------------------------------------
+def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path, monkeypatch):
+    monkeypatch.setattr(Materializer, "_free_bytes", lambda self: (5 * MiB, 100 * GiB))
+    state = tmp_path / "state"
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, state)
+    pf = Prefetch(box.catalog, fetcher, materializer=m)
+
+    async def body():
+        await pf.run()
+        await read_all_through_vfs(box, SnapshotFS(box.catalog, fetcher, local=m))
+
+    run_trio(fetcher, body)
+    assert m.state == "not materializing"
+    assert m.reason.startswith("not materializing: needs ") and "5.0 MiB free" in m.reason, m.reason
+    assert not (state / "tree").exists()
+    st = pf.stats()
+    assert st["mode"] == "cache" and st["reason"] == m.reason and st["state"] == "done"
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mounts: list[Path] = []
+
+    def make(size: int) -> Path:
+        mp = tmp_path / f"small-{len(mounts)}"
+        mp.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mp)], capture_output=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+        mounts.append(mp)
+        return mp
+
+    yield make
+    for mp in mounts:
+        subprocess.run(["umount", "-l", str(mp)], capture_output=True)
+
+
+@pytest.mark.skipif(not ROOT, reason="mounting a tmpfs needs root")
+def test_a_small_disk_is_refused_by_statvfs(box, small_fs):
+    disk = small_fs(8 * MiB)
+    m, _ = materialize(box, disk / "state")
+    assert m.state == "not materializing" and "not materializing: needs" in m.reason
+    assert not (disk / "state" / "tree").exists()
+
+
+@pytest.mark.skipif(not ROOT, reason="mounting a tmpfs needs root")
+def test_disk_full_mid_way_stops_cleanly_keeps_serving_and_resumes(box, small_fs):
+    disk = small_fs(48 * MiB)
+    state = disk / "state"
+    ballast = disk / "ballast"
+
+    def fill(n: int) -> None:
+        if n == 1:  # after the space check passed: someone else takes the disk
+            st = os.statvfs(disk)
+            ballast.write_bytes(b"\1" * (st.f_bavail * st.f_frsize - 12 * MiB))
+
+    log = CallLog(box.repo.read_pack_range, on_call=fill)
+    m, _ = materialize(box, state, log, reserve_bytes=0, batch_bytes=MiB)
+    assert m.state == "stopped" and "is full" in m.reason, m.stats()
+    assert not m.complete and 0 < m.stats()["bytes_done"] < m.stats()["bytes_total"]
+    # complete files are exact; the mount serves every file (local or lazy) correctly
+    local = 0
+    for path, node in box.catalog.walk():
+        if node.is_reg and (p := m.local_path(node.ino)) is not None:
+            local += 1
+            assert Path(os.fsdecode(p)).read_bytes() == Path(os.fsdecode(path)).read_bytes()
+    assert local
+    fetcher = Fetcher(box.repo.read_pack_range)
+    run_trio(fetcher, lambda: read_all_through_vfs(box, SnapshotFS(box.catalog, fetcher, local=m)))
+    # space comes back: a restart finishes the job
+    ballast.unlink()
+    m2, _ = materialize(box, state, reserve_bytes=0)
+    assert m2.complete, m2.stats()
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
+def test_state_of_another_snapshot_is_not_touched(box, tmp_path):
+    state = tmp_path / "state"
+    with sqlite3.connect(tmp_path / "x.sqlite"):
+        pass
+    state.mkdir()
+    with sqlite3.connect(state / "materialize.sqlite") as db:
+        db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("INSERT INTO meta VALUES ('snapshot', 'ab' || ?)", ("0" * 62,))
+    m, f = materialize(box, state)
+    assert m.state == "not materializing" and "holds the materialization of snapshot ab000" in m.reason
+    assert not (state / "tree").exists() and f.stats.requests == 0
+
+
+# -- the vfs hook ------------------------------------------------------------------------------------------
+def test_complete_files_are_served_locally_and_the_store_is_never_contacted(box, tmp_path):
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    assert m.complete
+
+    def no_store(pack, off, n):
+        raise AssertionError("the store was contacted")
+
+    fetcher = Fetcher(no_store)
+    fs = SnapshotFS(box.catalog, fetcher, local=m)
+    run_trio(fetcher, lambda: read_all_through_vfs(box, fs))
+    assert fetcher.stats.requests == 0 and fs.stats.local_opens == fs.stats.opens > 60
+    assert fs.open_files == 0
+
+
+def test_a_damaged_local_copy_is_not_served(box, tmp_path, caplog):
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    shard = box.tree_of(state) / "data" / "shard1.bin"
+    os.truncate(shard, 10)  # somebody truncated the local copy behind our back
+    fetcher = Fetcher(box.repo.read_pack_range)
+    fs = SnapshotFS(box.catalog, fetcher, local=m)
+    run_trio(fetcher, lambda: read_all_through_vfs(box, fs))
+    assert fetcher.stats.requests > 0 and fs.stats.local_opens == fs.stats.opens - 1
+    assert "is not the snapshot's file" in caplog.text
+
+
+# -- no materialization: trace and hints into the chunk cache ----------------------------------------------------
+def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    fetcher = Fetcher(box.repo.read_pack_range, cache)
+    trace = [(box.path("data/shard3.bin"), 0), (box.path("gone/file"), 0)]
+    pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=None)
+
+    async def body():
+        await pf.run()
+        await trio.sleep(0.3)  # cache writes run in the background
+
+    run_trio(fetcher, body)
+    trace_ref = box.refs_of("data/shard3.bin")[0]
+    assert cache.contains(trace_ref.chunk)
+    for ref in box.refs_of("ckpt/model.bin") + box.refs_of("venv/lib/site-packages/pkg3/mod1.py"):
+        assert cache.contains(ref.chunk)
+    assert not any(cache.contains(r.chunk) for r in box.refs_of("data/shard0.bin"))  # no hint, no trace
+    st = pf.stats()
+    assert st["mode"] == "cache" and st["state"] == "done" and st["trace_dropped"] == 1
+    assert st["classes"]["trace"] == {"bytes_done": trace_ref.raw_len, "bytes_total": trace_ref.raw_len}
+    assert st["classes"]["hint"]["bytes_done"] == st["classes"]["hint"]["bytes_total"] > 4 * MiB
+    assert st["classes"]["background"]["bytes_total"] == 0
+    # a budget bounds what is prefetched
+    fetcher2 = Fetcher(box.repo.read_pack_range, ChunkCache(tmp_path / "c2", 1 << 30))
+    pf2 = Prefetch(box.catalog, fetcher2, materializer=None, cache_budget=2 * MiB)
+    run_trio(fetcher2, pf2.run)
+    assert 0 < pf2.stats()["bytes_done"] <= 2 * MiB
+
+
+def test_request_keep_false_stays_out_of_the_caches_unless_a_reader_wants_it(box, tmp_path):
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    gate = threading.Event()
+
+    def held(pack, off, n):
+        gate.wait(10)
+        return box.repo.read_pack_range(pack, off, n)
+
+    fetcher = Fetcher(held, cache)
+    a, b = box.refs_of("data/shard0.bin")[:2]
+
+    async def body():
+        ta, tb = fetcher.request([a, b], Priority.BACKGROUND, keep=False)
+        await trio.sleep(0.1)
+        reader = trio.Event()
+
+        async def read_b():
+            await fetcher.get(b, Priority.READ)
+            reader.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(read_b)
+            await trio.sleep(0.1)
+            gate.set()
+            assert await ta.result() and await tb.result()
+        await trio.sleep(0.3)
+
+    run_trio(fetcher, body)
+    assert not cache.contains(a.chunk) and not fetcher.is_cached_in_memory(a.chunk)
+    assert cache.contains(b.chunk) and fetcher.is_cached_in_memory(b.chunk)
+    assert fetcher.stats.chunks_fetched == 2
+
+
+def test_root_inode_is_a_directory_in_the_tree(box, tmp_path):
+    """The local tree's root takes the snapshot root's metadata once complete."""
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    root = box.catalog.get(ROOT_INO)
+    st = os.stat(state / "tree")
+    assert (st.st_mode, st.st_mtime_ns) == (root.mode, root.mtime_ns)
