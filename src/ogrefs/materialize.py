@@ -110,6 +110,9 @@ CREATE INDEX IF NOT EXISTS chunks_order ON chunks (done, cls, seq, pack, poff, i
 CREATE INDEX IF NOT EXISTS targets_ino ON targets (ino);
 """
 _ORDER = "cls, seq, pack, poff, id"
+#: A batch that touches more files than this is made durable with one syncfs(2) instead of an fdatasync
+#: per file (20,000 files of 2-32 KiB from a local file repository: 5.2 s instead of 6.6 s).
+_SYNCFS_ABOVE = 16
 
 
 def human(n: float) -> str:
@@ -128,15 +131,29 @@ def _disk_full(exc: BaseException) -> bool:
     return False
 
 
-def _syncfs(path: bytes) -> None:
-    """Flush the file system holding ``path`` (the tree's entries were just created); best effort."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+_libc = None
+
+
+def _syncfs_fd(fd: int) -> None:
+    """syncfs(2) of the file system holding ``fd``; os.sync() where it is missing.  Raises OSError on errors."""
+    global _libc
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syncfs(fd) != 0:
-            os.sync()
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        func = _libc.syncfs
     except (OSError, AttributeError):
         os.sync()
+        return
+    if func(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _syncfs(path: bytes) -> None:
+    """Flush the file system holding ``path`` (the tree's entries were just created)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _syncfs_fd(fd)
     finally:
         os.close(fd)
 
@@ -703,8 +720,11 @@ class Materializer:
                     if fd is None:
                         fd = fds[ino] = os.open(self._dest(path), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                     _pwrite_all(fd, data, off)
-            for fd in fds.values():
-                os.fdatasync(fd)
+            if len(fds) > _SYNCFS_ABOVE:
+                _syncfs_fd(next(iter(fds.values())))  # many small files: one flush of the file system is cheaper
+            else:
+                for fd in fds.values():
+                    os.fdatasync(fd)
         finally:
             for fd in fds.values():
                 os.close(fd)
