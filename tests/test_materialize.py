@@ -465,3 +465,79 @@ def test_root_inode_is_a_directory_in_the_tree(box, tmp_path):
     root = box.catalog.get(ROOT_INO)
     st = os.stat(state / "tree")
     assert (st.st_mode, st.st_mtime_ns) == (root.mode, root.mtime_ns)
+
+
+# -- one real mount ------------------------------------------------------------------------------------------------
+_MOUNT_CHILD = r"""
+import sys, trio
+from pathlib import Path
+from ogrefs import fuse_ops
+from ogrefs.catalog import Catalog
+from ogrefs.fetcher import Fetcher
+from ogrefs.materialize import Materializer
+from ogrefs.repo import Repository
+from ogrefs.store.base import NotFound
+from ogrefs.vfs import SnapshotFS
+
+url, cache_root, snap, state, mp = sys.argv[1:6]
+repo = Repository.open(url, cache_root=Path(cache_root))
+cat = Catalog(repo.catalog_path(snap))
+
+def gone(pack, off, n):
+    raise NotFound(f"pack {pack}: the store is gone")
+
+fetcher = Fetcher(gone, retry_for=0)
+fs = SnapshotFS(cat, fetcher, local=Materializer(cat, fetcher, Path(state)))
+ready = []
+ops = fuse_ops.FuseOps(fs, on_init=lambda: ready[0].set())
+fuse_ops.fuse_mount(ops, mp, fuse_ops.mount_options())
+
+async def main():
+    ready.append(trio.Event())
+    async with trio.open_nursery() as n:
+        await n.start(fetcher.run)
+
+        async def announce():
+            await ready[0].wait()
+            print("ready", flush=True)
+
+        n.start_soon(announce)
+        await fuse_ops.serve()
+        n.cancel_scope.cancel()
+
+try:
+    trio.run(main)
+finally:
+    fuse_ops.fuse_close(unmount=True)
+print("requests", fetcher.stats.requests, "local opens", fs.stats.local_opens, flush=True)
+"""
+
+
+@pytest.mark.fuse
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or not ROOT, reason="needs /dev/fuse and root")
+def test_a_real_mount_of_a_materialized_snapshot_needs_no_store(box, tmp_path):
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    assert m.complete
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", _MOUNT_CHILD, box.repo_url, str(box.cache_root), box.snap_id,
+                              str(state), str(mp)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        seen = 0
+        for dirpath, _dirs, files in os.walk(box.src):
+            for name in files:
+                p = Path(dirpath) / name
+                if p.is_symlink() or not p.is_file():
+                    continue
+                assert (mp / str(p).lstrip("/")).read_bytes() == p.read_bytes(), p
+                seen += 1
+        assert seen > 60
+    finally:
+        subprocess.run(["umount", str(mp)], capture_output=True)
+        out, _ = child.communicate(timeout=30)
+    assert child.returncode == 0
+    assert "requests 0 " in out and f"local opens {seen}" in out, out
