@@ -232,8 +232,21 @@ def _environment_observers() -> list:
 def snapshots(obj: Context, tags, host, as_json) -> None:
     """List snapshots, oldest first."""
     repo = obj.open()
-    items = repo.list_snapshots(on_error=lambda sid, exc: click.echo(
-        f"warning: snapshot {sid[:12]} is unreadable and not listed: {exc}", err=True))
+    unreadable: list[str] = []
+
+    def skip(sid: str, exc: Exception) -> None:
+        unreadable.append(sid)
+        click.echo(f"error: snapshot {sid[:12]} is unreadable and not listed: {exc}", err=True)
+
+    items = repo.list_snapshots(on_error=skip)
+    try:
+        _print_snapshots(items, tags, host, as_json)
+    finally:
+        if unreadable:
+            sys.exit(1)  # the listing above is complete but for these; scripts must notice
+
+
+def _print_snapshots(items: list, tags, host, as_json: bool) -> None:
     if tags:
         items = [m for m in items if set(tags) <= set(m.get("tags", []))]
     if host:
