@@ -562,9 +562,5 @@ def test_trace_fields(body):
     _decode_trace(json.dumps(body).encode())
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeEncodeError,
-                   reason="trace.decode_trace: os.fsencode of a path holding a lone surrogate other than "
-                          "\\udc80-\\udcff (JSON '\\ud800') raises UnicodeEncodeError; owner: catch "
-                          "UnicodeEncodeError per entry and skip it like other malformed entries")
 def test_trace_path_with_a_lone_surrogate():
     _decode_trace(b'{"format":"ogrefs-trace","version":1,"entries":[["/a\\ud800",1]]}')

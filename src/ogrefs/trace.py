@@ -195,7 +195,10 @@ def decode_trace(data: bytes, what: str = "trace") -> list[Entry]:
     for item in body["entries"]:
         if (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0].startswith("/")
                 and type(item[1]) is int and 0 <= item[1] < 2**63):
-            out.append((os.fsencode(item[0]), item[1]))
+            try:
+                out.append((os.fsencode(item[0]), item[1]))
+            except UnicodeEncodeError:  # a lone surrogate that surrogateescape never produces (JSON "\ud800")
+                continue
     return out
 
 
