@@ -278,6 +278,60 @@ def test_cancelled_mid_way_resumes_where_it_stopped(box, tmp_path):
     assert compare_trees(box.src, box.tree_of(state)) == []
 
 
+# -- the store goes away ----------------------------------------------------------------------------------
+def test_an_unreachable_store_pauses_materialization_which_then_resumes(box, tmp_path):
+    from ogrefs.store.base import TransientError
+
+    outage = {"until": None}
+
+    def flaky(pack, off, n):
+        if outage["until"] is None:
+            outage["until"] = time.monotonic() + 0.6  # the store goes away at the first request, for 0.6 s
+        if time.monotonic() < outage["until"]:
+            raise TransientError("connection refused")
+        return box.repo.read_pack_range(pack, off, n)
+
+    fetcher = Fetcher(flaky, retry_for=0.2)
+    state = tmp_path / "state"
+    m = Materializer(box.catalog, fetcher, state, retry_delay=0.3)
+    states = set()
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(m.run)
+            while m.state not in ("done", "incomplete", "stopped"):
+                states.add(m.state)
+                await trio.sleep(0.01)
+
+    run_trio(fetcher, body)
+    assert "waiting" in states and m.state == "done" and m.failed_chunks == 0
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
+def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_path):
+    from ogrefs.repo.pack import pack_key
+
+    victim = box.refs_of("data/shard1.bin")[0].pack
+    body_ = box.repo.store.get(pack_key(victim))
+    box.repo.store.delete(pack_key(victim))
+    try:
+        state = tmp_path / "state"
+        m, _ = materialize(box, state)
+        assert m.state == "incomplete" and m.failed_chunks > 0 and not m.complete
+        assert "could not be fetched" in m.reason
+        lost = {ino for ino, _o, _l, _c, pack, *_ in box.catalog.all_extents() if pack == victim}
+        for path, node in box.catalog.walk():
+            if node.is_reg and node.size:
+                assert (m.local_path(node.ino) is None) == (node.ino in lost), path
+    finally:
+        box.repo.store.put(pack_key(victim), body_)
+    log = CallLog(box.repo.read_pack_range)
+    m2, _ = materialize(box, state, log)
+    assert m2.complete
+    assert {p for p, _o, _n in log.calls} == {victim}
+    assert compare_trees(box.src, box.tree_of(state)) == []
+
+
 # -- disk space -----------------------------------------------------------------------------------------
 def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path, monkeypatch):
     monkeypatch.setattr(Materializer, "_free_bytes", lambda self: (5 * MiB, 100 * GiB))
