@@ -146,3 +146,55 @@ def test_daemon_killed_then_remount_with_same_state_dir(box):
         test "$(cat {proj}/small.txt)" = "hello ogrefs"
         {OGREFS} unmount /
     """)
+
+
+def test_materialize_then_finalize_runs_without_daemon_or_store(box):
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    copy = tmp / "expected"
+    subprocess.run(["cp", "-a", str(proj), str(copy)], check=True)
+    in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        {OGREFS} mount {snap} /
+        echo "local work" > {proj}/notes.txt
+        for i in $(seq 1 300); do
+            {OGREFS} status / --json | {sys.executable} -c 'import json,sys; sys.exit(0 if json.load(sys.stdin)["materialize"]["complete"] else 1)' && break
+            sleep 0.1
+        done
+        {OGREFS} status / > {tmp}/status.txt
+        {OGREFS} finalize /
+        mv {tmp}/repo {tmp}/repo-gone                 # the store is gone: nothing may need it now
+        ! grep -q fuse.ogrefs /proc/self/mountinfo     # no FUSE layer, no daemon
+        {sys.executable} - <<'PY'
+import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+from tests.treegen import compare_trees
+diffs = [d for d in compare_trees({str(copy)!r}, {str(proj)!r}) if "notes.txt" not in d]
+assert diffs == [], diffs
+PY
+        test "$(cat {proj}/notes.txt)" = "local work"
+        echo more >> {proj}/notes.txt                  # still writable
+        {OGREFS} status / | grep -q finalized
+        {OGREFS} unmount /
+        ! grep -q " {proj} " /proc/self/mountinfo
+        mv {tmp}/repo-gone {tmp}/repo
+    """)
+    text = (tmp / "status.txt").read_text()
+    assert "materialized to local disk" in text and "complete" in text
+
+
+def test_trace_recorded_by_one_mount_is_replayed_by_the_next(box):
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        {OGREFS} mount {snap} / --no-materialize
+        cat {proj}/random.bin {proj}/dir/nested/deeper/leaf.py > /dev/null
+        {OGREFS} unmount /                              # saves the trace of what was read
+        rm -rf {tmp}/state {tmp}/cache                  # a fresh box again
+        {OGREFS} mount {snap} / --no-materialize
+        sleep 1
+        {OGREFS} status / --json > {tmp}/status2.json
+        {OGREFS} unmount /
+    """)
+    st = json.loads((tmp / "status2.json").read_text())
+    assert st["trace_replayed"] >= 2
+    assert st["materialize"]["classes"]["trace"]["bytes_done"] >= 3 * 1024 * 1024  # random.bin came first
+    assert st["bytes_read"] == 0  # nobody read anything: the trace did the fetching

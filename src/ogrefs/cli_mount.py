@@ -36,6 +36,11 @@ def parse_size(text: str) -> int:
                    "(default /var/lib/ogrefs/mounts/<snapshot>-<target>); the same dir resumes.")
 @click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
+@click.option("--no-materialize", is_flag=True,
+              help="Writable mounts: do not copy everything to local disk in the background (lazy only).")
+@click.option("--save-trace/--no-save-trace", default=None,
+              help="Record which chunks are read in the first minutes and store the trace for the next mount "
+                   "(default: on for writable mounts).")
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
@@ -49,7 +54,7 @@ def parse_size(text: str) -> int:
 @click.option("--debug", is_flag=True, help="Verbose log.")
 @click.pass_obj
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
-          foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          no_materialize: bool, save_trace: bool | None, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
@@ -64,7 +69,8 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         chunk_cache=cache_dir, cache_size=parse_size(cache_size) if cache_size else None,
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
-                        read_only=read_only, state_dir=state_dir, force=force)
+                        read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
+                        save_trace=save_trace)
 
     def open_repo():
         repo = obj.open()
@@ -130,7 +136,32 @@ def status(mountpoint: Path, as_json: bool) -> None:
         f"  errors                {st['errors']} ({st['read_errors']} failed reads, {st['corrupt']} corrupt chunks,"
         f" {st['retries']} retried requests)",
     ]
+    lines.extend(_prefetch_lines(st.get("materialize") or {}, sys.stdout.isatty()))
     click.echo("\n".join(lines))
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / total) if total else width
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _prefetch_lines(m: dict, tty: bool) -> list[str]:
+    """Per priority class: bytes done / total, and for the whole: rate and ETA (a bar on a terminal)."""
+    if not m:
+        return []
+    what = "materialized to local disk" if m.get("mode") == "materialize" else "prefetched into the cache"
+    state = m.get("state", "?") + (f": {m['reason']}" if m.get("reason") else "")
+    out = [f"  {what:22}{'complete' if m.get('complete') else state}"]
+    for name, c in (m.get("classes") or {}).items():
+        done, total = c.get("bytes_done", 0), c.get("bytes_total", 0)
+        bar = f"{_bar(done, total)} " if tty else ""
+        out.append(f"    {name:11}        {bar}{_human(done)} / {_human(total)}")
+    rate, eta = m.get("rate_bps") or 0, m.get("eta_s")
+    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
+    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
+    bar = f"{_bar(done, total)} " if tty else ""
+    out.append(f"    all                {bar}{_human(done)} / {_human(total)} at {_human(rate)}/s{eta_s}")
+    return out
 
 
 @click.command()

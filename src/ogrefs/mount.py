@@ -78,6 +78,9 @@ class MountOptions:
     target: Path | None = None  # writable: where the user sees the tree (mountpoint is then state/lower)
     overlays: list = None  # type: ignore[assignment]  # planned overlay.Overlay list (writable)
     lock: Any = None  # the shared repository lock (repo.locks.HeldLock), taken before the snapshot is resolved
+    materialize: bool = True  # writable mounts: copy everything to <state>/tree in the background
+    save_trace: bool | None = None  # record and store the access trace (default: writable mounts do)
+    trace_entries: list | None = None  # the trace to replay, loaded before the fork
 
 
 # -- early checks -----------------------------------------------------------------------------
@@ -250,6 +253,15 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
         if not opts.read_only:
             _prepare_writable(opts, manifest, catalog)
+        if opts.save_trace is None:
+            opts.save_trace = not opts.read_only
+        from .trace import load_trace
+
+        try:
+            opts.trace_entries = load_trace(repo, manifest)
+        except (OgrefsError, OSError) as exc:
+            log.warning("no access trace replayed: %s", exc)
+            opts.trace_entries = None
         reg = Registration.for_mountpoint(opts.target or opts.mountpoint)
         if opts.foreground:
             code = _serve(opts, repo, manifest, cat_path, reg, ready_fd=None)
@@ -398,7 +410,16 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id)
     fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
                       memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob)
-    fs = SnapshotFS(catalog, fetcher)
+    from .materialize import Materializer
+    from .prefetch import Prefetch
+    from .trace import Recorder, save_trace, save_when_recorded
+
+    recorder = Recorder(catalog) if opts.save_trace else None
+    materializer = (Materializer(catalog, fetcher, opts.state_dir)
+                    if (opts.state_dir is not None and opts.materialize) else None)
+    fs = SnapshotFS(catalog, fetcher, recorder=recorder, local=materializer)
+    prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer)
+    trace_saved: list[str | None] = []
     started = time.time()
     info = {"pid": os.getpid(), "mountpoint": str(opts.target or opts.mountpoint), "snapshot": manifest["id"],
             "writable": not opts.read_only, "lower": str(opts.mountpoint),
@@ -418,7 +439,9 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                 "cache_hits_memory": st["hits_memory"], "cache_hits_disk": st["hits_disk"],
                 "cache_misses": st["misses"], "chunks_in_flight": st["in_flight"], "chunks_queued": st["queued"],
                 "errors": st["errors"], "corrupt": st["corrupt"], "retries": st["retries"],
-                "cache_write_errors": st["cache_write_errors"]}
+                "cache_write_errors": st["cache_write_errors"], "local_opens": getattr(vs, "local_opens", 0),
+                "materialize": prefetch.stats(), "trace_replayed": len(opts.trace_entries or []),
+                "trace_recording": bool(recorder and recorder.active)}
 
     initialized: list[trio.Event] = []  # created inside the loop; set by the kernel's INIT request
 
@@ -462,11 +485,22 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             os.write(ready_fd, b"ready\n")
             os.close(ready_fd)
         else:
-            print(f"mounted snapshot {manifest['id'][:12]} at {opts.mountpoint}; Ctrl-C unmounts", flush=True)
+            print(f"mounted snapshot {manifest['id'][:12]} at {opts.target or opts.mountpoint}; Ctrl-C unmounts",
+                  flush=True)
+        # Only now: prefetch and materialization yield to reads, but the mount comes first.
+        await nursery_ref[0].start(prefetch.run)
+        if recorder is not None:
+            async def save_later() -> None:
+                trace_saved.append(await save_when_recorded(repo, manifest["id"], recorder, opts.trace_entries))
+
+            nursery_ref[0].start_soon(save_later)
+
+    nursery_ref: list[trio.Nursery] = []
 
     async def main() -> None:
         initialized.append(trio.Event())
         async with trio.open_nursery() as nursery:
+            nursery_ref.append(nursery)
             await nursery.start(fetcher.run)
             nursery.start_soon(on_signals)
             nursery.start_soon(announce)
@@ -481,6 +515,12 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         log.exception("mount of %s failed", opts.mountpoint)
         code = 1
     finally:
+        if recorder is not None and not trace_saved:
+            recorder.stop()  # unmounted before the recording window ended: a short trace still helps
+            try:
+                save_trace(repo, manifest["id"], recorder, opts.trace_entries)
+            except Exception as exc:  # noqa: BLE001 - a lost trace costs the next mount its head start only
+                log.warning("could not save the access trace: %s", exc)
         if opts.overlays:
             from . import overlay
 
