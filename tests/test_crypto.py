@@ -118,3 +118,38 @@ def test_replaced_plaintext_config_is_refused(tmp_path, enc):
     cfg["encryption"] = None
     cfg_path.write_text(json.dumps(cfg))
     assert_one_line_error(run(["snapshots"], enc, check=False), "key objects exist")
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here")
+def test_encrypted_chunk_cache(tmp_path):
+    """--encrypt-cache: nothing in the local cache is readable, and a remount is still served from it."""
+    from ogrefs.snapshot import SnapshotOptions, take_snapshot
+
+    from .test_mount import Mounter, under
+
+    repo = Repository.init(f"file://{tmp_path}/enc", cache_root=tmp_path / "xdg", secret=Secret(b"pw", "scrypt"))
+    src = _src(tmp_path)
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)]))
+    mounter = Mounter(tmp_path, repo.store.url, extra_env={"OGREFS_PASSWORD": "pw"})
+    chunks = tmp_path / "chunks"
+    try:
+        mp = mounter.mount(m["id"], tmp_path / "mnt", "--cache-dir", str(chunks), "--encrypt-cache")
+        assert (under(mp, src) / "secret.txt").read_bytes() == MARKER
+        mounter.unmount(mp)
+        files = [f for f in (chunks / "data").rglob("*") if f.is_file()]
+        assert files and not any(MARKER[:24] in f.read_bytes() for f in files)
+        assert all(f.stat().st_mode & 0o077 == 0 for f in files)
+        mounter.mount(m["id"], mp, "--cache-dir", str(chunks), "--encrypt-cache")
+        assert (under(mp, src) / "secret.txt").read_bytes() == MARKER
+        st = mounter.status(mp)
+        assert st["bytes_fetched"] == 0 and st["cache_hits_disk"] >= 1
+        mounter.unmount(mp)
+    finally:
+        mounter.cleanup()
+    plain = Repository.init(f"file://{tmp_path}/plain", cache_root=tmp_path / "xdg2")
+    m2 = take_snapshot(plain, SnapshotOptions(paths=[os.fsencode(src)]))
+    other = Mounter(tmp_path, plain.store.url)
+    (tmp_path / "mnt2").mkdir()
+    res = other.cli("mount", m2["id"], str(tmp_path / "mnt2"), "--read-only", "--encrypt-cache", check=False)
+    assert res.returncode == 2 and "needs an encrypted repository" in res.stderr

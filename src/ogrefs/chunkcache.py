@@ -69,12 +69,41 @@ def default_cache_size(root: Path) -> int:
     return max(256 * 1024 * 1024, min(DEFAULT_MAX_BYTES, free // 4))
 
 
+class CacheCipher:
+    """AES-256-GCM for cache files; immutable and thread-safe."""
+
+    overhead = 12 + 16  # nonce + tag
+
+    def __init__(self, key: bytes) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aead = AESGCM(key)
+
+    def seal(self, cid: bytes, data: bytes) -> bytes:
+        nonce = os.urandom(12)
+        return nonce + self._aead.encrypt(nonce, data, cid)
+
+    def open(self, cid: bytes, blob: bytes) -> bytes | None:
+        from cryptography.exceptions import InvalidTag
+
+        if len(blob) < self.overhead:
+            return None
+        try:
+            return self._aead.decrypt(blob[:12], blob[12:], cid)
+        except InvalidTag:
+            return None
+
+
 class ChunkCache:
     """A directory of verified chunks shared by every mount of this user."""
 
     def __init__(self, root: Path, max_bytes: int | None = None, *, verify: bool = True,
-                 chunk_id: Callable[[bytes], bytes] | None = None) -> None:
+                 chunk_id: Callable[[bytes], bytes] | None = None, cipher: "CacheCipher | None" = None) -> None:
+        """``cipher`` (``--encrypt-cache``): chunk files are sealed with AES-GCM under a key derived
+        from the repository's master key, bound to their chunk id; a file that fails to open is
+        treated as damaged."""
         self.root = Path(root)
+        self.cipher = cipher
         self.data_dir = self.root / "data"
         self.tmp_dir = self.root / "tmp"
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -125,11 +154,19 @@ class ChunkCache:
     def load(self, cid: bytes, raw_len: int) -> bytes | None:
         """The chunk's verified plaintext, or None when absent or damaged (then removed)."""
         path = self.path(cid)
+        extra = self.cipher.overhead if self.cipher else 0
         try:
             with open(path, "rb", buffering=0) as fh:
-                data = fh.read(raw_len + 1)
+                data = fh.read(raw_len + extra + 1)
         except FileNotFoundError:
             return None
+        if self.cipher is not None:
+            opened = self.cipher.open(cid, data)
+            if opened is None:
+                log.warning("chunk cache: %s does not decrypt; dropping it", path)
+                self.discard(cid)
+                return None
+            data = opened
         if len(data) != raw_len or (self.verify and self._chunk_id(data) != cid):
             log.warning("chunk cache: %s is damaged (%d bytes, expected %d); dropping it", path, len(data), raw_len)
             self.discard(cid)
@@ -147,7 +184,7 @@ class ChunkCache:
         db.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?)", (cid, len(data), time.time()))
         fd, tmp_path = tempfile.mkstemp(dir=self.tmp_dir, prefix=cid.hex()[:16] + ".")
         try:
-            view = memoryview(data)
+            view = memoryview(self.cipher.seal(cid, data) if self.cipher else data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)

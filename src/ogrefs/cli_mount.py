@@ -36,6 +36,8 @@ def parse_size(text: str) -> int:
                    "(default /var/lib/ogrefs/mounts/<snapshot>-<target>); the same dir resumes.")
 @click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
+@click.option("--encrypt-cache", is_flag=True,
+              help="Encrypted repositories: keep the local chunk cache encrypted too (AES-256-GCM).")
 @click.option("--no-materialize", is_flag=True,
               help="Writable mounts: do not copy everything to local disk in the background (lazy only).")
 @click.option("--save-trace/--no-save-trace", default=None,
@@ -54,7 +56,7 @@ def parse_size(text: str) -> int:
 @click.option("--debug", is_flag=True, help="Verbose log.")
 @click.pass_obj
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
-          no_materialize: bool, save_trace: bool | None, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
@@ -70,7 +72,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
-                        save_trace=save_trace)
+                        save_trace=save_trace, encrypt_cache=encrypt_cache)
 
     def open_repo():
         repo = obj.open()

@@ -165,6 +165,12 @@ class RepoCodec:
                 raise ValueError("encryption needs a 32-byte key and a 32-byte id key")
             self._aead = AESGCM(enc_key)
 
+    def cache_key(self) -> bytes | None:
+        """A key for encrypting the local chunk cache, derived from the master key (None if unencrypted)."""
+        if self._id_key is None:
+            return None
+        return blake3.blake3(self._id_key, derive_key_context="ogrefs 2026 local chunk cache key").digest()
+
     def chunk_id(self, data: bytes | memoryview) -> bytes:
         if self._id_key is None:
             return chunk_id(data)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 import logging
 import os
 import sqlite3
@@ -61,6 +62,9 @@ if TYPE_CHECKING:
     from .catalog import Extent
 
 log = logging.getLogger(__name__)
+
+#: After an application's last store read, hints and background wait this long before taking the link back.
+READ_QUIET_S = 0.05
 
 MiB = 1024 * 1024
 
@@ -198,6 +202,8 @@ class Fetcher:
         self._by_end: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob end)
         self._seq = 0
         self._active = 0  # store requests in flight
+        self._reads_active = 0  # of which started for an application's read
+        self._last_read_want = -math.inf  # trio time of the last chunk an application had to wait for
         self._queued = 0
         self._fetching = 0  # chunks inside requests in flight
         self._mem: OrderedDict[bytes, bytes] = OrderedDict()
@@ -306,6 +312,8 @@ class Fetcher:
                 p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
                 new.append(p)
             out.append(p)
+        if priority == Priority.READ and new:
+            self._last_read_want = trio.current_time()
         if new:
             if self._nursery is None:
                 for p in new:
@@ -395,9 +403,18 @@ class Fetcher:
             heapq.heappop(self._heap)  # superseded by a priority raise, or already taken by a neighbour
         return None
 
+    def _reads_hot(self) -> bool:
+        """An application is reading from the store right now (or was, a moment ago)."""
+        return self._reads_active > 0 or trio.current_time() - self._last_read_want < READ_QUIET_S
+
     def _may_start(self, priority: Priority) -> bool:
-        limit = self.max_requests if priority == Priority.READ else self.max_requests - self.reserved_for_read
-        return self._active < limit
+        if priority == Priority.READ:
+            return self._active < self.max_requests
+        if self._active >= self.max_requests - self.reserved_for_read:
+            return False
+        # Hints and materialization yield the link to readers: while an application waits on the
+        # store they start nothing new (a recorded trace keeps going: it is what the reader needs next).
+        return priority == Priority.TRACE or not self._reads_hot()
 
     async def _dispatch(self) -> None:
         assert self._nursery is not None
@@ -405,14 +422,19 @@ class Fetcher:
             p = self._peek()
             if p is None or not self._may_start(p.priority):
                 changed = self._changed
-                await changed.wait()
-                if self._changed is changed:
+                # held back only by a reader? look again once the reads have gone quiet
+                with trio.move_on_after(READ_QUIET_S if p is not None and self._reads_hot() else math.inf):
+                    await changed.wait()
+                if self._changed is changed and changed.is_set():
                     self._changed = trio.Event()
                 continue
             heapq.heappop(self._heap)
             batch = self._take_run(p)
             self._active += 1
-            self._nursery.start_soon(self._fetch_run, batch)
+            is_read = p.priority == Priority.READ
+            if is_read:
+                self._reads_active += 1
+            self._nursery.start_soon(self._fetch_run, batch, is_read)
 
     def _unqueue(self, p: _Pending) -> None:
         p.state = "fetching"
@@ -438,7 +460,7 @@ class Fetcher:
         return run
 
     # -- store requests ----------------------------------------------------------------------------
-    async def _fetch_run(self, run: list[_Pending]) -> None:
+    async def _fetch_run(self, run: list[_Pending], is_read: bool = False) -> None:
         first, last = run[0].ref, run[-1].ref
         start, length = first.offset, last.offset + last.stored_len - first.offset
         try:
@@ -446,6 +468,9 @@ class Fetcher:
                 body = await self._get_range(first, start, length)
             finally:
                 self._active -= 1
+                if is_read:
+                    self._reads_active -= 1
+                    self._last_read_want = trio.current_time()
                 self._changed.set()
         except FetchError as exc:
             log.error("fetch of %d chunk(s) from pack %s failed: %s", len(run), first.pack, exc.reason)

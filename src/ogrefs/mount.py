@@ -81,6 +81,7 @@ class MountOptions:
     materialize: bool = True  # writable mounts: copy everything to <state>/tree in the background
     save_trace: bool | None = None  # record and store the access trace (default: writable mounts do)
     trace_entries: list | None = None  # the trace to replay, loaded before the fork
+    encrypt_cache: bool = False  # seal chunk-cache files with a key derived from the repository key
 
 
 # -- early checks -----------------------------------------------------------------------------
@@ -248,6 +249,8 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
     # may read (it defers packs it marked after this lock's creation).  The daemon takes it over.
     opts.lock = HeldLock(repo.store, "shared", "mount").acquire()
     try:
+        if opts.encrypt_cache and repo.codec.cache_key() is None:
+            raise UsageError("--encrypt-cache needs an encrypted repository (its key encrypts the cache)")
         manifest = repo.resolve(opts.snapshot)
         cat_path = repo.catalog_path(manifest["id"])
         catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
@@ -407,7 +410,10 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         opts.lock.start_refresher()  # in a forked daemon the parent's heartbeat thread did not survive
     catalog = Catalog(cat_path)
     chunk_dir = opts.chunk_cache or (opts.cache_root or default_cache_dir()) / "chunks"
-    cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id)
+    from .chunkcache import CacheCipher
+
+    cipher = CacheCipher(repo.codec.cache_key()) if opts.encrypt_cache else None
+    cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id, cipher=cipher)
     fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
                       memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob)
     from .materialize import Materializer
