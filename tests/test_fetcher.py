@@ -306,17 +306,22 @@ def test_chunk_cache_is_shared_between_instances(tmp_path):
 
 def test_hints_and_background_yield_the_link_to_readers_but_traces_do_not():
     """While an application waits on the store, HINT/BACKGROUND start nothing new; TRACE does."""
-    fake = FakePacks()
+    class SlowApp(FakePacks):
+        def read_range(self, pack, offset, length):
+            data = super().read_range(pack, offset, length)  # records the call when it starts
+            time.sleep(0.4 if pack == "app" else 0.02)  # the reader's request takes long: room to misbehave
+            return data
+
+    fake = SlowApp()
     background = [fake.add(f"bg{i}", payloads(1))[0] for i in range(40)]  # one pack each: no coalescing
     trace = [fake.add(f"tr{i}", payloads(1))[0] for i in range(10)]
     (wanted,) = fake.add("app", payloads(1))
-    fake.delay = 0.05
     f = Fetcher(fake.read_range, max_requests=4, reserved_for_read=1)
     started_during_read: list[str] = []
 
     async def body(nursery):
         f.prefetch(background, Priority.BACKGROUND)
-        await trio.sleep(0.12)  # background is flowing
+        await trio.sleep(0.05)  # background is flowing
         n0 = len(fake.calls)
         f.prefetch(trace, Priority.TRACE)
         await f.get(wanted, Priority.READ)
@@ -325,5 +330,7 @@ def test_hints_and_background_yield_the_link_to_readers_but_traces_do_not():
 
     run_with_fetcher(f, body)
     assert "app" in started_during_read
-    assert not any(p.startswith("bg") for p in started_during_read[started_during_read.index("app"):])
+    after = started_during_read[started_during_read.index("app"):]
+    assert not any(p.startswith("bg") for p in after)
+    assert sum(p.startswith("tr") for p in started_during_read) == 10  # the trace went on next to the reader
     assert len({p for p, _, _ in fake.calls if p.startswith("bg")}) == 40  # and it all arrived afterwards
