@@ -331,6 +331,6 @@ def test_hints_and_background_yield_the_link_to_readers_but_traces_do_not():
     run_with_fetcher(f, body)
     assert "app" in started_during_read
     after = started_during_read[started_during_read.index("app"):]
-    assert not any(p.startswith("bg") for p in after)
+    assert sum(p.startswith("bg") for p in after) <= 0.4 / 0.02 + 2  # one at a time, not three
     assert sum(p.startswith("tr") for p in started_during_read) == 10  # the trace went on next to the reader
     assert len({p for p, _, _ in fake.calls if p.startswith("bg")}) == 40  # and it all arrived afterwards

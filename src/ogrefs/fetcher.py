@@ -413,8 +413,9 @@ class Fetcher:
         if self._active >= self.max_requests - self.reserved_for_read:
             return False
         # Hints and materialization yield the link to readers: while an application waits on the
-        # store they start nothing new (a recorded trace keeps going: it is what the reader needs next).
-        return priority == Priority.TRACE or not self._reads_hot()
+        # store they keep at most one request in flight (a recorded trace keeps going: it is what the
+        # reader needs next), enough to keep streaming when an application reads everything.
+        return priority == Priority.TRACE or not self._reads_hot() or self._active - self._reads_active < 1
 
     async def _dispatch(self) -> None:
         assert self._nursery is not None
