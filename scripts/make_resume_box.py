@@ -2,7 +2,7 @@
 """Build the resume benchmark's training box: a torch venv, a training script,
 data shards and several checkpoints of a few hundred MB each (model + Adam state).
 
-    make_resume_box.py ROOT [--ckpts 3] [--params-m 25] [--shards 16] [--shard-mb 128]
+    make_resume_box.py ROOT [--ckpts 3] [--params-m 25] [--shards 40] [--shard-mb 128]
 
 The training script (ROOT/code/train.py) resumes from ROOT/checkpoints/latest,
 loads one data shard, runs one optimizer step and prints "step N loss X".
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("root", type=Path)
     ap.add_argument("--ckpts", type=int, default=3)
     ap.add_argument("--params-m", type=int, default=25, help="model parameters, millions (fp32; Adam triples it)")
-    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--shards", type=int, default=40)
     ap.add_argument("--shard-mb", type=int, default=128)
     args = ap.parse_args()
     root: Path = args.root

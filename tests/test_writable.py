@@ -198,3 +198,33 @@ def test_trace_recorded_by_one_mount_is_replayed_by_the_next(box):
     assert st["trace_replayed"] >= 2
     assert st["materialize"]["classes"]["trace"]["bytes_done"] >= 3 * 1024 * 1024  # random.bin came first
     assert st["bytes_read"] == 0  # nobody read anything: the trace did the fetching
+
+
+def test_permissions_other_users_see_only_what_the_source_allowed(box):
+    """default_permissions: through the overlay at the original path, another user reads what the
+    source let them read and nothing else; state and cache directories are private to root."""
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    # pytest's temporary directories are 0700: let the other user walk down to the box for this test
+    ancestors = [p for p in [proj, *proj.parents] if p != Path("/")]
+    modes = {p: p.stat().st_mode & 0o7777 for p in ancestors}
+    try:
+        for p in ancestors:
+            os.chmod(p, modes[p] | 0o055)
+        _check_other_user(box, proj, tmp, snap)
+    finally:
+        for p, mode in modes.items():
+            os.chmod(p, mode)
+    assert (tmp / "state-mode").read_text().strip() == "700"
+    assert (tmp / "cache").stat().st_mode & 0o077 == 0
+
+
+def _check_other_user(box, proj, tmp, snap):
+    in_namespace(box, f"""
+        mount -t tmpfs -o mode=755 fresh-box {proj.parent}
+        {OGREFS} mount {snap} /
+        setpriv --reuid=65534 --regid=65534 --clear-groups cat {proj}/small.txt > /dev/null     # 0644: readable
+        ! setpriv --reuid=65534 --regid=65534 --clear-groups cat {proj}/private 2>/dev/null     # 0600 root: not
+        ! setpriv --reuid=65534 --regid=65534 --clear-groups ls {box['env']['OGREFS_STATE_DIR']}/* 2>/dev/null
+        stat -c %a {box['env']['OGREFS_STATE_DIR']}/* > {tmp}/state-mode
+        {OGREFS} unmount /
+    """)
