@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from .errors import UsageError
+from .progress import human_bytes as _human
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -98,14 +99,6 @@ def unmount(mountpoint: Path, lazy: bool, timeout: float) -> None:
     from .mount import unmount as do_unmount
 
     do_unmount(mountpoint, lazy=lazy, timeout=timeout)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 @click.command()

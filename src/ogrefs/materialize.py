@@ -75,6 +75,7 @@ from typing import Any, Iterable
 
 import trio
 
+from .progress import human_bytes as human
 from .catalog import ROOT_INO, Catalog
 from .errors import CorruptObject, OgrefsError
 from .fetcher import ChunkMissing, ChunkRef, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
@@ -113,14 +114,6 @@ _ORDER = "cls, seq, pack, poff, id"
 #: A batch that touches more files than this is made durable with one syncfs(2) instead of an fdatasync
 #: per file (20,000 files of 2-32 KiB from a local file repository: 5.2 s instead of 6.6 s).
 _SYNCFS_ABOVE = 16
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _disk_full(exc: BaseException) -> bool:
