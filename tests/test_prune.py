@@ -190,3 +190,31 @@ def test_prune_never_deletes_what_a_live_mount_reads(tmp_path):
         mounter.cli("unmount", str(mp))
     assert prune(repo).deleted
     assert _packs(repo) == set()
+
+
+def test_mostly_unused_packs_are_repacked_and_stale_catalog_caches_refresh(store_url, tmp_path):
+    """After forget, a pack mostly holding forgotten data is repacked; other boxes' cached catalogs follow."""
+    repo = Repository.init(store_url, cache_root=tmp_path / "cache", pack_target_size=32 * MiB)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "keep.bin").write_bytes(os.urandom(1 * MiB))
+    (src / "gone.bin").write_bytes(os.urandom(5 * MiB))
+    a = _snap(repo, src)
+    (src / "gone.bin").unlink()
+    b = _snap(repo, src)  # keep.bin is deduplicated into a's single pack
+    other_box = Repository.open(store_url, cache_root=tmp_path / "other")
+    Catalog(other_box.catalog_path(b["id"]))  # that box has b's catalog cached, with the old locations
+    (old_pack,) = Catalog(repo.catalog_path(b["id"])).pack_names()
+    repo.store.delete(f"snapshots/{a['id']}")
+    repo.store.delete(f"catalogs/{a['id']}")
+    dry = prune(repo, dry_run=True)
+    assert dry.repack == [old_pack] and old_pack in _packs(repo)
+    first = prune(repo)
+    assert first.repack == [old_pack] and old_pack in first.newly_marked
+    new_packs = set(Catalog(repo.catalog_path(b["id"])).pack_names())
+    assert old_pack not in new_packs and new_packs <= _packs(repo)
+    assert prune(repo).deleted == [old_pack]
+    # the other box notices the rewritten catalog and restores from the new pack
+    _restore_ok(other_box, b, src, tmp_path / "out")
+    assert check_repository(repo, read_data=True).problems == []
+    assert _packs(repo) == new_packs  # only the repacked data is left

@@ -466,20 +466,28 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
 
 @cli.command(name="prune")
 @click.option("--dry-run", "-n", is_flag=True, help="Only say what would be deleted and how many bytes it frees.")
+@click.option("--repack-below", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Repack packs whose live bytes are below this fraction of their size (0: never).")
 @json_option
 @click.pass_obj
-def prune_cmd(obj: Context, dry_run: bool, as_json: bool) -> None:
+def prune_cmd(obj: Context, dry_run: bool, repack_below: float, as_json: bool) -> None:
     """Delete packs that no snapshot references (two-phase; safe next to snapshots and mounts)."""
-    _run_prune(obj, obj.open(), dry_run, as_json)
+    _run_prune(obj, obj.open(), dry_run, as_json, repack_below)
 
 
-def _run_prune(obj: Context, repo, dry_run: bool, as_json: bool) -> None:
+def _run_prune(obj: Context, repo, dry_run: bool, as_json: bool, repack_below: float = 0.5) -> None:
     from .prune import prune
 
-    report = prune(repo, dry_run=dry_run, log=None if (as_json or obj.quiet) else lambda s: click.echo(s, err=True))
+    report = prune(repo, dry_run=dry_run, log=None if (as_json or obj.quiet) else lambda s: click.echo(s, err=True),
+                   repack_below=repack_below)
     if as_json:
         emit_json({"dry_run": dry_run, **report.as_dict()})
         return
+    if report.repack:
+        click.echo(f"{'would repack' if dry_run else 'repacked'} {len(report.repack)} mostly unused packs "
+                   f"({human_bytes(report.repack_bytes)} still in use copied to new packs)")
+    for item in report.repack_skipped:
+        click.echo(f"warning: not repacked: {item}", err=True)
     verb = "would free" if dry_run else "freed"
     click.echo(f"{verb} {human_bytes(report.freed_bytes)} ({len(report.deleted)} packs); "
                f"{len(report.newly_marked) + len(report.deferred)} unreferenced packs "

@@ -11,6 +11,11 @@ Deletion takes two prune runs (docs/format.md, "Deleting data"):
    (a snapshot about to reference it, a mount of a forgotten snapshot still
    reading it). A marked pack that a catalog references again is unmarked.
 
+Before marking, packs whose referenced blobs take less than half their bytes
+are repacked (repack.py): the live blobs move to new packs, the catalogs that
+used them are rewritten, and the old packs become unreferenced and go through
+the same two phases.
+
 Afterwards the index is rewritten as one consolidated object listing only the
 packs that remain, and the old index objects are deleted.
 
@@ -32,6 +37,7 @@ from .repo import Repository
 from .repo.index import decode_index
 from .repo.locks import CLOCK_SKEW_S, HeldLock, read_locks
 from .repo.pack import pack_key
+from .repack import plan_repack, repack
 from .store.base import NotFound
 
 
@@ -45,12 +51,16 @@ class PruneReport:
     unmarked: list[str] = field(default_factory=list)
     freed_bytes: int = 0
     pending_bytes: int = 0  # bytes in marked packs that a later prune will free
+    repack: list[str] = field(default_factory=list)  # mostly unused packs whose live blobs were (or would be) moved
+    repack_bytes: int = 0  # live bytes copied by the repack
+    repack_skipped: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"packs_total": self.packs_total, "referenced": self.referenced,
                 "newly_marked": len(self.newly_marked), "deleted": len(self.deleted),
                 "deferred": len(self.deferred), "unmarked": len(self.unmarked),
-                "freed_bytes": self.freed_bytes, "pending_bytes": self.pending_bytes}
+                "freed_bytes": self.freed_bytes, "pending_bytes": self.pending_bytes,
+                "repacked": len(self.repack), "repack_bytes": self.repack_bytes, "repack_skipped": self.repack_skipped}
 
 
 def read_trash(repo: Repository) -> tuple[dict[str, float], list[str]]:
@@ -69,23 +79,35 @@ def read_trash(repo: Repository) -> tuple[dict[str, float], list[str]]:
 
 
 def referenced_packs(repo: Repository) -> set[str]:
-    used: set[str] = set()
+    return set(usage(repo)[0])
+
+
+def usage(repo: Repository) -> tuple[dict[str, dict[bytes, tuple[int, int, int]]], dict[str, set[str]]]:
+    """Per pack, the referenced blobs {chunk: (offset, stored_len, raw_len)}; per snapshot, its packs."""
+    used: dict[str, dict[bytes, tuple[int, int, int]]] = {}
+    by_snapshot: dict[str, set[str]] = {}
     for sid in repo.snapshot_ids():
         try:
             cat = Catalog(repo.catalog_path(sid))
+            blobs = list(cat.all_blobs())
         except OgrefsError:
             raise OgrefsError(f"snapshot {sid[:12]}: catalog unreadable; refusing to prune (run `ogrefs check`)")
-        used.update(cat.pack_names())
-    return used
+        packs = by_snapshot[sid] = set()
+        for chunk, pack, off, slen, rlen in blobs:
+            used.setdefault(pack, {})[chunk] = (off, slen, rlen)
+            packs.add(pack)
+    return used, by_snapshot
 
 
-def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | None = None) -> PruneReport:
+def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | None = None,
+          repack_below: float = 0.5) -> PruneReport:
+    """Mark and delete unreferenced packs; first repack packs used below ``repack_below`` (0 = never)."""
     report = PruneReport()
     with HeldLock(repo.store, "prune", "prune"):
         packs = {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
         report.packs_total = len(packs)
-        used = referenced_packs(repo)
-        report.referenced = len(packs & used)
+        used_blobs, by_snapshot = usage(repo)
+        used = set(used_blobs)
         sizes: dict[str, int] = {}
         index_keys = list(repo.store.list("index/"))
         entries_by_pack: dict[str, dict[bytes, tuple]] = {}
@@ -98,6 +120,15 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
                 entries_by_pack.setdefault(pack, {})[cid] = (cid, pack, off, slen, rlen)
                 sizes[pack] = max(sizes.get(pack, 0), off + slen)
         marked, trash_keys = read_trash(repo)
+        if repack_below > 0:
+            report.repack = plan_repack(used_blobs, sizes, repack_below, exclude=set(marked) | (used - packs))
+            report.repack_bytes = sum(slen for p in report.repack for _o, slen, _r in used_blobs[p].values())
+            if report.repack and not dry_run:
+                moved = repack(repo, report.repack, used_blobs, by_snapshot)
+                report.repack_skipped = moved.skipped
+                used_blobs, by_snapshot = usage(repo)  # the rewritten catalogs point at the new packs
+                used = set(used_blobs)
+        report.referenced = len(packs & used)
         now = time.time()
         live = [lk for lk in read_locks(repo.store) if lk.kind == "shared" and not lk.stale(now)]
         oldest_live = min((lk.created for lk in live), default=float("inf"))

@@ -18,13 +18,17 @@ from typing import Any, Callable
 from .. import codec
 from ..errors import CorruptObject, RepositoryError, SnapshotNotFound
 from ..store import open_store
-from ..store.base import NotFound, Store
+from ..store.base import NotFound, Store, StoreError
 from .config import RepoConfig
 from .index import ChunkIndex, IndexEntry, encode_index
 from .keys import Secret, add_key, open_master
 from .pack import TAIL_SIZE, pack_key, parse_header, parse_trailer_tail
 
 Manifest = dict[str, Any]
+
+#: The first bytes of an envelope identify its content: magic, version, codec and the
+#: plaintext digest (or, encrypted, the random nonce). Enough to tell a rewritten catalog.
+CATALOG_STAMP_BYTES = 38
 
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
 
@@ -240,14 +244,40 @@ class Repository:
         self.store.put(f"catalogs/{snap_id}", obj)
         return len(obj)
 
-    def catalog_path(self, snap_id: str) -> Path:
-        """The snapshot's catalog as a local SQLite file, fetched once and cached."""
+    def replace_catalog(self, snap_id: str, db_path: Path) -> None:
+        """Store a rewritten catalog (prune's repack) and refresh the local cache with it."""
+        key = f"catalogs/{snap_id}"
+        obj = self.codec.seal(key, db_path.read_bytes())
+        self.store.put(key, obj)
         path = self.cache_dir / "catalogs" / f"{snap_id}.sqlite"
-        if path.exists():
-            return path
+        _atomic_write(path, db_path.read_bytes())
+        _atomic_write(path.with_suffix(".stamp"), obj[:CATALOG_STAMP_BYTES])
+
+    def catalog_path(self, snap_id: str) -> Path:
+        """The snapshot's catalog as a local SQLite file, cached.
+
+        Catalogs change only when prune repacks (their chunk locations move), so
+        a cached copy is checked against the first bytes of the stored object
+        (its digest, or its nonce when encrypted: one small ranged GET) and
+        fetched again when they differ. A store that cannot be reached leaves
+        the cached copy in use.
+        """
+        key = f"catalogs/{snap_id}"
+        path = self.cache_dir / "catalogs" / f"{snap_id}.sqlite"
+        stamp_path = path.with_suffix(".stamp")
+        if path.exists() and stamp_path.exists():
+            try:
+                current = self.store.get_range(key, 0, CATALOG_STAMP_BYTES)
+            except NotFound:
+                raise CorruptObject(f"catalog of snapshot {snap_id[:12]} is missing from the repository") from None
+            except StoreError:
+                return path  # offline: the cached copy is the best there is
+            if current == stamp_path.read_bytes():
+                return path
         try:
-            obj = self.store.get(f"catalogs/{snap_id}")
+            obj = self.store.get(key)
         except NotFound:
             raise CorruptObject(f"catalog of snapshot {snap_id[:12]} is missing from the repository") from None
-        _atomic_write(path, self.codec.open(f"catalogs/{snap_id}", obj))
+        _atomic_write(path, self.codec.open(key, obj))
+        _atomic_write(stamp_path, obj[:CATALOG_STAMP_BYTES])
         return path
