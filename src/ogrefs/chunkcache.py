@@ -47,6 +47,8 @@ from typing import Callable
 
 import blake3
 
+from .localdb import wal_connect
+
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
@@ -128,10 +130,7 @@ class ChunkCache:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
+            db = self._local.db = wal_connect(self._db_path)
         return db
 
     def path(self, cid: bytes) -> Path:

@@ -75,6 +75,7 @@ from typing import Any, Iterable
 
 import trio
 
+from .localdb import wal_connect
 from .progress import human_bytes as human
 from .catalog import ROOT_INO, Catalog
 from .errors import CorruptObject, OgrefsError
@@ -248,11 +249,7 @@ class Materializer:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            # a commit lost to a power cut only makes chunks be fetched again: NORMAL is enough
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
+            db = self._local.db = wal_connect(self._db_path)  # a lost commit only re-fetches chunks
         return db
 
     @staticmethod

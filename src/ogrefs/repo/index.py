@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .. import codec
+from ..localdb import wal_connect
 from ..errors import CorruptObject
 from ..store.base import NotFound, Store
 from .pack import BlobLocation
@@ -70,10 +71,7 @@ class ChunkIndex:
         self._local = threading.local()
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self._path, timeout=60, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        return db
+        return wal_connect(self._path)
 
     def sync(self) -> int:
         """Merge index objects not yet in the cache; returns how many were merged."""
