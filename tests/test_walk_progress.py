@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 
 from ogrefs.progress import ProgressLine, human_bytes
 from ogrefs.snapshot import Stats, normalize_roots

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import codec
 from .catalog import Catalog
 from .errors import CorruptObject, OgrefsError
 from .repo import Repository

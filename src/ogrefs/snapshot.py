@@ -44,7 +44,7 @@ from .chunker import Chunker, data_extents
 from .errors import OgrefsError, UsageError
 from .repo import Repository
 from .repo.locks import HeldLock
-from .repo.pack import BlobLocation, PackBuilder, pack_key
+from .repo.pack import PackBuilder
 from .walk import WalkRules
 
 
