@@ -186,7 +186,10 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, 
     if not paths:
         raise UsageError("nothing to snapshot: give paths or --whole-box")
     repo = obj.open()
-    skip = [os.fsencode(default_cache_dir()), os.fsencode(repo.cache_dir)]
+    # ogrefs' own cache and state never go into a snapshot (mount state holds whole local copies)
+    skip = [os.fsencode(default_cache_dir()), os.fsencode(repo.cache_dir),
+            os.fsencode(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs"),
+            os.fsencode(os.environ.get("OGREFS_RUNTIME_DIR") or "/run/ogrefs")]
     if repo.store.url.startswith("file://"):
         skip.append(os.fsencode(repo.store.url[len("file://"):]))
     opts = SnapshotOptions(paths=list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
