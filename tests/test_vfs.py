@@ -202,6 +202,22 @@ def test_sequential_reads_fetch_ahead_in_few_requests(snap):
     assert f.stats.hits_memory > 0
 
 
+def test_small_files_of_a_directory_come_in_a_few_requests(snap):
+    """Directory read-ahead: opening one small file brings its small neighbours in the same GET(s)."""
+    repo, cat, src = snap
+    names = [f"f{i:05d}" for i in range(0, 500, 5)]  # 100 files among the first 500 (the read-ahead's reach)
+
+    async def body(fs):
+        for name in names:
+            a = await walk_to(fs, src / "bigdir" / name)
+            fh = await fs.open(a.node.ino, os.O_RDONLY)
+            assert await fs.read(fh, 0, 100) == b"%d" % int(name[1:])
+            fs.release(fh)
+
+    f = run_fs(repo, cat, body)
+    assert f.stats.requests <= 4  # one round trip per file would be 100
+
+
 def test_lost_pack_fails_only_its_files_with_eio(snap, caplog):
     repo, cat, src = snap
     victim = cat.resolve(os.fsencode(src / "seq.bin"))

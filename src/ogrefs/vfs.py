@@ -60,6 +60,10 @@ READDIR_FIRST_PAGE = 64
 READDIR_PAGE = 512
 #: Files up to this size (a few dozen chunks) load their extent list inline at open.
 INLINE_EXTENTS_BELOW = 16 * MiB
+#: Directory read-ahead: files up to this size are fetched with their small neighbours ...
+SIBLING_FILE_MAX = 256 * 1024
+#: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
+SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
 
 
@@ -179,6 +183,20 @@ class _CatalogExtra:
         row = self._db().execute("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
         return row[0] if row else ROOT_INO
 
+    def small_sibling_refs(self, parent: int, max_chunk: int, max_bytes: int) -> list[ChunkRef]:
+        """Chunks of the small files of directory ``parent``, in pack order, up to ``max_bytes`` stored."""
+        rows = self._db().execute(
+            "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM dirents d "
+            "JOIN extents e ON e.ino = d.ino JOIN blobs b ON b.id = e.blob JOIN packs p ON p.id = b.pack "
+            "WHERE d.parent = ? AND e.length <= ? ORDER BY p.name, b.offset LIMIT 512", (parent, max_chunk))
+        out, total = [], 0
+        for chunk, pack, off, slen, rlen in rows:
+            if total + slen > max_bytes:
+                break
+            out.append(ChunkRef(chunk, pack, off, slen, rlen))
+            total += slen
+        return out
+
     def path_of(self, ino: int) -> bytes:
         """One path of ``ino`` (hardlinks have several), for messages."""
         parts: list[bytes] = []
@@ -204,6 +222,7 @@ class SnapshotFS:
         self.fetcher = fetcher
         self.recorder = recorder  # told the first chunks each read touches (access trace)
         self.local = local  # complete local copies of files are read from there, never from the store
+        self._dirs_prefetched: set[int] = set()  # directories whose small files were requested together
         self.readahead_max = readahead_max
         self.readahead_min = readahead_min
         self.stats = VfsStats()
@@ -371,12 +390,31 @@ class SnapshotFS:
                 return fh
         if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
             extents = self.catalog.extents(ino) if node.size else []
+            if node.size and node.size <= SIBLING_FILE_MAX:
+                await self._prefetch_siblings(ino)
         else:
             extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
         fh = self._new_fh()
         self._files[fh] = _OpenFile(ino, node.size, extents)
         self.stats.opens += 1
         return fh
+
+    async def _prefetch_siblings(self, ino: int) -> None:
+        """The first small file opened in a directory brings its small neighbours along.
+
+        An import opens many small files of one directory one after the other;
+        snapshots pack a directory's files next to each other, so their chunks
+        are one ranged GET instead of one round trip per file (directory
+        read-ahead).  Once per directory per mount.
+        """
+        parent = self._extra.parent_of(ino)
+        if parent in self._dirs_prefetched:
+            return
+        self._dirs_prefetched.add(parent)
+        refs = await trio.to_thread.run_sync(self._extra.small_sibling_refs, parent, SIBLING_FILE_MAX,
+                                             SIBLING_BYTES_MAX)
+        if refs:
+            self.fetcher.prefetch(refs, Priority.READ)
 
     def _open_local(self, node: Inode) -> int | None:
         """An fd of the complete local copy of ``node``, or None (then the store serves it).
