@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,3 +72,22 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytes
 # ===========================================================================
 # end of store fixtures
 # ===========================================================================
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``make(size)`` mounts a tmpfs of ``size`` bytes and returns its path; all are unmounted afterwards."""
+    mounts: list[Path] = []
+
+    def make(size: int) -> Path:
+        mp = tmp_path / f"small-{len(mounts)}"
+        mp.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mp)], capture_output=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+        mounts.append(mp)
+        return mp
+
+    yield make
+    for mp in mounts:
+        subprocess.run(["umount", "-l", str(mp)], capture_output=True)

@@ -596,24 +596,6 @@ def test_mount_daemon_sigkill_then_remount_serves_correct_bytes(tree, tmp_path):
 
 # -- local disks that are full (small tmpfs mounts) ----------------------------------------------------
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """``make(size)`` mounts a tmpfs of ``size`` bytes and returns its path; all are unmounted afterwards."""
-    mounts: list[Path] = []
-
-    def make(size: int) -> Path:
-        mp = tmp_path / f"small-{len(mounts)}"
-        mp.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mp)], capture_output=True)
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-        mounts.append(mp)
-        return mp
-
-    yield make
-    for mp in mounts:
-        subprocess.run(["umount", "-l", str(mp)], capture_output=True)
-
 
 def _fill(path: Path) -> Path:
     """Fill the file system holding ``path`` (a filler file); returns the filler."""

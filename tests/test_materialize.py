@@ -352,23 +352,6 @@ def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box,
     assert st["mode"] == "cache" and st["reason"] == m.reason and st["state"] == "done"
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    mounts: list[Path] = []
-
-    def make(size: int) -> Path:
-        mp = tmp_path / f"small-{len(mounts)}"
-        mp.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mp)], capture_output=True)
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-        mounts.append(mp)
-        return mp
-
-    yield make
-    for mp in mounts:
-        subprocess.run(["umount", "-l", str(mp)], capture_output=True)
-
 
 @pytest.mark.skipif(not ROOT, reason="mounting a tmpfs needs root")
 def test_a_small_disk_is_refused_by_statvfs(box, small_fs):

@@ -254,3 +254,17 @@ def test_store_unreachable_is_clean_error(tmp_path, seaweed):
         Repository.open("s3://no-such-bucket-ogrefs/x", s3_endpoint="http://127.0.0.1:9", cache_root=tmp_path / "c")
     assert "127.0.0.1:9" in str(info.value) or "connect" in str(info.value).lower()
 
+
+
+def test_check_reports_a_missing_pack_once(repo, tmp_path):
+    from ogrefs.check import check_repository
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(2 * MiB))
+    m = _snap(repo, src)
+    (pack,) = Catalog(repo.catalog_path(m["id"])).pack_names()
+    repo.store.delete(f"packs/{pack[:2]}/{pack}")
+    for read_data in (False, True):
+        problems = check_repository(repo, read_data=read_data).problems
+        assert len([p for p in problems if pack[:16] in p]) == 1, problems

@@ -17,6 +17,7 @@ from typing import Callable
 from .catalog import Catalog
 from .errors import CorruptObject, OgrefsError
 from .repo import Repository
+from .repo.index import decode_index
 from .repo.pack import TAIL_SIZE, pack_key, parse_header, parse_trailer_tail
 from .store.base import NotFound, StoreError
 
@@ -75,6 +76,7 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
                      progress: Callable[[str], None] | None = None) -> CheckReport:
     report = CheckReport()
     packs = {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
+    missing: set[str] = set()  # referenced but not in the store: reported once, never downloaded
     expected: dict[str, dict[bytes, tuple[int, int, int]]] = {}
     for sid in repo.snapshot_ids():
         try:
@@ -89,9 +91,10 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
         try:
             for chunk, pack, off, slen, rlen in cat.all_blobs():
                 if pack not in packs:
-                    report.problems.append(f"snapshot {sid[:12]}: pack {pack[:16]} is missing")
-                    packs.add(pack)  # report each missing pack once
-                    expected.setdefault(pack, {})
+                    if pack not in missing:
+                        report.problems.append(f"snapshot {sid[:12]}: pack {pack[:16]} is missing")
+                        missing.add(pack)
+                    continue
                 expected.setdefault(pack, {})[chunk] = (off, slen, rlen)
             if read_data:
                 _check_tree(cat)
@@ -103,15 +106,13 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
                                    f"cannot be restored: {reason}")
     for name in repo.store.list("index/"):
         try:
-            from .repo.index import decode_index
-
             for _cid, pack, *_ in decode_index(repo.store.get(name), name, repo.codec):
-                if pack not in packs:
+                if pack not in packs and pack not in missing:
                     report.problems.append(f"{name}: refers to missing pack {pack[:16]}")
-                    packs.add(pack)
+                    missing.add(pack)
         except (OgrefsError, StoreError) as exc:
             report.problems.append(f"{name}: {exc}")
-    report.packs = len(expected)
+    report.packs = len(expected) + len(missing)
     if read_data:
         with ThreadPoolExecutor(workers) as pool:
             for problems, checked, nbytes in pool.map(lambda kv: _check_pack(repo, kv[0], kv[1]), expected.items()):
