@@ -12,8 +12,8 @@ import trio
 
 from ogrefs import codec
 from ogrefs.chunkcache import ChunkCache
-from ogrefs.fetcher import ChunkCorrupt, ChunkMissing, ChunkRef, Fetcher, Priority, StoreUnavailable
-from ogrefs.store.base import NotFound, TransientError
+from ogrefs.fetcher import ChunkCorrupt, ChunkMissing, ChunkRef, Fetcher, Keep, Priority, StoreUnavailable
+from ogrefs.store.base import NotFound, RangeReader, TransientError
 
 KiB = 1024
 
@@ -51,6 +51,41 @@ class FakePacks:
         if pack not in self.packs:
             raise NotFound(pack)
         return bytes(self.packs[pack][offset:offset + length])
+
+
+class StreamingPacks(FakePacks):
+    """FakePacks with an ``open_range`` that hands out a range in pieces.
+
+    ``hold_after``: the stream delivers that many bytes, then blocks until
+    ``release`` is set; ``break_after``: it delivers that many bytes, then the
+    connection "resets" (once).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold_after: int | None = None
+        self.release = threading.Event()
+        self.break_after: int | None = None
+
+    def open_range(self, pack: str, offset: int, length: int) -> RangeReader:
+        data = self.read_range(pack, offset, length)
+        packs = self
+
+        class Reader(RangeReader):
+            pos = 0
+
+            def read(self, n: int) -> bytes:
+                if packs.hold_after is not None and self.pos >= packs.hold_after:
+                    packs.release.wait(10)
+                if packs.break_after is not None and self.pos >= packs.break_after:
+                    packs.break_after = None
+                    raise TransientError("connection reset by peer")
+                n = min(n, 16 * KiB)
+                out = data[self.pos:self.pos + n]
+                self.pos += len(out)
+                return out
+
+        return Reader()
 
 
 def run_with_fetcher(fetcher: Fetcher, body) -> None:
@@ -174,6 +209,66 @@ def test_priority_raise_moves_a_queued_chunk_ahead():
             await f.get(r)
 
     run_with_fetcher(f, body)
+
+
+def test_a_long_range_hands_out_its_first_chunks_before_the_rest_arrives():
+    fake = StreamingPacks()
+    data = payloads(8, 256 * KiB)
+    refs = fake.add("p1", data, compress=False)
+    fake.hold_after = refs[2].offset + refs[2].stored_len  # the first three blobs, then the stream stalls
+    f = Fetcher(fake.read_range, open_range=fake.open_range)
+
+    async def body(nursery):
+        f.prefetch(refs, Priority.TRACE)
+        with trio.fail_after(5):
+            assert await f.get(refs[0]) == data[0]
+            assert await f.get(refs[2]) == data[2]
+        assert not f.is_cached_in_memory(refs[5].chunk)  # still on its way: the stream is held
+        fake.release.set()
+        with trio.fail_after(5):
+            assert [await f.get(r) for r in refs] == data
+
+    run_with_fetcher(f, body)
+    assert len(fake.calls) == 1  # one GET for all eight
+
+
+def test_a_stream_that_breaks_is_resumed_from_the_first_missing_chunk():
+    fake = StreamingPacks()
+    data = payloads(6, 128 * KiB)
+    refs = fake.add("p1", data, compress=False)
+    fake.break_after = refs[3].offset + 10  # three blobs arrive, the fourth is cut
+    f = Fetcher(fake.read_range, open_range=fake.open_range, retry_for=10)
+
+    async def body(nursery):
+        f.prefetch(refs, Priority.READ)
+        with trio.fail_after(5):
+            assert [await f.get(r) for r in refs] == data
+
+    run_with_fetcher(f, body)
+    assert fake.calls[0][1] == refs[0].offset
+    assert fake.calls[1][1] == refs[3].offset  # asked again from the cut chunk on, not from the start
+    assert f.stats.retries == 1 and f.stats.chunks_fetched == 6 and f.stats.errors == 0
+
+
+def test_keep_memory_stays_out_of_the_disk_cache(tmp_path):
+    fake = FakePacks()
+    data = payloads(3)
+    refs = fake.add("p1", data)
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    f = Fetcher(fake.read_range, cache)
+
+    async def body(nursery):
+        tickets = f.request(refs[:2], Priority.TRACE, keep=Keep.MEMORY)
+        assert [await t.result() for t in tickets] == data[:2]
+        assert await f.get(refs[2]) == data[2]
+        await trio.sleep(0.2)
+        assert f.is_cached_in_memory(refs[0].chunk) and f.is_cached_in_memory(refs[2].chunk)
+        f.set_memory_limit(1)  # shrinking evicts
+        assert not f.is_cached_in_memory(refs[0].chunk)
+
+    run_with_fetcher(f, body)
+    assert not cache.contains(refs[0].chunk) and not cache.contains(refs[1].chunk)
+    assert cache.contains(refs[2].chunk)
 
 
 def test_corrupt_blob_is_refetched_once_then_fails_and_is_not_cached(tmp_path):

@@ -462,6 +462,36 @@ def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
     assert 0 < pf2.stats()["bytes_done"] <= 2 * MiB
 
 
+def test_the_trace_streams_into_memory_before_the_tree_is_built_and_is_not_fetched_twice(box, tmp_path,
+                                                                                          monkeypatch):
+    """Materializing mounts replay the trace first (the tree takes seconds to build), then write it from memory."""
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    log = CallLog(box.repo.read_pack_range)
+    fetcher = Fetcher(log, cache)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state")
+    trace = [(box.path("data/shard2.bin"), 0), (box.path("data/shard0.bin"), 0)]
+    trace_refs = box.refs_of("data/shard2.bin")[:1] + box.refs_of("data/shard0.bin")[:1]
+    calls_before_prepare: list[int] = []
+    prepare = Materializer._prepare
+
+    def spy(self, entries):
+        calls_before_prepare.append(len(log.calls))
+        return prepare(self, entries)
+
+    monkeypatch.setattr(Materializer, "_prepare", spy)
+    pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m)
+    run_trio(fetcher, pf.run)
+    assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
+    assert calls_before_prepare and calls_before_prepare[0] >= 1  # the trace was fetched before the tree existed
+    for ref in trace_refs:
+        covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
+        assert len(covering) == 1, (ref, covering)  # once: the materializer took it from memory
+        assert not cache.contains(ref.chunk)  # Keep.MEMORY: not a third copy in the disk cache
+    assert fetcher.memory_bytes == 128 * MiB  # the memory LRU is back to its size
+    st = pf.stats()
+    assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
+
+
 def test_request_keep_false_stays_out_of_the_caches_unless_a_reader_wants_it(box, tmp_path):
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     gate = threading.Event()

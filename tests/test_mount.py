@@ -444,3 +444,27 @@ def test_encrypted_repository_mounts_with_its_passphrase(tmp_path, monkeypatch):
         assert res.returncode != 0 and "encrypted" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     finally:
         mounter.cleanup()
+
+
+def test_status_wait_returns_when_complete_and_fails_with_the_reason(monkeypatch):
+    """``ogrefs status --wait``: polls until the copy is complete, or says why it never will be."""
+    from ogrefs import mount as mount_mod
+
+    def statuses(*seq):
+        it = iter(seq)
+        monkeypatch.setattr(mount_mod, "read_status", lambda mp: next(it))
+
+    running = {"mountpoint": "/m", "materialize": {"mode": "materialize", "state": "running", "complete": False}}
+    statuses(running, running, {"mountpoint": "/m", "materialize": {"mode": "materialize", "state": "done",
+                                                                     "complete": True}})
+    seen = []
+    st, problem = mount_mod.wait_background(Path("/m"), poll=0, progress=seen.append)
+    assert problem is None and st["materialize"]["complete"] and len(seen) == 3
+
+    statuses(running, {"mountpoint": "/m", "materialize": {"mode": "materialize", "state": "stopped",
+                                                           "reason": "stopped: the disk of /s is full"}})
+    st, problem = mount_mod.wait_background(Path("/m"), poll=0)
+    assert problem == "/m will not become fully local: stopped: the disk of /s is full"
+
+    statuses({"mountpoint": "/m", "materialize": {"mode": "cache", "state": "done", "complete": False}})
+    assert mount_mod.wait_background(Path("/m"), poll=0)[1] is None  # a cache-only mount: its prefetch ended

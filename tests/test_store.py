@@ -98,6 +98,28 @@ def test_get_range_past_end_is_an_error(store: Store, offset: int, length: int) 
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("length", [10, 3 * MiB + 17], ids=["small", "streamed"])
+def test_open_range_yields_exactly_the_range_in_pieces(store: Store, length: int) -> None:
+    data = blob(4 * MiB, seed=3)
+    store.put("packs/00/s", data)
+    with store.open_range("packs/00/s", 1001, length) as reader:
+        parts = []
+        while piece := reader.read(64 * 1024 + 3):
+            assert len(piece) <= 64 * 1024 + 3
+            parts.append(piece)
+    assert b"".join(parts) == data[1001:1001 + length]
+
+
+def test_open_range_errors_are_get_range_errors(store: Store) -> None:
+    store.put("packs/00/short", blob(1000))
+    with pytest.raises(NotFound):
+        store.open_range("packs/ff/missing", 0, 10).read(10)
+    with pytest.raises(ShortRead):
+        with store.open_range("packs/00/short", 500, 600) as reader:
+            while reader.read(1 << 20):
+                pass
+
+
 def test_get_range_rejects_negative_arguments(store: Store) -> None:
     store.put("x", b"abc")
     with pytest.raises(ValueError):
@@ -604,6 +626,43 @@ def test_s3_range_read_is_verified() -> None:
     assert s.get_range("k", 10, 5) == bytes(range(10, 15))
     with pytest.raises(ShortRead):
         s.get_range("k", 150, 100)
+
+
+class _BreakingBody:
+    """A body that delivers ``good`` bytes, then fails with ``exc`` (or ends early when None)."""
+
+    def __init__(self, good: bytes, exc: BaseException | None) -> None:
+        self.good, self.exc, self.closed = good, exc, False
+
+    def read(self, n: int) -> bytes:
+        if self.good:
+            out, self.good = self.good[:n], self.good[n:]
+            return out
+        if self.exc is not None:
+            raise self.exc
+        return b""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("exc", [None, bx.ReadTimeoutError(endpoint_url="http://x"), ConnectionResetError("reset")],
+                         ids=["ends-early", "timeout", "reset"])
+def test_s3_stream_that_breaks_is_transient_never_short(exc: BaseException | None) -> None:
+    n = 1 * MiB
+    body = _BreakingBody(b"y" * (n // 2), exc)
+
+    class Client:
+        def get_object(self, **kw: Any) -> dict[str, Any]:
+            return {"Body": body, "ContentLength": n, "ContentRange": f"bytes 0-{n - 1}/{n}"}
+
+    reader = S3Store("bkt", "p", client=Client()).open_range("k", 0, n)
+    got = b""
+    with pytest.raises(TransientError) as info:
+        while piece := reader.read(64 * 1024):
+            got += piece
+    assert got == b"y" * (n // 2) and "\n" not in str(info.value)
+    assert body.closed
 
 
 # ---------------------------------------------------------------------------

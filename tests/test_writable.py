@@ -156,11 +156,7 @@ def test_materialize_then_finalize_runs_without_daemon_or_store(box):
         mount -t tmpfs fresh-box {proj.parent}
         {OGREFS} mount {snap} /
         echo "local work" > {proj}/notes.txt
-        for i in $(seq 1 300); do
-            {OGREFS} status / --json | {sys.executable} -c 'import json,sys; sys.exit(0 if json.load(sys.stdin)["materialize"]["complete"] else 1)' && break
-            sleep 0.1
-        done
-        {OGREFS} status / > {tmp}/status.txt
+        timeout 60 {OGREFS} status / --wait > {tmp}/status.txt   # returns once everything is local
         {OGREFS} finalize /
         mv {tmp}/repo {tmp}/repo-gone                 # the store is gone: nothing may need it now
         ! grep -q fuse.ogrefs /proc/self/mountinfo     # no FUSE layer, no daemon

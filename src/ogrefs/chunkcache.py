@@ -8,10 +8,14 @@ Layout under the cache root (default ``<XDG cache>/ogrefs/chunks``)::
 
 Why it is safe to share between mounts and processes, and to crash at any time:
 
-* A chunk file is written under ``tmp/``, fsynced, and renamed into place, so a
-  half chunk is never visible under its name.  Its row is inserted before the
-  rename: a crash in between leaves a row without a file, which reads as a miss
-  and is dropped by the next eviction.
+* A chunk file is written under ``tmp/`` and renamed into place, so a writer
+  that dies leaves no half chunk under its name.  It is not fsynced: a cache
+  needs no durability, and after a power loss a renamed file may be empty or
+  torn, which the verification on load (below) catches like any other damage.
+  (An fsync per chunk cost the first minutes of a mount thousands of disk
+  flushes for the small files of a Python environment.)  Its row is inserted
+  before the rename: a crash in between leaves a row without a file, which
+  reads as a miss and is dropped by the next eviction.
 * Every load is verified (raw length and BLAKE3 of the plaintext against the
   name; keyed BLAKE3 for an encrypted repository) before its bytes are used.  BLAKE3 runs at several GB/s, so this costs
   ~0.2 ms per MiB and protects against a torn disk, bit rot and tampering; a
@@ -186,7 +190,6 @@ class ChunkCache:
             view = memoryview(self.cipher.seal(cid, data) if self.cipher else data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):

@@ -104,13 +104,41 @@ def unmount(mountpoint: Path, lazy: bool, timeout: float) -> None:
 @click.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(mountpoint: Path, as_json: bool) -> None:
+@click.option("--wait", is_flag=True,
+              help="Wait until the background copy is complete (exit 0) or cannot complete (exit 1), "
+                   "then report.")
+def status(mountpoint: Path, as_json: bool, wait: bool) -> None:
     """What a mount has fetched, served and failed."""
+
+    from .mount import read_status, wait_background
+
+    if wait:
+        st, problem = wait_background(mountpoint, progress=None if as_json or not sys.stderr.isatty()
+                                      else _progress_line)
+    else:
+        st, problem = read_status(mountpoint), None
+    if wait and not as_json and sys.stderr.isatty():
+        sys.stderr.write("\n")
+    _report(st, as_json)
+    if problem:
+        from .mount import MountError
+
+        raise MountError(problem)
+
+
+def _progress_line(st: dict) -> None:
+    m = st.get("materialize") or {}
+    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
+    eta = m.get("eta_s")
+    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
+    sys.stderr.write(f"\r{_bar(done, total)} {_human(done)} / {_human(total)} at "
+                     f"{_human(m.get('rate_bps') or 0)}/s{eta_s} ({m.get('state', '?')})\x1b[K")
+    sys.stderr.flush()
+
+
+def _report(st: dict, as_json: bool) -> None:
     import json
 
-    from .mount import read_status
-
-    st = read_status(mountpoint)
     if as_json:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return

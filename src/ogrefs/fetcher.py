@@ -56,7 +56,7 @@ import trio
 from . import codec
 from .chunkcache import ChunkCache
 from .errors import CorruptObject, OgrefsError
-from .store.base import NotFound, PermissionDenied, ShortRead, StoreError, TransientError
+from .store.base import BytesRange, NotFound, PermissionDenied, RangeReader, ShortRead, StoreError, TransientError
 
 if TYPE_CHECKING:
     from .catalog import Extent
@@ -69,6 +69,8 @@ READ_QUIET_S = 0.05
 MiB = 1024 * 1024
 
 ReadRange = Callable[[str, int, int], bytes]
+#: (pack, offset, length) -> a stream of the range (``Repository.open_pack_range``)
+OpenRange = Callable[[str, int, int], "RangeReader"]
 #: (blob, raw length, chunk id) -> verified plaintext; raises CorruptObject.  ``Repository.codec.decode_blob``
 #: for an encrypted repository.
 DecodeBlob = Callable[[memoryview, int, bytes], bytes]
@@ -77,6 +79,27 @@ DecodeBlob = Callable[[memoryview, int, bytes], bytes]
 _CACHE_ERRORS = (OSError, sqlite3.Error)
 #: Cached chunks loaded and verified by one worker-thread call.
 _PROBE_BATCH = 4
+#: A streaming GET hands decoded chunks to the trio loop once this many bytes are ready (or at its end).
+_DELIVER_BYTES = 256 * 1024
+
+
+def _read_exact(body: "RangeReader", n: int) -> bytes:
+    parts: list[bytes] = []
+    while n > 0:
+        piece = body.read(n)
+        if not piece:
+            raise TransientError(f"the store's answer ended {n} bytes early")
+        parts.append(piece)
+        n -= len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class Keep(enum.IntEnum):
+    """Where a fetched chunk is kept besides the callers waiting for it."""
+
+    NONE = 0  # nowhere (materialization writes it to its file)
+    MEMORY = 1  # the memory LRU
+    ALL = 2  # the memory LRU and the disk cache
 
 
 class Priority(enum.IntEnum):
@@ -144,10 +167,10 @@ class _Pending:
 
     __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep")
 
-    def __init__(self, ref: ChunkRef, priority: Priority, keep: bool = True) -> None:
+    def __init__(self, ref: ChunkRef, priority: Priority, keep: int = 2) -> None:
         self.ref = ref
         self.priority = priority
-        self.keep = keep  # goes into the memory LRU and the disk cache once fetched
+        self.keep = keep  # Keep level: where the chunk goes once fetched (the most any caller asked for)
         self.seq = 0
         self.state = "probe"  # probe -> queued -> fetching -> (removed)
         self.done = trio.Event()
@@ -184,10 +207,11 @@ class Fetcher:
     def __init__(self, read_range: ReadRange, cache: ChunkCache | None = None, *, max_requests: int = 8,
                  reserved_for_read: int = 2, max_range: int = 16 * MiB, memory_bytes: int = 128 * MiB,
                  retry_for: float = 60.0, decode_threads: int | None = None,
-                 decode: DecodeBlob = codec.decode_blob) -> None:
+                 decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None) -> None:
         if not 0 <= reserved_for_read < max_requests:
             raise ValueError("reserved_for_read must be below max_requests")
         self._read_range = read_range
+        self._open_range: OpenRange = open_range or (lambda pack, off, n: BytesRange(read_range(pack, off, n)))
         self._decode_blob = decode
         self.cache = cache
         self.max_requests = max_requests
@@ -255,13 +279,16 @@ class Fetcher:
         self._want([r for r in refs if r.chunk not in self._mem], priority)
         return len(self._pending) - before
 
-    def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: bool = True) -> list[Ticket]:
+    def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True) -> list[Ticket]:
         """Schedule chunks like :meth:`prefetch` and return one :class:`Ticket` per ref, in order.
 
         A ticket holds its chunk until awaited, so nothing is fetched twice however
-        long the caller takes.  ``keep=False`` (materialization, which writes every
-        chunk to its own file) keeps the chunks out of the memory LRU and the disk
-        cache, unless another caller wants the same chunk kept.
+        long the caller takes.  ``keep`` says where the chunks go besides the
+        tickets: ``True``/``Keep.ALL`` the memory LRU and the disk cache,
+        ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
+        materializer, which writes them to disk itself), ``False``/``Keep.NONE``
+        neither (materialization: every chunk goes to its own file), unless
+        another caller wants the same chunk kept.
         """
         out: list[Ticket] = []
         missing: list[ChunkRef] = []
@@ -272,11 +299,18 @@ class Fetcher:
             else:
                 missing.append(ref)
             out.append(Ticket(ref, None, data))
-        pending = iter(self._want(missing, priority, keep))
+        pending = iter(self._want(missing, priority, Keep.ALL if keep is True else Keep(int(keep))))
         for t in out:
             if t._data is None:
                 t._pending = next(pending)
         return out
+
+    def set_memory_limit(self, limit: int) -> None:
+        """Resize the memory LRU (a replayed trace is held in memory until the materializer has written it)."""
+        self.memory_bytes = limit
+        while self._mem_size > self.memory_bytes and self._mem:
+            _, old = self._mem.popitem(last=False)
+            self._mem_size -= len(old)
 
     def is_cached_in_memory(self, chunk: bytes) -> bool:
         return chunk in self._mem
@@ -298,12 +332,12 @@ class Fetcher:
         return out
 
     # -- single flight -------------------------------------------------------------------------
-    def _want(self, refs: list[ChunkRef], priority: Priority, keep: bool = True) -> list[_Pending]:
+    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2) -> list[_Pending]:
         out, new = [], []
         for ref in refs:
             p = self._pending.get(ref.chunk)
             if p is not None:
-                p.keep = p.keep or keep
+                p.keep = max(p.keep, keep)
                 if priority < p.priority:
                     p.priority = priority
                     if p.state == "queued":
@@ -378,7 +412,7 @@ class Fetcher:
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data
         self._pending.pop(p.ref.chunk, None)
-        if p.keep:
+        if p.keep >= Keep.MEMORY:
             self._mem_put(p.ref.chunk, data)
         p.done.set()
 
@@ -462,44 +496,131 @@ class Fetcher:
 
     # -- store requests ----------------------------------------------------------------------------
     async def _fetch_run(self, run: list[_Pending], is_read: bool = False) -> None:
-        first, last = run[0].ref, run[-1].ref
-        start, length = first.offset, last.offset + last.stored_len - first.offset
-        try:
-            try:
-                body = await self._get_range(first, start, length)
-            finally:
-                self._active -= 1
-                if is_read:
-                    self._reads_active -= 1
-                    self._last_read_want = trio.current_time()
-                self._changed.set()
-        except FetchError as exc:
-            log.error("fetch of %d chunk(s) from pack %s failed: %s", len(run), first.pack, exc.reason)
-            for p in run:
-                self._fetching -= 1
-                self._fail(p, type(exc)(p.ref, exc.reason))
-            return
-        self.stats.requests += 1
-        self.stats.bytes_fetched += len(body)
-        view = memoryview(body)
-        for p in run:
-            ref = p.ref
-            try:
-                try:
-                    data = await self._decode(view[ref.offset - start:ref.offset - start + ref.stored_len], ref)
-                except ChunkCorrupt:
-                    data = await self._refetch(ref)
-            except FetchError as exc:
-                log.error("%s", exc)
-                self._fail(p, exc)
-            else:
-                self.stats.chunks_fetched += 1
-                self._finish(p, data)
-                if self.cache is not None and p.keep:
+        """One ranged GET for a run of neighbouring chunks, handed out one by one as they arrive.
+
+        The response is read in a worker thread that decodes and verifies each
+        blob as soon as its bytes are in and hands finished blobs to the trio
+        loop in small batches: a reader waiting for the first chunk of a long
+        run never waits for the last.  A stream that breaks part way is asked
+        for again from the first chunk not yet delivered, within ``retry_for``.
+        """
+        delivered = [False] * len(run)
+        deadline = trio.current_time() + self.retry_for
+        delay = 0.1
+
+        def deliver(batch: list[tuple[int, bytes | CorruptObject]]) -> None:  # on the trio thread
+            for i, result in batch:
+                delivered[i] = True
+                p = run[i]
+                self.stats.bytes_fetched += p.ref.stored_len
+                if isinstance(result, CorruptObject):
+                    self.stats.corrupt += 1
                     assert self._nursery is not None
-                    self._nursery.start_soon(self._store, ref.chunk, data)
-            finally:
+                    self._nursery.start_soon(self._retry_corrupt, p, str(result))
+                    continue
                 self._fetching -= 1
+                self.stats.chunks_fetched += 1
+                self._finish(p, result)
+                if self.cache is not None and p.keep >= Keep.ALL:
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._store, p.ref.chunk, result)
+
+        failure: FetchError | None = None
+        try:
+            while True:
+                todo = [i for i, d in enumerate(delivered) if not d]
+                if not todo:
+                    break
+                first = run[todo[0]].ref
+                start = first.offset
+                last = run[todo[-1]].ref
+                blobs = tuple((i, run[i].ref.offset - start, run[i].ref.stored_len, run[i].ref.raw_len,
+                               run[i].ref.chunk) for i in todo)
+                try:
+                    await trio.to_thread.run_sync(self._stream_blobs, first.pack, start,
+                                                  last.offset + last.stored_len - start, blobs, deliver,
+                                                  limiter=self._net_limiter)
+                    self.stats.requests += 1
+                except NotFound:
+                    failure = ChunkMissing(first, f"pack {first.pack} is missing from the repository")
+                except ShortRead as exc:
+                    failure = ChunkCorrupt(first, f"pack {first.pack} is shorter than the catalog says ({exc})")
+                except PermissionDenied as exc:
+                    failure = StoreUnavailable(first, f"permission denied: {exc}")
+                except (TransientError, ConnectionError, TimeoutError) as exc:
+                    if trio.current_time() + delay > deadline:
+                        failure = StoreUnavailable(first, f"store unreachable for {self.retry_for:.0f} s ({exc})")
+                    else:
+                        self.stats.retries += 1
+                        log.warning("store request failed (%s); retrying in %.1f s", exc, delay)
+                        await trio.sleep(delay)
+                        delay = min(delay * 2, 5.0)
+                        continue
+                except StoreError as exc:
+                    failure = StoreUnavailable(first, str(exc))
+                break
+        finally:
+            self._active -= 1
+            if is_read:
+                self._reads_active -= 1
+                self._last_read_want = trio.current_time()
+            self._changed.set()
+        if failure is not None:
+            left = [p for p, d in zip(run, delivered) if not d]
+            log.error("fetch of %d chunk(s) from pack %s failed: %s", len(left), run[0].ref.pack, failure.reason)
+            for p in left:
+                self._fetching -= 1
+                self._fail(p, type(failure)(p.ref, failure.reason))
+
+    def _stream_blobs(self, pack: str, start: int, length: int,
+                      blobs: tuple[tuple[int, int, int, int, bytes], ...],
+                      deliver: Callable[[list[tuple[int, bytes | CorruptObject]]], None]) -> None:
+        """Worker thread: read one range, decode and verify each blob, hand results to the trio loop.
+
+        ``blobs``: (index, offset in the range, stored length, raw length, chunk
+        id), in range order.  Results go to ``deliver`` on the trio thread
+        (``trio.from_thread``) in batches of about ``_DELIVER_BYTES``, and
+        whatever was decoded is delivered before an error propagates.
+        """
+        batch: list[tuple[int, bytes | CorruptObject]] = []
+        batch_bytes = 0
+        try:
+            with self._open_range(pack, start, length) as body:
+                pos = 0
+                for i, off, slen, rlen, cid in blobs:
+                    if off > pos:
+                        _read_exact(body, off - pos)  # bytes between wanted blobs (none today)
+                    raw = _read_exact(body, slen)
+                    pos = off + slen
+                    try:
+                        result: bytes | CorruptObject = self._decode_blob(memoryview(raw), rlen, cid)
+                    except CorruptObject as exc:
+                        result = exc
+                    batch.append((i, result))
+                    batch_bytes += slen
+                    if batch_bytes >= _DELIVER_BYTES:
+                        trio.from_thread.run_sync(deliver, batch)
+                        batch, batch_bytes = [], 0
+        finally:
+            if batch:
+                trio.from_thread.run_sync(deliver, batch)
+
+    async def _retry_corrupt(self, p: _Pending, reason: str) -> None:
+        """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
+        log.warning("chunk %s failed verification (%s); fetching it again", p.ref.chunk.hex()[:16], reason)
+        try:
+            data = await self._refetch(p.ref)
+        except FetchError as exc:
+            log.error("%s", exc)
+            self._fail(p, exc)
+        else:
+            self.stats.chunks_fetched += 1
+            self._finish(p, data)
+            if self.cache is not None and p.keep >= Keep.ALL:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._store, p.ref.chunk, data)
+        finally:
+            self._fetching -= 1
 
     async def _refetch(self, ref: ChunkRef) -> bytes:
         """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""

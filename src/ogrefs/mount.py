@@ -415,7 +415,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     cipher = CacheCipher(repo.codec.cache_key()) if opts.encrypt_cache else None
     cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id, cipher=cipher)
     fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
-                      memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob)
+                      memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob,
+                      open_range=repo.open_pack_range)
     from .materialize import Materializer
     from .prefetch import Prefetch
     from .trace import Recorder, save_trace, save_when_recorded
@@ -527,10 +528,12 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                 save_trace(repo, manifest["id"], recorder, opts.trace_entries)
             except Exception as exc:  # noqa: BLE001 - a lost trace costs the next mount its head start only
                 log.warning("could not save the access trace: %s", exc)
-        if opts.overlays:
+        finalized = bool((reg.read() or {}).get("finalized"))
+        if opts.overlays and not finalized:
             from . import overlay
 
-            # Overlays first: the FUSE lower cannot go while they stand on it.
+            # Overlays first: the FUSE lower cannot go while they stand on it.  Not after `finalize`:
+            # the overlays at these targets are then the new ones over the local copy, to be kept.
             for err in overlay.unmount_all(opts.overlays, lazy=True):
                 log.warning("overlay unmount: %s", err)
         with contextlib.suppress(Exception):
@@ -539,7 +542,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             cache.close()
         if opts.lock is not None:
             opts.lock.release()
-        reg.remove()
+        if not finalized:
+            reg.remove()
         log.info("unmounted %s", opts.mountpoint)
     return code
 
@@ -675,3 +679,32 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
         raise MountError(f"the status of {mp} is not readable yet; try again") from None
     status["age"] = max(0.0, time.time() - status.get("time", time.time()))
     return status
+
+
+#: Background states after which nothing more will be copied.
+_ENDED = {"done", "stopped", "incomplete", "not materializing"}
+
+
+def wait_background(mountpoint: Path, *, poll: float = STATUS_INTERVAL,
+                    progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], str | None]:
+    """Wait until the mount's background copy is complete; (last status, why it cannot complete or None).
+
+    Materializing mounts end "done" (everything local); a mount that only warms
+    its cache (read-only, ``--no-materialize``) ends when its prefetch is done.
+    A daemon that goes away while waiting raises MountError.
+    """
+    while True:
+        st = read_status(mountpoint)
+        m = st.get("materialize") or {}
+        if progress is not None:
+            progress(st)
+        if m.get("complete"):
+            return st, None
+        state = m.get("state")
+        if m.get("mode") == "cache" and state == "done":
+            return st, None
+        if state in _ENDED:
+            return st, f"{st.get('mountpoint', mountpoint)} will not become fully local: " + (
+                m.get("reason") or state)
+        time.sleep(poll)
+

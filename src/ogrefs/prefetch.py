@@ -27,13 +27,27 @@ from typing import Any
 import trio
 
 from .catalog import Catalog
-from .fetcher import ChunkRef, Fetcher, Priority
+from .fetcher import ChunkRef, Fetcher, Keep, Priority
 from .materialize import CLASSES, Materializer
+from .progress import human_bytes
 from .trace import Entry, Replayer
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+def _memory_for_trace() -> int:
+    """How much memory a replayed trace may hold: a quarter of what is available, at most 4 GiB."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return min(4 * GiB, int(line.split()[1]) * 1024 // 4)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 512 * MiB
 
 
 def hint_refs(catalog: Catalog, max_bytes: int | None = None) -> list[ChunkRef]:
@@ -79,6 +93,7 @@ class Prefetch:
         self.cache_budget = cache_budget
         self.window_bytes = window_bytes
         self.mode = "materialize" if materializer is not None else "cache"
+        self._base_memory = fetcher.memory_bytes
         self.state = "idle"
         self.reason: str | None = None
         self._replays: dict[str, Replayer] = {}
@@ -89,14 +104,39 @@ class Prefetch:
         task_status.started()
         self.state = "running"
         m = self.materializer
-        if m is not None:
+        if m is not None and m.state != "not materializing":
+            if self.trace_entries and not m.complete:
+                await self._trace_first(m)
             await m.run(self.trace_entries)
+            self.fetcher.set_memory_limit(self._base_memory)
             if m.state != "not materializing":
                 self.state, self.reason = m.state, m.reason
                 return
+        if m is not None:
             self.mode, self.reason = "cache", m.reason  # no room for a local copy: warm the cache instead
         await self._warm_cache()
         self.state = "done"
+
+    async def _trace_first(self, m: Materializer) -> None:
+        """Replay the trace into memory before the materializer builds its tree.
+
+        The tree (every directory and file of the snapshot, and the plan of
+        what goes where) takes seconds of CPU to build; the trace is what the
+        application reads first, so it streams at once, at ``Priority.TRACE``,
+        into the memory LRU, grown for it (``Keep.MEMORY``: the materializer
+        writes these chunks to the tree from memory moments later, and the
+        disk cache would be a third copy).  The LRU goes back to its size once
+        the materializer has written the trace class.
+        """
+        limit = max(self._base_memory, _memory_for_trace())
+        trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
+                         window_bytes=self.window_bytes, max_bytes=limit - self._base_memory // 2,
+                         keep=Keep.MEMORY)
+        self._replays["trace"] = trace
+        self.fetcher.set_memory_limit(limit)
+        await trace.run()
+        log.info("trace replayed into memory: %s in %d chunks (%d failed)", human_bytes(trace.stats.bytes_done),
+                 trace.stats.chunks_done, trace.stats.failed)
 
     async def _warm_cache(self) -> None:
         budget = self.cache_budget
@@ -120,6 +160,13 @@ class Prefetch:
             out = self.materializer.stats()
             out["mode"] = "materialize"
             out["trace_entries"] = len(self.trace_entries)
+            trace = self._replays.get("trace")
+            if trace is not None and out["state"] in ("idle", "preparing"):
+                # the trace streams into memory before the tree exists: show it as the trace class
+                out["classes"]["trace"] = {"bytes_done": trace.stats.bytes_done,
+                                           "bytes_total": trace.stats.bytes_total}
+                if out["state"] == "idle":
+                    out["state"] = "replaying trace"
             return out
         classes = {name: {"bytes_done": 0, "bytes_total": 0} for name in CLASSES}
         for name, r in self._replays.items():

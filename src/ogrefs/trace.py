@@ -41,7 +41,7 @@ import trio
 
 from .catalog import ROOT_INO, Catalog, Extent, valid_name
 from .errors import CorruptObject
-from .fetcher import ChunkRef, FetchError, Fetcher, Priority, Ticket
+from .fetcher import ChunkRef, FetchError, Fetcher, Keep, Priority, Ticket
 from .store.base import NotFound, StoreError
 
 if TYPE_CHECKING:
@@ -372,7 +372,7 @@ class Replayer:
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, entries: list[Entry] | None = None, *,
                  priority: Priority = Priority.TRACE, window_bytes: int = 64 * MiB,
-                 group_bytes: int = 16 * MiB, max_bytes: int | None = None, keep: bool = True) -> None:
+                 group_bytes: int = 16 * MiB, max_bytes: int | None = None, keep: "Keep | bool" = True) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.entries = entries or []

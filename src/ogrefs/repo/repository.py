@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .. import codec
 from ..errors import CorruptObject, RepositoryError, SnapshotNotFound
 from ..store import open_store
-from ..store.base import NotFound, Store, StoreError
+from ..store.base import NotFound, RangeReader, Store, StoreError
 from .config import RepoConfig
 from .index import ChunkIndex, IndexEntry, encode_index
 from .keys import Secret, add_key, open_master
@@ -146,6 +146,10 @@ class Repository:
 
     def read_pack_range(self, pack: str, offset: int, length: int) -> bytes:
         return self.store.get_range(pack_key(pack), offset, length)
+
+    def open_pack_range(self, pack: str, offset: int, length: int) -> RangeReader:
+        """A pack range as a stream (the fetcher hands out chunks as they arrive)."""
+        return self.store.open_range(pack_key(pack), offset, length)
 
     def write_index(self, name: str, entries: list[IndexEntry]) -> None:
         self.store.put(f"index/{name}", encode_index(entries, self.codec, f"index/{name}"))

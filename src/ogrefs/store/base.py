@@ -5,7 +5,10 @@ six operations -- get, get_range, put, exists, list, delete -- so that every
 backend can be tested by one conformance suite and wrapped (retry, fault
 injection) without knowing what the bytes mean.  The interface is kept this
 small on purpose: each extra method is one more thing every backend and every
-wrapper must get right.
+wrapper must get right.  One optional seventh, :meth:`Store.open_range`, has a
+default built on ``get_range``: a backend overrides it only to deliver a long
+range as its bytes arrive (S3), so a lazy reader waiting for the first chunk of
+a 16 MiB range does not wait for the last.
 
 Errors are part of the contract.  Callers decide what to do from the *class*
 of the exception, never from its text:
@@ -40,6 +43,8 @@ __all__ = [
     "PermissionDenied",
     "ShortRead",
     "Store",
+    "RangeReader",
+    "BytesRange",
     "validate_key",
     "validate_prefix",
     "check_range",
@@ -145,6 +150,40 @@ def check_range(offset: int, length: int) -> None:
         raise ValueError(f"get_range needs offset >= 0 and length >= 0, got {offset}, {length}")
 
 
+class RangeReader(abc.ABC):
+    """The bytes of one range, read front to back as they arrive (see :meth:`Store.open_range`)."""
+
+    @abc.abstractmethod
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes (at least one unless the range is exhausted, then ``b""``).
+
+        Raises the store errors of ``get_range``; a connection that breaks
+        before the whole range arrived is a TransientError, never short data.
+        """
+
+    def close(self) -> None:
+        """Release the connection; reading stops here."""
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BytesRange(RangeReader):
+    """A range that is already in memory."""
+
+    def __init__(self, data: bytes) -> None:
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def read(self, n: int) -> bytes:
+        out = self._view[self._pos:self._pos + n]
+        self._pos += len(out)
+        return out.tobytes()
+
+
 class Store(abc.ABC):
     """A flat namespace of immutable-ish byte objects.
 
@@ -167,6 +206,15 @@ class Store(abc.ABC):
         ends before ``offset + length``.  ``length == 0`` returns ``b""``
         for any existing key and any ``offset`` up to its size.
         """
+
+    def open_range(self, key: str, offset: int, length: int) -> RangeReader:
+        """Like :meth:`get_range`, but the bytes can be consumed as they arrive.
+
+        The default reads the whole range first (right for local files and
+        memory); errors that ``get_range`` raises up front may also come from
+        the reader's ``read``.
+        """
+        return BytesRange(self.get_range(key, offset, length))
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from .base import Store, TransientError
+from .base import RangeReader, Store, TransientError
 
 __all__ = ["RetryingStore"]
 
@@ -79,6 +79,11 @@ class RetryingStore(Store):
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         return self._call(f"get_range {key}", lambda: self.inner.get_range(key, offset, length))
+
+    def open_range(self, key: str, offset: int, length: int) -> RangeReader:
+        # Only the opening is retried: a stream that breaks later is the reader's to restart
+        # (the fetcher asks again for the chunks it has not received).
+        return self._call(f"open_range {key}", lambda: self.inner.open_range(key, offset, length))
 
     def put(self, key: str, data: bytes) -> None:
         # Safe to repeat: a put that failed after the store committed it

@@ -33,10 +33,13 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config
 
-from .base import (NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
-                   check_range, validate_key, validate_prefix)
+from .base import (BytesRange, NotFound, PermissionDenied, RangeReader, ShortRead, Store, StoreError,
+                   TransientError, check_range, validate_key, validate_prefix)
 
 __all__ = ["S3Store", "parse_s3_url"]
+
+#: Ranges up to this size are read whole (one call); longer ones are streamed (open_range).
+STREAM_ABOVE = 256 * 1024
 
 #: Threads that may talk to one store at once without queueing for a connection.
 MAX_POOL_CONNECTIONS = 32
@@ -173,6 +176,24 @@ class S3Store(Store):
         raise TransientError(f"{self._where(key)}: get_range: got {len(data)} of {length} bytes "
                              f"at offset {offset} (Content-Range {content_range!r})")
 
+    def open_range(self, key: str, offset: int, length: int) -> RangeReader:
+        """The range as a stream: the body is read as it arrives (see Store.open_range)."""
+        validate_key(key)
+        check_range(offset, length)
+        if length < STREAM_ABOVE:
+            return BytesRange(self.get_range(key, offset, length))
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key),
+                                           Range=f"bytes={offset}-{offset + length - 1}")
+        except Exception as exc:
+            self._fail(exc, "get_range", key)
+        body = resp["Body"]
+        if not resp.get("ContentRange") or int(resp.get("ContentLength", -1)) != length:
+            # the server ignored the Range or answered with another length: let get_range sort it out
+            body.close()
+            return BytesRange(self.get_range(key, offset, length))
+        return _S3Range(self, body, key, length)
+
     def _head_size(self, key: str, op: str) -> int:
         try:
             resp = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
@@ -229,6 +250,37 @@ class S3Store(Store):
         close = getattr(self._client, "close", None)
         if close is not None:
             close()
+
+
+class _S3Range(RangeReader):
+    """A GET body read piece by piece; ends early only with an error."""
+
+    def __init__(self, store: S3Store, body: Any, key: str, length: int) -> None:
+        self._store = store
+        self._body = body
+        self._key = key
+        self._left = length
+
+    def read(self, n: int) -> bytes:
+        if self._left <= 0 or n <= 0:
+            return b""
+        try:
+            data: bytes = self._body.read(min(n, self._left))
+        except Exception as exc:
+            self.close()
+            self._store._fail(exc, "get_range", self._key)
+        if not data:
+            self.close()
+            raise TransientError(f"{self._store._where(self._key)}: get_range: the connection closed with "
+                                 f"{self._left} bytes of the range still to come")
+        self._left -= len(data)
+        return data
+
+    def close(self) -> None:
+        try:
+            self._body.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection may fail again; nothing to lose
+            pass
 
 
 def _translate(exc: BaseException, op: str, where: str, bucket: str, endpoint: str | None) -> StoreError:
