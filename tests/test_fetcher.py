@@ -123,28 +123,45 @@ def test_single_flight_many_readers_one_request():
     assert f.stats.chunks_fetched == 1 and f.stats.hits_memory == 0
 
 
-def test_adjacent_chunks_share_one_ranged_get():
+@pytest.mark.parametrize("max_gap,bridge", [(0, True), (64 * KiB + 100, False), (64 * KiB + 100, True)])
+def test_neighbouring_chunks_share_one_ranged_get(max_gap, bridge):
     fake = FakePacks()
     data = payloads(6)
     refs = fake.add("p1", data)
     other = fake.add("p2", payloads(1))
-    f = Fetcher(fake.read_range)
+    f = Fetcher(fake.read_range, max_gap=max_gap)
 
     async def body(nursery):
         # chunks 0-2 and 4-5 of p1 are adjacent runs; chunk 3 is not wanted; p2 is another pack
-        f.prefetch([refs[0], refs[1], refs[2], refs[4], refs[5], other[0]], Priority.READ)
+        f.request([refs[0], refs[1], refs[2], refs[4], refs[5], other[0]], Priority.TRACE, bridge=bridge)
         got = [await f.get(r) for r in (refs[0], refs[1], refs[2], refs[4], refs[5])]
         assert got == [data[i] for i in (0, 1, 2, 4, 5)]
         await f.get(other[0])
+        assert not f.is_cached_in_memory(refs[3].chunk)  # read across, not kept
 
     run_with_fetcher(f, body)
     spans = sorted(fake.calls)
-    assert spans == sorted([
-        ("p1", refs[0].offset, refs[2].offset + refs[2].stored_len - refs[0].offset),
-        ("p1", refs[4].offset, refs[5].offset + refs[5].stored_len - refs[4].offset),
-        ("p2", 0, other[0].stored_len),
-    ])
+    if max_gap and bridge:  # the unwanted chunk 3 (64 KiB + a little) is bridged: one GET for p1
+        p1 = [("p1", refs[0].offset, refs[5].offset + refs[5].stored_len - refs[0].offset)]
+    else:
+        p1 = [("p1", refs[0].offset, refs[2].offset + refs[2].stored_len - refs[0].offset),
+              ("p1", refs[4].offset, refs[5].offset + refs[5].stored_len - refs[4].offset)]
+    assert spans == sorted(p1 + [("p2", 0, other[0].stored_len)])
     assert f.stats.bytes_fetched == sum(c[2] for c in fake.calls)
+
+
+def test_a_gap_wider_than_max_gap_is_not_bridged():
+    fake = FakePacks()
+    refs = fake.add("p1", payloads(3, 100 * KiB), compress=False)
+    f = Fetcher(fake.read_range, max_gap=100 * KiB)
+
+    async def body(nursery):
+        f.request([refs[0], refs[2]], Priority.TRACE, bridge=True)
+        await f.get(refs[0])
+        await f.get(refs[2])
+
+    run_with_fetcher(f, body)
+    assert len(fake.calls) == 2
 
 
 def test_max_range_splits_long_runs():

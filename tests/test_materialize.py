@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import sqlite3
@@ -490,6 +491,37 @@ def test_the_trace_streams_into_memory_before_the_tree_is_built_and_is_not_fetch
     assert fetcher.memory_bytes == 128 * MiB  # the memory LRU is back to its size
     st = pf.stats()
     assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
+
+
+@pytest.mark.parametrize("app_stops", [True, False], ids=["app-goes-quiet", "app-keeps-busy"])
+def test_materialization_waits_for_the_application_to_settle(box, tmp_path, monkeypatch, app_stops):
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state")
+    started: list[float] = []
+    prepare = Materializer._prepare
+    monkeypatch.setattr(Materializer, "_prepare", lambda self, e: (started.append(time.monotonic()),
+                                                                   prepare(self, e))[1])
+    busy_until = time.monotonic() + 0.6 if app_stops else math.inf
+    idle = lambda: 0.0 if time.monotonic() < busy_until else time.monotonic() - busy_until  # noqa: E731
+    pf = Prefetch(box.catalog, fetcher, materializer=m, idle_for=idle, settle_quiet=0.2, settle_max=1.5)
+    states: list[str] = []
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(pf.run)
+            while not started:
+                states.append(pf.stats()["state"])
+                await trio.sleep(0.05)
+
+    t0 = time.monotonic()
+    run_trio(fetcher, body)
+    assert m.complete
+    waited = started[0] - t0
+    if app_stops:
+        assert 0.75 <= waited < 1.4, waited  # busy for 0.6 s, then 0.2 s of quiet
+    else:
+        assert 1.5 <= waited < 2.5, waited  # never quiet: starts at settle_max
+    assert "waiting for the application to settle" in states
 
 
 def test_request_keep_false_stays_out_of_the_caches_unless_a_reader_wants_it(box, tmp_path):

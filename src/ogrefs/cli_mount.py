@@ -44,6 +44,9 @@ def parse_size(text: str) -> int:
 @click.option("--save-trace/--no-save-trace", default=None,
               help="Record which chunks are read in the first minutes and store the trace for the next mount "
                    "(default: on for writable mounts).")
+@click.option("--replay-trace/--no-replay-trace", default=True, show_default=True,
+              help="Prefetch in the order of the recorded access trace of this snapshot's paths, if there is one "
+                   "(off: hints only, e.g. when the workload has changed).")
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
@@ -57,7 +60,7 @@ def parse_size(text: str) -> int:
 @click.option("--debug", is_flag=True, help="Verbose log.")
 @click.pass_obj
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
-          encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
@@ -73,7 +76,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
-                        save_trace=save_trace, encrypt_cache=encrypt_cache)
+                        save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache)
 
     def open_repo():
         repo = obj.open()

@@ -14,12 +14,13 @@ recorded trace, hints and background materialization next):
    priority order with at most ``max_requests`` in flight, of which
    ``reserved_for_read`` can only be used by ``Priority.READ``: a reader never
    waits behind prefetch or materialization.  When it starts a request it
-   takes every queued chunk that sits right before or after it in the same
-   pack (up to ``max_range`` bytes) into the same ranged GET: packs keep the
-   files of a directory together, so read-ahead and prefetch cost few
-   requests.
-5. Each blob of the response is decoded and BLAKE3-verified in a worker
-   thread, handed to its waiters, put in the memory LRU and written to the
+   takes every queued chunk near it in the same pack (gaps of up to
+   ``max_gap`` bytes are fetched and dropped; up to ``max_range`` bytes in
+   all) into the same ranged GET: packs keep the files of a directory
+   together, so read-ahead and prefetch cost few requests.
+5. The response is read as it arrives; each blob is decoded and
+   BLAKE3-verified in the reading worker thread as soon as its bytes are in,
+   handed to its waiters, put in the memory LRU and written to the
    disk cache (also in a thread) without delaying the readers.  A blob that
    fails verification is fetched once more on its own; if it fails again the
    waiters get :class:`ChunkCorrupt`.  A store that is unreachable is retried
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from bisect import bisect_left, insort
 import math
 import logging
 import os
@@ -165,12 +167,13 @@ class FetchStats:
 class _Pending:
     """One chunk on its way; the single flight every reader of the chunk waits on."""
 
-    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep")
+    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep", "bridge")
 
     def __init__(self, ref: ChunkRef, priority: Priority, keep: int = 2) -> None:
         self.ref = ref
         self.priority = priority
         self.keep = keep  # Keep level: where the chunk goes once fetched (the most any caller asked for)
+        self.bridge = False  # its GET may read across gaps of unwanted blobs (see Fetcher.request)
         self.seq = 0
         self.state = "probe"  # probe -> queued -> fetching -> (removed)
         self.done = trio.Event()
@@ -205,7 +208,8 @@ class Fetcher:
     """Delivers verified chunk plaintext to trio tasks; see the module docstring."""
 
     def __init__(self, read_range: ReadRange, cache: ChunkCache | None = None, *, max_requests: int = 8,
-                 reserved_for_read: int = 2, max_range: int = 16 * MiB, memory_bytes: int = 128 * MiB,
+                 reserved_for_read: int = 2, max_range: int = 16 * MiB, max_gap: int = 256 * 1024,
+                 memory_bytes: int = 128 * MiB,
                  retry_for: float = 60.0, decode_threads: int | None = None,
                  decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None) -> None:
         if not 0 <= reserved_for_read < max_requests:
@@ -217,13 +221,14 @@ class Fetcher:
         self.max_requests = max_requests
         self.reserved_for_read = reserved_for_read
         self.max_range = max_range
+        self.max_gap = max_gap
         self.memory_bytes = memory_bytes
         self.retry_for = retry_for
         self.stats = FetchStats()
         self._pending: dict[bytes, _Pending] = {}
         self._heap: list[tuple[int, int, _Pending]] = []
         self._by_start: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob offset)
-        self._by_end: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob end)
+        self._offsets: dict[str, list[int]] = {}  # queued blob offsets per pack, sorted
         self._seq = 0
         self._active = 0  # store requests in flight
         self._reads_active = 0  # of which started for an application's read
@@ -279,7 +284,8 @@ class Fetcher:
         self._want([r for r in refs if r.chunk not in self._mem], priority)
         return len(self._pending) - before
 
-    def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True) -> list[Ticket]:
+    def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True,
+                bridge: bool = False) -> list[Ticket]:
         """Schedule chunks like :meth:`prefetch` and return one :class:`Ticket` per ref, in order.
 
         A ticket holds its chunk until awaited, so nothing is fetched twice however
@@ -288,7 +294,11 @@ class Fetcher:
         ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
         materializer, which writes them to disk itself), ``False``/``Keep.NONE``
         neither (materialization: every chunk goes to its own file), unless
-        another caller wants the same chunk kept.
+        another caller wants the same chunk kept.  ``bridge=True``: the GETs of
+        these chunks may read across gaps of up to ``max_gap`` bytes of blobs
+        nobody asked for, which are dropped; only for callers who know none of
+        those blobs is already on local disk (a trace replayed before anything
+        is materialized), since it fetches bytes again.
         """
         out: list[Ticket] = []
         missing: list[ChunkRef] = []
@@ -299,7 +309,7 @@ class Fetcher:
             else:
                 missing.append(ref)
             out.append(Ticket(ref, None, data))
-        pending = iter(self._want(missing, priority, Keep.ALL if keep is True else Keep(int(keep))))
+        pending = iter(self._want(missing, priority, Keep.ALL if keep is True else Keep(int(keep)), bridge))
         for t in out:
             if t._data is None:
                 t._pending = next(pending)
@@ -332,7 +342,7 @@ class Fetcher:
         return out
 
     # -- single flight -------------------------------------------------------------------------
-    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2) -> list[_Pending]:
+    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2, bridge: bool = False) -> list[_Pending]:
         out, new = [], []
         for ref in refs:
             p = self._pending.get(ref.chunk)
@@ -344,6 +354,7 @@ class Fetcher:
                         self._push(p)
             else:
                 p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
+                p.bridge = bridge
                 new.append(p)
             out.append(p)
         if priority == Priority.READ and new:
@@ -396,7 +407,7 @@ class Fetcher:
             p.state = "queued"
             self._queued += 1
             self._by_start[(p.ref.pack, p.ref.offset)] = p
-            self._by_end[(p.ref.pack, p.ref.offset + p.ref.stored_len)] = p
+            insort(self._offsets.setdefault(p.ref.pack, []), p.ref.offset)
             self._push(p)
 
     def _present(self, chunks: list[bytes]) -> list[bool]:
@@ -476,19 +487,44 @@ class Fetcher:
         self._queued -= 1
         self._fetching += 1
         del self._by_start[(p.ref.pack, p.ref.offset)]
-        del self._by_end[(p.ref.pack, p.ref.offset + p.ref.stored_len)]
+        offsets = self._offsets[p.ref.pack]
+        del offsets[bisect_left(offsets, p.ref.offset)]
+        if not offsets:
+            del self._offsets[p.ref.pack]
 
     def _take_run(self, p: _Pending) -> list[_Pending]:
-        """``p`` plus the queued chunks adjacent to it in its pack, up to ``max_range`` bytes."""
+        """``p`` plus the queued chunks near it in its pack, up to ``max_range`` bytes.
+
+        Chunks requested with ``bridge`` take neighbours across gaps of up to
+        ``max_gap`` bytes (blobs no one asked for, read and dropped): a few KiB
+        more on the wire is far cheaper than another request, and the small
+        files an import touches sit between ones it does not.  Others take
+        only exact neighbours.
+        """
         pack = p.ref.pack
         self._unqueue(p)
+        gap = self.max_gap if p.bridge else 0
         run = [p]
         start, end = p.ref.offset, p.ref.offset + p.ref.stored_len
-        while (q := self._by_start.get((pack, end))) is not None and end + q.ref.stored_len - start <= self.max_range:
+        offsets = self._offsets.get(pack, [])
+        while offsets:
+            i = bisect_left(offsets, end)
+            if i == len(offsets) or offsets[i] - end > (gap if self._by_start[(pack, offsets[i])].bridge else 0):
+                break
+            q = self._by_start[(pack, offsets[i])]
+            if q.ref.offset + q.ref.stored_len - start > self.max_range:
+                break
             self._unqueue(q)
             run.append(q)
-            end += q.ref.stored_len
-        while (q := self._by_end.get((pack, start))) is not None and end - q.ref.offset <= self.max_range:
+            end = q.ref.offset + q.ref.stored_len
+        while offsets:
+            i = bisect_left(offsets, start) - 1
+            if i < 0:
+                break
+            q = self._by_start[(pack, offsets[i])]
+            q_end = q.ref.offset + q.ref.stored_len
+            if start - q_end > (gap if q.bridge else 0) or end - q.ref.offset > self.max_range:
+                break
             self._unqueue(q)
             run.insert(0, q)
             start = q.ref.offset
@@ -510,6 +546,9 @@ class Fetcher:
 
         def deliver(batch: list[tuple[int, bytes | CorruptObject]]) -> None:  # on the trio thread
             for i, result in batch:
+                if i < 0:  # bytes of a gap, read and dropped
+                    self.stats.bytes_fetched += result  # type: ignore[operator]
+                    continue
                 delivered[i] = True
                 p = run[i]
                 self.stats.bytes_fetched += p.ref.stored_len
@@ -589,7 +628,8 @@ class Fetcher:
                 pos = 0
                 for i, off, slen, rlen, cid in blobs:
                     if off > pos:
-                        _read_exact(body, off - pos)  # bytes between wanted blobs (none today)
+                        _read_exact(body, off - pos)  # blobs in a gap nobody asked for (max_gap)
+                        batch.append((-1, off - pos))  # type: ignore[arg-type]
                     raw = _read_exact(body, slen)
                     pos = off + slen
                     try:

@@ -264,6 +264,12 @@ class Materializer:
     def _dest(self, path: bytes) -> bytes:
         return self._tree_b + path
 
+    def is_built(self) -> bool:
+        """Blocking: whether the local tree exists already (an earlier run of this state directory)."""
+        if self.state == "not materializing":
+            return False
+        return self._meta(self._db(), "built") == "1"
+
     # -- the vfs side ---------------------------------------------------------------------------
     def local_path(self, ino: int) -> bytes | None:
         """The local copy of regular file ``ino`` if it is complete (data durable, metadata applied), else None."""

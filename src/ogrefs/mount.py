@@ -81,6 +81,7 @@ class MountOptions:
     materialize: bool = True  # writable mounts: copy everything to <state>/tree in the background
     save_trace: bool | None = None  # record and store the access trace (default: writable mounts do)
     trace_entries: list | None = None  # the trace to replay, loaded before the fork
+    replay_trace: bool = True  # prefetch in the order of the recorded access trace, if there is one
     encrypt_cache: bool = False  # seal chunk-cache files with a key derived from the repository key
 
 
@@ -261,7 +262,7 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         from .trace import load_trace
 
         try:
-            opts.trace_entries = load_trace(repo, manifest)
+            opts.trace_entries = load_trace(repo, manifest) if opts.replay_trace else None
         except (OgrefsError, OSError) as exc:
             log.warning("no access trace replayed: %s", exc)
             opts.trace_entries = None
@@ -425,7 +426,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     materializer = (Materializer(catalog, fetcher, opts.state_dir)
                     if (opts.state_dir is not None and opts.materialize) else None)
     fs = SnapshotFS(catalog, fetcher, recorder=recorder, local=materializer)
-    prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer)
+    prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer,
+                        idle_for=fs.idle_for)
     trace_saved: list[str | None] = []
     started = time.time()
     info = {"pid": os.getpid(), "mountpoint": str(opts.target or opts.mountpoint), "snapshot": manifest["id"],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+#: The materializer starts once the mount has had no request for this long ...
+SETTLE_QUIET_S = 1.0
+#: ... or this long after it could have started (see Prefetch._settle).
+SETTLE_MAX_S = 20.0
 
 
 def _memory_for_trace() -> int:
@@ -82,7 +86,8 @@ class Prefetch:
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, *, trace_entries: list[Entry] | None = None,
                  materializer: Materializer | None = None, cache_budget: int | None = None,
-                 window_bytes: int = 64 * MiB) -> None:
+                 window_bytes: int = 64 * MiB, idle_for: Callable[[], float] | None = None,
+                 settle_quiet: float = SETTLE_QUIET_S, settle_max: float = SETTLE_MAX_S) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.trace_entries = trace_entries or []
@@ -92,6 +97,10 @@ class Prefetch:
             cache_budget = bound // 2
         self.cache_budget = cache_budget
         self.window_bytes = window_bytes
+        self.idle_for = idle_for  # seconds since the application's last request to the mount
+        self.settle_quiet = settle_quiet
+        self.settle_max = settle_max
+        self.settling = False
         self.mode = "materialize" if materializer is not None else "cache"
         self._base_memory = fetcher.memory_bytes
         self.state = "idle"
@@ -105,8 +114,9 @@ class Prefetch:
         self.state = "running"
         m = self.materializer
         if m is not None and m.state != "not materializing":
-            if self.trace_entries and not m.complete:
-                await self._trace_first(m)
+            if self.trace_entries and not await trio.to_thread.run_sync(m.is_built):
+                await self._trace_first(m)  # (once the tree exists, the materializer's trace class goes first)
+            await self._settle()
             await m.run(self.trace_entries)
             self.fetcher.set_memory_limit(self._base_memory)
             if m.state != "not materializing":
@@ -116,6 +126,31 @@ class Prefetch:
             self.mode, self.reason = "cache", m.reason  # no room for a local copy: warm the cache instead
         await self._warm_cache()
         self.state = "done"
+
+    async def _settle(self) -> None:
+        """Let the application's start-up burst pass before the materializer starts.
+
+        Building the local tree takes seconds of CPU, and writing chunks to it
+        more; on a small box that is CPU the starting application (imports,
+        loading a checkpoint) needs, and both share the GIL with the requests
+        the mount serves it.  So the materializer waits until the mount has had
+        no request for ``settle_quiet`` seconds, at most ``settle_max``
+        seconds (a training loop that keeps reading never looks quiet).  With
+        no application, it starts after ``settle_quiet``.
+        """
+        if self.idle_for is None:
+            return
+        self.settling = True
+        try:
+            deadline = trio.current_time() + self.settle_max
+            while (now := trio.current_time()) < deadline:
+                idle = self.idle_for()
+                if idle >= self.settle_quiet:
+                    return
+                await trio.sleep(min(self.settle_quiet - idle, deadline - now))
+            log.info("materialization starts while the application is still busy (%.0f s)", self.settle_max)
+        finally:
+            self.settling = False
 
     async def _trace_first(self, m: Materializer) -> None:
         """Replay the trace into memory before the materializer builds its tree.
@@ -131,7 +166,7 @@ class Prefetch:
         limit = max(self._base_memory, _memory_for_trace())
         trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
                          window_bytes=self.window_bytes, max_bytes=limit - self._base_memory // 2,
-                         keep=Keep.MEMORY)
+                         keep=Keep.MEMORY, bridge=True)
         self._replays["trace"] = trace
         self.fetcher.set_memory_limit(limit)
         await trace.run()
@@ -141,7 +176,7 @@ class Prefetch:
     async def _warm_cache(self) -> None:
         budget = self.cache_budget
         trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
-                         window_bytes=self.window_bytes, max_bytes=budget)
+                         window_bytes=self.window_bytes, max_bytes=budget, bridge=True)
         self._replays["trace"] = trace
         if self.trace_entries:
             await trace.run()
@@ -149,7 +184,7 @@ class Prefetch:
         if budget > 0:
             refs = await trio.to_thread.run_sync(hint_refs, self.catalog, budget)
             hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,
-                                       window_bytes=self.window_bytes)
+                                       window_bytes=self.window_bytes, bridge=True)
             self._replays["hint"] = hints
             await hints.run()
         log.info("prefetch into the chunk cache done: %s", {k: r.stats.bytes_done for k, r in self._replays.items()})
@@ -167,6 +202,8 @@ class Prefetch:
                                            "bytes_total": trace.stats.bytes_total}
                 if out["state"] == "idle":
                     out["state"] = "replaying trace"
+            if self.settling and out["state"] == "idle":
+                out["state"] = "waiting for the application to settle"
             return out
         classes = {name: {"bytes_done": 0, "bytes_total": 0} for name in CLASSES}
         for name, r in self._replays.items():

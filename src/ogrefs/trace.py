@@ -372,7 +372,8 @@ class Replayer:
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, entries: list[Entry] | None = None, *,
                  priority: Priority = Priority.TRACE, window_bytes: int = 64 * MiB,
-                 group_bytes: int = 16 * MiB, max_bytes: int | None = None, keep: "Keep | bool" = True) -> None:
+                 group_bytes: int = 16 * MiB, max_bytes: int | None = None, keep: "Keep | bool" = True,
+                 bridge: bool = False) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.entries = entries or []
@@ -381,6 +382,7 @@ class Replayer:
         self.group_bytes = group_bytes
         self.max_bytes = max_bytes
         self.keep = keep
+        self.bridge = bridge  # nothing of the snapshot is on local disk yet: GETs may bridge gaps
         self.stats = ReplayStats(entries=len(self.entries))
         self._refs: list[ChunkRef] | None = None
 
@@ -424,7 +426,7 @@ class Replayer:
                     group.append(refs[i])
                     size += refs[i].raw_len
                     i += 1
-                outstanding.extend(self.fetcher.request(group, self.priority, keep=self.keep))
+                outstanding.extend(self.fetcher.request(group, self.priority, keep=self.keep, bridge=self.bridge))
                 out_bytes += size
             t = outstanding.popleft()
             try:

@@ -231,9 +231,17 @@ class SnapshotFS:
         self._files: dict[int, _OpenFile] = {}
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
+        self._last_request = -float("inf")  # trio time of the latest application request
         counts = catalog.counts()
         self._inode_count = counts["inodes"]
         self._data_bytes = self._extra._db().execute("SELECT coalesce(sum(raw_len), 0) FROM blobs").fetchone()[0]
+
+    def idle_for(self) -> float:
+        """Seconds since an application last asked the mount for anything (lookup, open, read, listing)."""
+        return trio.current_time() - self._last_request
+
+    def _busy(self) -> None:
+        self._last_request = trio.current_time()
 
     # -- attributes --------------------------------------------------------------------
     def _attr(self, node: Inode) -> Attr:
@@ -259,6 +267,7 @@ class SnapshotFS:
     async def lookup(self, parent: int, name: bytes) -> Attr:
         """The entry ``name`` in directory ``parent``; counts one kernel reference."""
         self.stats.lookups += 1
+        self._busy()
         if name == b".":
             node = self._node(parent)
         elif name == b"..":
@@ -336,6 +345,7 @@ class SnapshotFS:
         d = self._dirs.get(fh)
         if d is None:
             raise FsError(errno.EBADF)
+        self._busy()
         pos = start
         while True:
             i = pos - d.base
@@ -372,6 +382,7 @@ class SnapshotFS:
         return fh
 
     async def open(self, ino: int, flags: int) -> int:
+        self._busy()
         node = self._node(ino)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise FsError(errno.EROFS)
@@ -459,6 +470,7 @@ class SnapshotFS:
         f = self._files.get(fh)
         if f is None:
             raise FsError(errno.EBADF)
+        self._busy()
         end = min(offset + size, f.size)
         if offset >= end:
             return b""
