@@ -446,3 +446,35 @@ def test_hints_and_background_yield_the_link_to_readers_but_traces_do_not():
     assert sum(p.startswith("bg") for p in after) <= 0.4 / 0.02 + 2  # one at a time, not three
     assert sum(p.startswith("tr") for p in started_during_read) == 10  # the trace went on next to the reader
     assert len({p for p, _, _ in fake.calls if p.startswith("bg")}) == 40  # and it all arrived afterwards
+
+
+@pytest.mark.parametrize("read_size", [64 * KiB, 6 * 1024 * KiB], ids=["small-read", "big-read"])
+def test_prefetch_pauses_while_a_reader_has_enough_on_its_way(read_size):
+    """Small reads leave one request to prefetch (the link would idle); a big read gets the whole link."""
+    class SlowApp(FakePacks):
+        def read_range(self, pack, offset, length):
+            data = super().read_range(pack, offset, length)
+            time.sleep(0.5 if pack == "app" else 0.02)
+            return data
+
+    fake = SlowApp()
+    hints = [fake.add(f"h{i}", payloads(1))[0] for i in range(40)]
+    wanted = fake.add("app", payloads(read_size // (64 * KiB)))
+    f = Fetcher(fake.read_range, max_requests=4, reserved_for_read=1)
+    during: list[str] = []
+
+    async def body(nursery):
+        f.prefetch(wanted, Priority.READ)
+        await trio.sleep(0.1)  # the reader's request is on its way
+        n0 = len(fake.calls)
+        f.prefetch(hints, Priority.HINT)
+        await trio.sleep(0.3)
+        during.extend(p for p, _, _ in fake.calls[n0:])
+        for r in wanted:
+            await f.get(r)
+
+    run_with_fetcher(f, body)
+    if read_size > 4 * 1024 * KiB:
+        assert during == []
+    else:
+        assert 3 <= len(during) <= 0.3 / 0.02 + 2  # one at a time

@@ -465,7 +465,7 @@ def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
 
 def test_the_trace_streams_into_memory_before_the_tree_is_built_and_is_not_fetched_twice(box, tmp_path,
                                                                                           monkeypatch):
-    """Materializing mounts replay the trace first (the tree takes seconds to build), then write it from memory."""
+    """Materializing mounts stream the trace at once (the tree takes seconds to build) and write it from memory."""
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     log = CallLog(box.repo.read_pack_range)
     fetcher = Fetcher(log, cache)
@@ -480,7 +480,8 @@ def test_the_trace_streams_into_memory_before_the_tree_is_built_and_is_not_fetch
         return prepare(self, entries)
 
     monkeypatch.setattr(Materializer, "_prepare", spy)
-    pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m)
+    pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m, idle_for=lambda: 1e9,
+                  settle_quiet=0.3)  # no application: the tree is built 0.3 s in, while the trace streams
     run_trio(fetcher, pf.run)
     assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
     assert calls_before_prepare and calls_before_prepare[0] >= 1  # the trace was fetched before the tree existed

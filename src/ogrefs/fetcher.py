@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 #: After an application's last store read, hints and background wait this long before taking the link back.
 READ_QUIET_S = 0.05
+#: Readers with this many bytes on their way keep the link full by themselves: prefetch pauses.
+READ_FILLS_LINK = 4 * 1024 * 1024
 
 MiB = 1024 * 1024
 
@@ -232,6 +234,7 @@ class Fetcher:
         self._seq = 0
         self._active = 0  # store requests in flight
         self._reads_active = 0  # of which started for an application's read
+        self._read_bytes = 0  # bytes those read requests have still to deliver
         self._last_read_want = -math.inf  # trio time of the last chunk an application had to wait for
         self._queued = 0
         self._fetching = 0  # chunks inside requests in flight
@@ -457,10 +460,14 @@ class Fetcher:
             return self._active < self.max_requests
         if self._active >= self.max_requests - self.reserved_for_read:
             return False
-        # Hints and materialization yield the link to readers: while an application waits on the
-        # store they keep at most one request in flight (a recorded trace keeps going: it is what the
-        # reader needs next), enough to keep streaming when an application reads everything.
-        return priority == Priority.TRACE or not self._reads_hot() or self._active - self._reads_active < 1
+        # Hints and materialization yield the link to readers (a recorded trace keeps going: it is
+        # what the reader needs next).  While an application waits on the store they keep at most one
+        # request in flight, enough to keep the link busy when it reads many small files one by one,
+        # and none while its own requests have enough bytes outstanding to fill the link (a big file
+        # read sequentially gets all of it).
+        if priority == Priority.TRACE or not self._reads_hot():
+            return True
+        return self._active - self._reads_active < 1 and self._read_bytes < READ_FILLS_LINK
 
     async def _dispatch(self) -> None:
         assert self._nursery is not None
@@ -480,6 +487,7 @@ class Fetcher:
             is_read = p.priority == Priority.READ
             if is_read:
                 self._reads_active += 1
+                self._read_bytes += sum(q.ref.stored_len for q in batch)
             self._nursery.start_soon(self._fetch_run, batch, is_read)
 
     def _unqueue(self, p: _Pending) -> None:
@@ -551,6 +559,8 @@ class Fetcher:
                     continue
                 delivered[i] = True
                 p = run[i]
+                if is_read:
+                    self._read_bytes -= p.ref.stored_len
                 self.stats.bytes_fetched += p.ref.stored_len
                 if isinstance(result, CorruptObject):
                     self.stats.corrupt += 1
@@ -602,6 +612,7 @@ class Fetcher:
             self._active -= 1
             if is_read:
                 self._reads_active -= 1
+                self._read_bytes -= sum(p.ref.stored_len for p, d in zip(run, delivered) if not d)
                 self._last_read_want = trio.current_time()
             self._changed.set()
         if failure is not None:

@@ -226,6 +226,7 @@ class Materializer:
         self._abort_pass = False
         self._stopped = False
         self._pass_scope: trio.CancelScope | None = None
+        self._fresh = False  # the tree was built by this run: nothing was on disk before it started
         self._snap_id = catalog.meta("snapshot_id") or Path(catalog.path).stem
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -397,6 +398,7 @@ class Materializer:
                 if not self._fits(self._catalog_data_bytes()):
                     return False
                 self._build(db)
+                self._fresh = True
             else:
                 needed = db.execute("SELECT coalesce(sum(c.rlen), 0) FROM targets t JOIN chunks c ON c.chunk = t.chunk"
                                     " WHERE c.done = 0").fetchone()[0]
@@ -620,8 +622,11 @@ class Materializer:
                     if self._abort_pass:
                         budget.release(size)
                         return
+                    # A fresh tree's GETs may bridge small gaps (what is in them was fetched by this
+                    # run, e.g. the trace chunks among a venv's files); after a restart they never do,
+                    # so no chunk already on disk is fetched again.
                     tickets = self.fetcher.request([i.ref for i in group], _PRIORITY[group[0].cls],
-                                                   keep=_KEEP[group[0].cls])
+                                                   keep=_KEEP[group[0].cls], bridge=self._fresh)
                     for i, t in zip(group, tickets):
                         send.send_nowait((i, t))
 

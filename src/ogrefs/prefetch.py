@@ -114,10 +114,13 @@ class Prefetch:
         self.state = "running"
         m = self.materializer
         if m is not None and m.state != "not materializing":
-            if self.trace_entries and not await trio.to_thread.run_sync(m.is_built):
-                await self._trace_first(m)  # (once the tree exists, the materializer's trace class goes first)
-            await self._settle()
-            await m.run(self.trace_entries)
+            async with trio.open_nursery() as nursery:
+                if self.trace_entries and not await trio.to_thread.run_sync(m.is_built):
+                    # (once the tree exists, the materializer's trace class goes first instead)
+                    nursery.start_soon(self._trace_first, m)
+                # the trace streams meanwhile; the materializer takes what it has from memory
+                await self._settle()
+                await m.run(self.trace_entries)
             self.fetcher.set_memory_limit(self._base_memory)
             if m.state != "not materializing":
                 self.state, self.reason = m.state, m.reason
@@ -136,15 +139,17 @@ class Prefetch:
         the mount serves it.  So the materializer waits until the mount has had
         no request for ``settle_quiet`` seconds, at most ``settle_max``
         seconds (a training loop that keeps reading never looks quiet).  With
-        no application, it starts after ``settle_quiet``.
+        no application, it starts after ``settle_quiet``, while a replayed
+        trace is still streaming.
         """
         if self.idle_for is None:
             return
         self.settling = True
         try:
-            deadline = trio.current_time() + self.settle_max
+            start = trio.current_time()
+            deadline = start + self.settle_max
             while (now := trio.current_time()) < deadline:
-                idle = self.idle_for()
+                idle = min(self.idle_for(), now - start)  # an application about to start gets its chance
                 if idle >= self.settle_quiet:
                     return
                 await trio.sleep(min(self.settle_quiet - idle, deadline - now))
