@@ -11,6 +11,10 @@ xattrs of one inode) run inline on the trio thread.  They are indexed lookups
 in a local, immutable SQLite file and take microseconds, less than the hop to
 a worker thread would.  Queries that scale with the data (a page of a
 directory listing, the extent list of a file at open) run in a worker thread.
+The same rule holds for complete local copies: a read of up to
+``LOCAL_INLINE_READ`` bytes is one ``pread`` inline (a thread hop costs more
+than the read when a crawl opens thousands of small files); larger reads go to
+a worker thread.
 
 Per-open-file state (:class:`_OpenFile`) holds the file's extents, their
 cumulative start offsets (bisect maps a read offset to its chunk) and the
@@ -65,6 +69,8 @@ SIBLING_FILE_MAX = 256 * 1024
 #: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
 SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
+#: Reads of complete local copies up to this size are served inline (see the module docstring).
+LOCAL_INLINE_READ = 128 * 1024
 
 
 class FsError(Exception):
@@ -524,7 +530,10 @@ class SnapshotFS:
                 self.recorder.record(f.ino, off)
         assert f.local_fd is not None
         try:
-            data = await trio.to_thread.run_sync(os.pread, f.local_fd, end - offset, offset)
+            if end - offset <= LOCAL_INLINE_READ:
+                data = os.pread(f.local_fd, end - offset, offset)
+            else:
+                data = await trio.to_thread.run_sync(os.pread, f.local_fd, end - offset, offset)
         except OSError as exc:
             data = b""
             log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
