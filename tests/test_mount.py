@@ -437,7 +437,9 @@ def test_encrypted_repository_mounts_with_its_passphrase(tmp_path, monkeypatch):
         mounter.mount(m["id"], mp, "--cache-dir", str(tmp_path / "chunks"))
         assert (under(mp, src) / "secret.bin").read_bytes() == payload
         st = mounter.status(mp)
-        assert st["bytes_fetched"] == 0 and st["cache_hits_disk"] >= 3 and st["errors"] == 0
+        cat = Catalog(repo.catalog_path(m["id"]))
+        chunks = len({e.chunk for e in cat.extents(cat.resolve(os.fsencode(src / "secret.bin")).ino)})
+        assert st["bytes_fetched"] == 0 and st["cache_hits_disk"] >= chunks >= 1 and st["errors"] == 0
         mounter.unmount(mp)
         mounter.env.pop("OGREFS_PASSWORD")
         res = mounter.cli("mount", m["id"], str(mp), "--read-only", check=False)
