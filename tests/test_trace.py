@@ -100,6 +100,10 @@ def test_save_load_and_refine_round_trip(repo, tmp_path):
     again = Repository.open(repo.store.url, cache_root=tmp_path / "cache2",
                             secret=Secret(b"pw", "scrypt") if repo.codec.encrypted else None)
     assert find_trace(again, m) == (key2, [(f3, 0), (f2, MiB), (f1, 0)])
+    # a mount that read nothing has nothing to add: no new trace object
+    before = sorted(repo.store.list(f"traces/{m['id']}/"))
+    assert save_trace(repo, m["id"], Recorder(cat), find_trace(again, m)[1]) is None
+    assert sorted(repo.store.list(f"traces/{m['id']}/")) == before
 
 
 def test_unreadable_traces_are_skipped_for_an_older_good_one(tmp_path, caplog):

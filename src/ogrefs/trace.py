@@ -207,8 +207,11 @@ def save_trace(repo: Repository, snap_id: str, recorder: Recorder, previous: lis
     """Store this mount's trace (refining ``previous``) under ``traces/<snap_id>/``; returns its key.
 
     Blocking (catalog queries, a store put): call it from a worker thread.
-    Nothing is written when nothing was read and there is no previous trace.
+    Nothing is written when this mount read nothing: it has nothing to add to
+    the trace it replayed, which the next mount finds as this one did.
     """
+    if not len(recorder):
+        return None
     entries = merge_traces(recorder.entries(), previous, limit=recorder.max_entries)
     if not entries:
         return None
