@@ -333,6 +333,42 @@ def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_pat
     assert compare_trees(box.src, box.tree_of(state)) == []
 
 
+def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_again(box, tmp_path):
+    from ogrefs.repo.pack import pack_key
+
+    victim = box.refs_of("data/shard1.bin")[0].pack
+    body_ = box.repo.store.get(pack_key(victim))
+    box.repo.store.delete(pack_key(victim))
+    try:
+        state = tmp_path / "state"
+        m, _ = materialize(box, state)
+        assert m.state == "incomplete"
+    finally:
+        box.repo.store.put(pack_key(victim), body_)
+    refs = box.refs_of("data/shard1.bin")
+    done = [r for r in refs if r.pack != victim]
+    assert done, "the test needs a file with chunks outside the lost pack"
+    log = CallLog(box.repo.read_pack_range)
+    fetcher = Fetcher(log)
+    m2 = Materializer(box.catalog, fetcher, state)  # not run: only what the earlier run wrote
+    ino = box.catalog.resolve(box.path("data/shard1.bin")).ino
+    assert m2.local_path(ino) is None and all(m2.chunk_done(r.chunk) for r in done)
+    fs = SnapshotFS(box.catalog, fetcher, local=m2)
+    got = bytearray()
+
+    async def body():
+        fh = await fs.open(ino, os.O_RDONLY)
+        while chunk := await fs.read(fh, len(got), 1 * MiB):
+            got.extend(chunk)
+        fs.release(fh)
+
+    run_trio(fetcher, body)
+    assert bytes(got) == (box.src / "data" / "shard1.bin").read_bytes()
+    assert {p for p, _o, _n in log.calls} == {victim}  # only what the tree does not have
+    assert not log.chunks_fetched(done)
+    assert fs.stats.local_reads >= len(done)
+
+
 # -- disk space -----------------------------------------------------------------------------------------
 def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path, monkeypatch):
     monkeypatch.setattr(Materializer, "_free_bytes", lambda self: (5 * MiB, 100 * GiB))

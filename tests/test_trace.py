@@ -213,6 +213,12 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
         def local_path(self, i):
             return os.fsencode(copy) if i == f4 else None
 
+        def chunk_done(self, chunk):
+            return False
+
+        def tree_path(self, i):
+            return None
+
     rec = Recorder(cat, window_s=0.5)
     fetcher = Fetcher(repo.read_pack_range)
     fs = SnapshotFS(cat, fetcher, recorder=rec, local=Local())

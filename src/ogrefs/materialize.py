@@ -14,8 +14,7 @@ Order.  Chunks are fetched in three classes, each at its own fetcher priority
 slots for it):
 
 1. ``trace`` (``Priority.TRACE``): the chunks of the access trace of the last
-   run, in the order they were first read (kept in the chunk cache too: a
-   trace touches parts of files that may stay incomplete for a while);
+   run, in the order they were first read;
 2. ``hint`` (``Priority.HINT``): the catalog's prefetch hints (python, cuda,
    checkpoint) in rank order, each one's files in pack order;
 3. ``background`` (``Priority.BACKGROUND``): everything else, in pack order, so
@@ -92,8 +91,9 @@ GiB = 1024 * MiB
 CLASSES = ("trace", "hint", "background")
 TRACE, HINT, BACKGROUND = 0, 1, 2
 _PRIORITY = {TRACE: Priority.TRACE, HINT: Priority.HINT, BACKGROUND: Priority.BACKGROUND}
-#: Trace chunks stay in the chunk cache as well: they cover parts of files that may not be complete for a while.
-_KEEP = {TRACE: True, HINT: False, BACKGROUND: False}
+#: No class goes to the caches: the tree is the copy, and the vfs reads chunks already written from it
+#: (also of files not yet complete).
+_KEEP = {TRACE: False, HINT: False, BACKGROUND: False}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -191,7 +191,9 @@ class Materializer:
     Construct it before the mount serves (it loads which files are already
     complete, so the vfs can serve them locally at once), hand it to
     ``SnapshotFS(..., local=materializer)``, and start :meth:`run` in the
-    daemon's nursery after the mount is ready.
+    daemon's nursery after the mount is ready.  The vfs also reads chunks
+    already done from the tree's files before those files are complete
+    (:meth:`chunk_done`, :meth:`tree_path`), so nothing written is fetched again.
     """
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, state_dir: Path, *, window_bytes: int = 96 * MiB,
@@ -218,6 +220,7 @@ class Materializer:
         self._local = threading.local()
         self._as_root = os.geteuid() == 0
         self._complete: set[int] = set()
+        self._done: set[bytes] = set()  # chunks written to every target, durable and recorded
         self._class_total = [0, 0, 0]
         self._class_done = [0, 0, 0]
         self._samples: deque[tuple[float, int]] = deque()
@@ -241,6 +244,7 @@ class Materializer:
                                f"{owner[:12]}, not {self._snap_id[:12]}")
                 return
             self._complete = {r[0] for r in db.execute("SELECT ino FROM files WHERE complete=1")}
+            self._done = {r[0] for r in db.execute("SELECT chunk FROM chunks WHERE done=1")}
             self.complete = self._meta(db, "finished") == "1"
         except (OSError, sqlite3.Error) as exc:  # a full or read-only disk: the mount works without a local copy
             self.state = "not materializing"
@@ -275,6 +279,17 @@ class Materializer:
     def local_path(self, ino: int) -> bytes | None:
         """The local copy of regular file ``ino`` if it is complete (data durable, metadata applied), else None."""
         if ino not in self._complete:
+            return None
+        row = self._db().execute("SELECT path FROM files WHERE ino=?", (ino,)).fetchone()
+        return self._dest(row[0]) if row else None
+
+    def chunk_done(self, chunk: bytes) -> bool:
+        """Whether ``chunk`` is in the tree at every place it belongs (durable, recorded)."""
+        return chunk in self._done
+
+    def tree_path(self, ino: int) -> bytes | None:
+        """The tree's file for regular file ``ino``, complete or not (its done chunks are in place)."""
+        if not self._done:
             return None
         row = self._db().execute("SELECT path FROM files WHERE ino=?", (ino,)).fetchone()
         return self._dest(row[0]) if row else None
@@ -416,6 +431,7 @@ class Materializer:
             self._class_done[cls] = done
         self.files_total = db.execute("SELECT count(*) FROM files").fetchone()[0]
         self._complete = {r[0] for r in db.execute("SELECT ino FROM files WHERE complete=1")}
+        self._done = {r[0] for r in db.execute("SELECT chunk FROM chunks WHERE done=1")}
         return True
 
     def _build(self, db: sqlite3.Connection) -> None:
@@ -708,6 +724,7 @@ class Materializer:
                     self._class_done[item.cls] += len(data)
                     n += len(data)
                 budget.release(n)
+                self._done.update(item.ref.chunk for item, _ in batch)
                 self._complete.update(newly)
                 self._sample()
 

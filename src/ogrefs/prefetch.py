@@ -179,13 +179,20 @@ class Prefetch:
                  trace.stats.chunks_done, trace.stats.failed)
 
     async def _warm_cache(self) -> None:
+        """Without a local copy: the trace (held in a grown memory LRU and the disk cache), then hints."""
         budget = self.cache_budget
+        memory = max(self._base_memory, _memory_for_trace())
         trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
-                         window_bytes=self.window_bytes, max_bytes=budget, bridge=True)
+                         window_bytes=self.window_bytes, max_bytes=min(budget, memory - self._base_memory // 2),
+                         bridge=True)
         self._replays["trace"] = trace
         if self.trace_entries:
+            # the application's start-up reads the trace from memory, not through disk-cache loads
+            self.fetcher.set_memory_limit(memory)
             await trace.run()
             budget -= trace.stats.bytes_done
+            await self._settle()  # then the start-up is over: the memory LRU back to its size
+            self.fetcher.set_memory_limit(self._base_memory)
         if budget > 0:
             refs = await trio.to_thread.run_sync(hint_refs, self.catalog, budget)
             hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,

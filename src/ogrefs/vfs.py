@@ -127,13 +127,19 @@ class AccessRecorder(Protocol):
 
 
 class LocalCopy(Protocol):
-    """Where a complete local copy of a file is (``ogrefs.materialize.Materializer``)."""
+    """Where a complete local copy of a file is, and which chunks of incomplete ones are in place
+    (``ogrefs.materialize.Materializer``)."""
 
     def local_path(self, ino: int) -> bytes | None: ...
 
+    def chunk_done(self, chunk: bytes) -> bool: ...
+
+    def tree_path(self, ino: int) -> bytes | None: ...
+
 
 class _OpenFile:
-    __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd")
+    __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
+                 "partial_fd")
 
     def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
         self.ino = ino
@@ -145,6 +151,7 @@ class _OpenFile:
         self.window = 0  # read-ahead distance; 0 until reads look sequential
         self.ahead = 0  # index of the first extent not yet requested by read-ahead
         self.local_fd: int | None = None  # the complete local copy, when there is one
+        self.partial_fd: int | None = None  # the incomplete local copy, opened for its done chunks
 
 
 class _OpenDir:
@@ -464,8 +471,10 @@ class SnapshotFS:
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
-        if f is not None and f.local_fd is not None:
-            os.close(f.local_fd)
+        if f is not None:
+            for fd in (f.local_fd, f.partial_fd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
 
     @property
     def open_files(self) -> int:
@@ -491,9 +500,13 @@ class SnapshotFS:
             for k in wanted:
                 self.recorder.record(f.ino, f.extents[k].offset)
         ahead = self._read_ahead(f, offset, end, last)
+        local = self.local
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together
-            self.fetcher.prefetch([f.refs[k] for k in wanted] + ahead, Priority.READ)
+            refs = [f.refs[k] for k in wanted] + ahead
+            if local is not None:  # chunks the materializer has written are read from its tree, not fetched
+                refs = [r for r in refs if not local.chunk_done(r.chunk)]
+            self.fetcher.prefetch(refs, Priority.READ)
         parts: list[bytes | memoryview] = []
         pos = offset
         try:
@@ -502,8 +515,12 @@ class SnapshotFS:
                 if ext.offset > pos:
                     parts.append(bytes(ext.offset - pos))
                     pos = ext.offset
-                if self.fetcher.is_cached_in_memory(f.refs[k].chunk):
+                chunk = f.refs[k].chunk
+                if self.fetcher.is_cached_in_memory(chunk):
                     data = await self.fetcher.get(f.refs[k], Priority.READ)
+                elif local is not None and local.chunk_done(chunk) and (
+                        tree := await self._read_done_chunk(f, ext)) is not None:
+                    data = tree
                 else:
                     t0 = trio.current_time()
                     data = await self.fetcher.get(f.refs[k], Priority.READ)
@@ -545,6 +562,37 @@ class SnapshotFS:
         self.stats.reads += 1
         self.stats.local_reads += 1
         self.stats.bytes_read += len(data)
+        return data
+
+    async def _read_done_chunk(self, f: _OpenFile, ext: Extent) -> bytes | None:
+        """A chunk the materializer has written into this file's incomplete local copy; None if unreadable.
+
+        The materializer records a chunk done only once it is durable at
+        every place it belongs, so the bytes at the extent's offset are the
+        chunk's (verified before they were written).
+        """
+        assert self.local is not None
+        if f.partial_fd is None:
+            path = self.local.tree_path(f.ino)
+            try:
+                f.partial_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) if path else -1
+            except OSError as exc:
+                log.warning("local copy of inode %d cannot be opened (%s); reading from the store", f.ino,
+                            exc.strerror)
+                f.partial_fd = -1
+        if f.partial_fd < 0:
+            return None
+        try:
+            if ext.length <= LOCAL_INLINE_READ:
+                data = os.pread(f.partial_fd, ext.length, ext.offset)
+            else:
+                data = await trio.to_thread.run_sync(os.pread, f.partial_fd, ext.length, ext.offset)
+        except OSError as exc:
+            log.warning("local copy of inode %d: read failed (%s); reading from the store", f.ino, exc.strerror)
+            return None
+        if len(data) != ext.length:
+            return None
+        self.stats.local_reads += 1
         return data
 
     def _read_ahead(self, f: _OpenFile, offset: int, end: int, next_index: int) -> list[ChunkRef]:
