@@ -70,7 +70,7 @@ import urllib.parse
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import trio
 
@@ -322,10 +322,12 @@ class Materializer:
         }
 
     # -- running --------------------------------------------------------------------------------
-    async def run(self, trace: list[Entry] | None = None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, trace: list[Entry] | None = None, *, on_prepared: Callable[[], None] | None = None,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Materialize until everything is local, the disk is full, or cancelled; never raises for those.
 
         ``trace``: (path, offset) entries of the access trace to fetch first.
+        ``on_prepared``: called once the tree and the plan exist (or materialization was refused).
         """
         task_status.started()
         if self.state == "not materializing":
@@ -333,7 +335,11 @@ class Materializer:
             return
         self.state = "preparing"
         try:
-            ok = await trio.to_thread.run_sync(self._prepare, trace or [])
+            try:
+                ok = await trio.to_thread.run_sync(self._prepare, trace or [])
+            finally:
+                if on_prepared is not None:
+                    on_prepared()
             if not ok:
                 self.state = "not materializing"
                 log.warning("%s", self.reason)

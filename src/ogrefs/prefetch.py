@@ -114,13 +114,16 @@ class Prefetch:
         self.state = "running"
         m = self.materializer
         if m is not None and m.state != "not materializing":
+            replay = trio.CancelScope()
             async with trio.open_nursery() as nursery:
                 if self.trace_entries and not await trio.to_thread.run_sync(m.is_built):
                     # (once the tree exists, the materializer's trace class goes first instead)
-                    nursery.start_soon(self._trace_first, m)
-                # the trace streams meanwhile; the materializer takes what it has from memory
+                    nursery.start_soon(self._trace_first, m, replay)
+                # the trace streams meanwhile; once the tree exists the materializer's own trace class
+                # takes over (taking what is in memory), so the replay held in memory is bounded by
+                # the application's start-up and the tree build, whatever the size of the trace
                 await self._settle()
-                await m.run(self.trace_entries)
+                await m.run(self.trace_entries, on_prepared=replay.cancel)
             self.fetcher.set_memory_limit(self._base_memory)
             if m.state != "not materializing":
                 self.state, self.reason = m.state, m.reason
@@ -157,7 +160,7 @@ class Prefetch:
         finally:
             self.settling = False
 
-    async def _trace_first(self, m: Materializer) -> None:
+    async def _trace_first(self, m: Materializer, scope: trio.CancelScope) -> None:
         """Replay the trace into memory before the materializer builds its tree.
 
         The tree (every directory and file of the snapshot, and the plan of
@@ -165,8 +168,9 @@ class Prefetch:
         application reads first, so it streams at once, at ``Priority.TRACE``,
         into the memory LRU, grown for it (``Keep.MEMORY``: the materializer
         writes these chunks to the tree from memory moments later, and the
-        disk cache would be a third copy).  The LRU goes back to its size once
-        the materializer has written the trace class.
+        disk cache would be a third copy).  It stops when the tree exists: the
+        materializer's trace class goes on from there.  The LRU goes back to
+        its size once the materializer is done.
         """
         limit = max(self._base_memory, _memory_for_trace())
         trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
@@ -174,9 +178,11 @@ class Prefetch:
                          keep=Keep.MEMORY, bridge=True)
         self._replays["trace"] = trace
         self.fetcher.set_memory_limit(limit)
-        await trace.run()
-        log.info("trace replayed into memory: %s in %d chunks (%d failed)", human_bytes(trace.stats.bytes_done),
-                 trace.stats.chunks_done, trace.stats.failed)
+        with scope:
+            await trace.run()
+        log.info("trace replayed into memory: %s in %d chunks (%d failed)%s", human_bytes(trace.stats.bytes_done),
+                 trace.stats.chunks_done, trace.stats.failed,
+                 "; the materializer goes on with the rest" if scope.cancelled_caught else "")
 
     async def _warm_cache(self) -> None:
         """Without a local copy: the trace (held in a grown memory LRU and the disk cache), then hints."""
