@@ -460,14 +460,16 @@ class Fetcher:
             return self._active < self.max_requests
         if self._active >= self.max_requests - self.reserved_for_read:
             return False
-        # Hints and materialization yield the link to readers (a recorded trace keeps going: it is
-        # what the reader needs next).  While an application waits on the store they keep at most one
-        # request in flight, enough to keep the link busy when it reads many small files one by one,
-        # and none while its own requests have enough bytes outstanding to fill the link (a big file
-        # read sequentially gets all of it).
-        if priority == Priority.TRACE or not self._reads_hot():
+        # Prefetch yields the link to readers.  While an application's requests have enough bytes
+        # outstanding to fill the link (a big file read sequentially), nothing else starts, not even
+        # the trace.  Otherwise a recorded trace keeps going (it is what the reader needs next), and
+        # hints and materialization keep at most one request in flight while an application waits on
+        # the store: enough to keep the link busy when it reads many small files one by one.
+        if not self._reads_hot():
             return True
-        return self._active - self._reads_active < 1 and self._read_bytes < READ_FILLS_LINK
+        if self._read_bytes >= READ_FILLS_LINK:
+            return False
+        return priority == Priority.TRACE or self._active - self._reads_active < 1
 
     async def _dispatch(self) -> None:
         assert self._nursery is not None
