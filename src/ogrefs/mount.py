@@ -497,7 +497,12 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             print(f"mounted snapshot {manifest['id'][:12]} at {opts.target or opts.mountpoint}; Ctrl-C unmounts",
                   flush=True)
         # Only now: prefetch and materialization yield to reads, but the mount comes first.
-        await nursery_ref[0].start(prefetch.run)
+        async def prefetch_then_report() -> None:
+            await prefetch.run()
+            # at once, not at the next tick: `ogrefs status --wait` is waiting for this
+            await trio.to_thread.run_sync(_atomic_json, reg.status, status())
+
+        nursery_ref[0].start_soon(prefetch_then_report)
         if recorder is not None:
             async def save_later() -> None:
                 trace_saved.append(await save_when_recorded(repo, manifest["id"], recorder, opts.trace_entries))
@@ -687,7 +692,7 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
 _ENDED = {"done", "stopped", "incomplete", "not materializing"}
 
 
-def wait_background(mountpoint: Path, *, poll: float = STATUS_INTERVAL,
+def wait_background(mountpoint: Path, *, poll: float = 0.2,
                     progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], str | None]:
     """Wait until the mount's background copy is complete; (last status, why it cannot complete or None).
 
