@@ -540,7 +540,8 @@ def test_materialization_waits_for_the_application_to_settle(box, tmp_path, monk
                                                                    prepare(self, e))[1])
     busy_until = time.monotonic() + 0.6 if app_stops else math.inf
     idle = lambda: 0.0 if time.monotonic() < busy_until else time.monotonic() - busy_until  # noqa: E731
-    pf = Prefetch(box.catalog, fetcher, materializer=m, idle_for=idle, settle_quiet=0.2, settle_max=1.5)
+    pf = Prefetch(box.catalog, fetcher, materializer=m, idle_for=idle, settle_quiet=0.2,
+                  settle_max=1.5)
     states: list[str] = []
 
     async def body():
@@ -555,9 +556,9 @@ def test_materialization_waits_for_the_application_to_settle(box, tmp_path, monk
     assert m.complete
     waited = started[0] - t0
     if app_stops:
-        assert 0.75 <= waited < 1.4, waited  # busy for 0.6 s, then 0.2 s of quiet
+        assert 0.75 <= waited < 1.5, waited  # busy for 0.6 s, then 0.2 s of quiet (not settle_max)
     else:
-        assert 1.5 <= waited < 2.5, waited  # never quiet: starts at settle_max
+        assert waited >= 1.5, waited  # never quiet: starts at settle_max
     assert "waiting for the application to settle" in states
 
 
