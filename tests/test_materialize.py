@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -309,14 +310,23 @@ def test_an_unreachable_store_pauses_materialization_which_then_resumes(box, tmp
     assert compare_trees(box.src, box.tree_of(state)) == []
 
 
-def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_path):
+@contextlib.contextmanager
+def pack_missing(box: Box, pack: str):
+    """The store lacks ``pack`` inside the block; it is put back afterwards."""
     from ogrefs.repo.pack import pack_key
 
-    victim = box.refs_of("data/shard1.bin")[0].pack
-    body_ = box.repo.store.get(pack_key(victim))
-    box.repo.store.delete(pack_key(victim))
+    body_ = box.repo.store.get(pack_key(pack))
+    box.repo.store.delete(pack_key(pack))
     try:
-        state = tmp_path / "state"
+        yield
+    finally:
+        box.repo.store.put(pack_key(pack), body_)
+
+
+def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_path):
+    victim = box.refs_of("data/shard1.bin")[0].pack
+    state = tmp_path / "state"
+    with pack_missing(box, victim):
         m, _ = materialize(box, state)
         assert m.state == "incomplete" and m.failed_chunks > 0 and not m.complete
         assert "could not be fetched" in m.reason
@@ -324,8 +334,6 @@ def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_pat
         for path, node in box.catalog.walk():
             if node.is_reg and node.size:
                 assert (m.local_path(node.ino) is None) == (node.ino in lost), path
-    finally:
-        box.repo.store.put(pack_key(victim), body_)
     log = CallLog(box.repo.read_pack_range)
     m2, _ = materialize(box, state, log)
     assert m2.complete
@@ -334,17 +342,11 @@ def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_pat
 
 
 def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_again(box, tmp_path):
-    from ogrefs.repo.pack import pack_key
-
     victim = box.refs_of("data/shard1.bin")[0].pack
-    body_ = box.repo.store.get(pack_key(victim))
-    box.repo.store.delete(pack_key(victim))
-    try:
-        state = tmp_path / "state"
+    state = tmp_path / "state"
+    with pack_missing(box, victim):
         m, _ = materialize(box, state)
         assert m.state == "incomplete"
-    finally:
-        box.repo.store.put(pack_key(victim), body_)
     refs = box.refs_of("data/shard1.bin")
     done = [r for r in refs if r.pack != victim]
     assert done, "the test needs a file with chunks outside the lost pack"
