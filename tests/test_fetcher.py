@@ -481,3 +481,32 @@ def test_prefetch_pauses_while_a_reader_has_enough_on_its_way(read_size, priorit
         assert 3 <= len(during) <= 0.3 / 0.02 + 2  # one at a time
     else:
         assert len(during) > 0.3 / 0.02 + 2  # the trace goes on next to a small reader, several at a time
+
+
+def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
+    import random
+
+    from ogrefs.fetcher import _BlobReader
+
+    data = os.urandom(3 * 1024 * KiB)
+    rng = random.Random(5)
+
+    class Body(RangeReader):
+        pos = 0
+
+        def read(self, n):
+            n = min(n, rng.choice([1, 100, 4 * KiB, 300 * KiB, 2 * 1024 * KiB]))
+            out = data[self.pos:self.pos + n]
+            self.pos += len(out)
+            return out
+
+    reader = _BlobReader(Body())
+    sizes = [1, 7, 4 * KiB, 100, 1024 * KiB, 33, 300 * KiB]
+    pos = 0
+    for n in sizes:
+        assert reader.read_exact(n) == data[pos:pos + n]
+        pos += n
+    rest = len(data) - pos
+    assert reader.read_exact(rest) == data[pos:]
+    with pytest.raises(TransientError, match="ended 1 bytes early"):
+        reader.read_exact(1)

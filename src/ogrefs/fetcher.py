@@ -85,17 +85,44 @@ _CACHE_ERRORS = (OSError, sqlite3.Error)
 _PROBE_BATCH = 4
 #: A streaming GET hands decoded chunks to the trio loop once this many bytes are ready (or at its end).
 _DELIVER_BYTES = 256 * 1024
+#: ... and reads its body at least this much at a time (small blobs are cut from the piece).
+_READ_PIECE = 256 * 1024
 
 
-def _read_exact(body: "RangeReader", n: int) -> bytes:
-    parts: list[bytes] = []
-    while n > 0:
-        piece = body.read(n)
-        if not piece:
-            raise TransientError(f"the store's answer ended {n} bytes early")
-        parts.append(piece)
-        n -= len(piece)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+class _BlobReader:
+    """Exact-size reads from a range, in pieces of at least ``_READ_PIECE`` bytes.
+
+    A pack range of small files holds thousands of blobs of a few KiB; one
+    call into the HTTP stack per blob costs more CPU than the bytes do.
+    Owned by the one worker thread that reads the range.
+    """
+
+    def __init__(self, body: "RangeReader") -> None:
+        self._body = body
+        self._buf = b""
+        self._pos = 0
+
+    def read_exact(self, n: int) -> bytes:
+        have = len(self._buf) - self._pos
+        if n <= have:
+            out = self._buf[self._pos:self._pos + n]
+            self._pos += n
+            return out
+        parts = [self._buf[self._pos:]] if have else []
+        need = n - have
+        self._buf, self._pos = b"", 0
+        while need > 0:
+            piece = self._body.read(max(need, _READ_PIECE))
+            if not piece:
+                raise TransientError(f"the store's answer ended {need} bytes early")
+            if len(piece) > need:  # keep the rest for the next blobs
+                parts.append(piece[:need])
+                self._buf, self._pos = piece, need
+                need = 0
+            else:
+                parts.append(piece)
+                need -= len(piece)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class Keep(enum.IntEnum):
@@ -638,12 +665,13 @@ class Fetcher:
         batch_bytes = 0
         try:
             with self._open_range(pack, start, length) as body:
+                reader = _BlobReader(body)
                 pos = 0
                 for i, off, slen, rlen, cid in blobs:
                     if off > pos:
-                        _read_exact(body, off - pos)  # blobs in a gap nobody asked for (max_gap)
+                        reader.read_exact(off - pos)  # blobs in a gap nobody asked for (max_gap)
                         batch.append((-1, off - pos))  # type: ignore[arg-type]
-                    raw = _read_exact(body, slen)
+                    raw = reader.read_exact(slen)
                     pos = off + slen
                     try:
                         result: bytes | CorruptObject = self._decode_blob(memoryview(raw), rlen, cid)
