@@ -510,3 +510,33 @@ def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
     assert reader.read_exact(rest) == data[pos:]
     with pytest.raises(TransientError, match="ended 1 bytes early"):
         reader.read_exact(1)
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_prefetch_requests_stay_short_while_an_application_reads(reader):
+    """A trace request that starts next to a reader covers at most 4 MiB, so it gives the link back soon."""
+    class SlowApp(FakePacks):
+        def read_range(self, pack, offset, length):
+            data = super().read_range(pack, offset, length)
+            time.sleep(0.6 if pack == "app" else 0.01)
+            return data
+
+    fake = SlowApp()
+    trace = fake.add("tr", payloads(12, 1024 * KiB), compress=False)
+    (wanted,) = fake.add("app", payloads(1))
+    f = Fetcher(fake.read_range, max_requests=4, reserved_for_read=1)
+
+    async def body(nursery):
+        if reader:
+            f.prefetch([wanted], Priority.READ)
+            await trio.sleep(0.05)
+        for t in f.request(trace, Priority.TRACE):
+            await t.result()
+
+    run_with_fetcher(f, body)
+    spans = [n for p, _o, n in fake.calls if p == "tr"]
+    assert sum(spans) >= 12 * 1024 * KiB
+    if reader:
+        assert max(spans) <= 4 * 1024 * KiB + 64 and len(spans) >= 3
+    else:
+        assert len(spans) == 1  # nobody reading: one 12 MiB GET

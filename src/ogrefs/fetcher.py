@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 READ_QUIET_S = 0.05
 #: Readers with this many bytes on their way keep the link full by themselves: prefetch pauses.
 READ_FILLS_LINK = 4 * 1024 * 1024
+#: While an application reads from the store, a prefetch request covers at most this much.
+PREFETCH_RANGE_WHILE_READING = 4 * 1024 * 1024
 
 MiB = 1024 * 1024
 
@@ -541,6 +543,10 @@ class Fetcher:
         pack = p.ref.pack
         self._unqueue(p)
         gap = self.max_gap if p.bridge else 0
+        # while an application reads, prefetch requests stay short: one that starts just before the
+        # reader's read-ahead fills the link gives the link back within ~35 ms, not ~270 ms
+        limit = self.max_range if p.priority == Priority.READ or not self._reads_hot() else \
+            min(self.max_range, PREFETCH_RANGE_WHILE_READING)
         run = [p]
         start, end = p.ref.offset, p.ref.offset + p.ref.stored_len
         offsets = self._offsets.get(pack, [])
@@ -549,7 +555,7 @@ class Fetcher:
             if i == len(offsets) or offsets[i] - end > (gap if self._by_start[(pack, offsets[i])].bridge else 0):
                 break
             q = self._by_start[(pack, offsets[i])]
-            if q.ref.offset + q.ref.stored_len - start > self.max_range:
+            if q.ref.offset + q.ref.stored_len - start > limit:
                 break
             self._unqueue(q)
             run.append(q)
@@ -560,7 +566,7 @@ class Fetcher:
                 break
             q = self._by_start[(pack, offsets[i])]
             q_end = q.ref.offset + q.ref.stored_len
-            if start - q_end > (gap if q.bridge else 0) or end - q.ref.offset > self.max_range:
+            if start - q_end > (gap if q.bridge else 0) or end - q.ref.offset > limit:
                 break
             self._unqueue(q)
             run.insert(0, q)
