@@ -88,6 +88,22 @@ class StreamingPacks(FakePacks):
         return Reader()
 
 
+class SlowApp(FakePacks):
+    """Requests for pack "app" (an application's read) take ``app_delay`` s, others ``other_delay`` s.
+
+    The call is recorded when it starts, so a test sees what started while the reader waited.
+    """
+
+    def __init__(self, app_delay: float, other_delay: float) -> None:
+        super().__init__()
+        self.app_delay, self.other_delay = app_delay, other_delay
+
+    def read_range(self, pack, offset, length):
+        data = super().read_range(pack, offset, length)
+        time.sleep(self.app_delay if pack == "app" else self.other_delay)
+        return data
+
+
 def run_with_fetcher(fetcher: Fetcher, body) -> None:
     async def main():
         async with trio.open_nursery() as nursery:
@@ -418,13 +434,7 @@ def test_chunk_cache_is_shared_between_instances(tmp_path):
 
 def test_hints_and_background_yield_the_link_to_readers_but_traces_do_not():
     """While an application waits on the store, HINT/BACKGROUND start nothing new; TRACE does."""
-    class SlowApp(FakePacks):
-        def read_range(self, pack, offset, length):
-            data = super().read_range(pack, offset, length)  # records the call when it starts
-            time.sleep(0.4 if pack == "app" else 0.02)  # the reader's request takes long: room to misbehave
-            return data
-
-    fake = SlowApp()
+    fake = SlowApp(app_delay=0.4, other_delay=0.02)
     background = [fake.add(f"bg{i}", payloads(1))[0] for i in range(40)]  # one pack each: no coalescing
     trace = [fake.add(f"tr{i}", payloads(1))[0] for i in range(10)]
     (wanted,) = fake.add("app", payloads(1))
@@ -452,13 +462,7 @@ def test_hints_and_background_yield_the_link_to_readers_but_traces_do_not():
 @pytest.mark.parametrize("read_size", [64 * KiB, 6 * 1024 * KiB], ids=["small-read", "big-read"])
 def test_prefetch_pauses_while_a_reader_has_enough_on_its_way(read_size, priority):
     """Small reads leave one request to prefetch (the link would idle); a big read gets the whole link."""
-    class SlowApp(FakePacks):
-        def read_range(self, pack, offset, length):
-            data = super().read_range(pack, offset, length)
-            time.sleep(0.5 if pack == "app" else 0.02)
-            return data
-
-    fake = SlowApp()
+    fake = SlowApp(app_delay=0.5, other_delay=0.02)
     hints = [fake.add(f"h{i}", payloads(1))[0] for i in range(40)]
     wanted = fake.add("app", payloads(read_size // (64 * KiB)))
     f = Fetcher(fake.read_range, max_requests=4, reserved_for_read=1)
@@ -515,13 +519,7 @@ def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
 @pytest.mark.parametrize("reader", [False, True])
 def test_prefetch_requests_stay_short_while_an_application_reads(reader):
     """A trace request that starts next to a reader covers at most 4 MiB, so it gives the link back soon."""
-    class SlowApp(FakePacks):
-        def read_range(self, pack, offset, length):
-            data = super().read_range(pack, offset, length)
-            time.sleep(0.6 if pack == "app" else 0.01)
-            return data
-
-    fake = SlowApp()
+    fake = SlowApp(app_delay=0.6, other_delay=0.01)
     trace = fake.add("tr", payloads(12, 1024 * KiB), compress=False)
     (wanted,) = fake.add("app", payloads(1))
     f = Fetcher(fake.read_range, max_requests=4, reserved_for_read=1)

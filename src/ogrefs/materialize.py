@@ -278,10 +278,7 @@ class Materializer:
     # -- the vfs side ---------------------------------------------------------------------------
     def local_path(self, ino: int) -> bytes | None:
         """The local copy of regular file ``ino`` if it is complete (data durable, metadata applied), else None."""
-        if ino not in self._complete:
-            return None
-        row = self._db().execute("SELECT path FROM files WHERE ino=?", (ino,)).fetchone()
-        return self._dest(row[0]) if row else None
+        return self._tree_file(ino) if ino in self._complete else None
 
     def chunk_done(self, chunk: bytes) -> bool:
         """Whether ``chunk`` is in the tree at every place it belongs (durable, recorded)."""
@@ -289,8 +286,9 @@ class Materializer:
 
     def tree_path(self, ino: int) -> bytes | None:
         """The tree's file for regular file ``ino``, complete or not (its done chunks are in place)."""
-        if not self._done:
-            return None
+        return self._tree_file(ino) if self._done else None
+
+    def _tree_file(self, ino: int) -> bytes | None:
         row = self._db().execute("SELECT path FROM files WHERE ino=?", (ino,)).fetchone()
         return self._dest(row[0]) if row else None
 

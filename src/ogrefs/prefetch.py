@@ -172,30 +172,33 @@ class Prefetch:
         materializer's trace class goes on from there.  The LRU goes back to
         its size once the materializer is done.
         """
-        limit = max(self._base_memory, _memory_for_trace())
-        trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
-                         window_bytes=self.window_bytes, max_bytes=limit - self._base_memory // 2,
-                         keep=Keep.MEMORY, bridge=True)
-        self._replays["trace"] = trace
-        self.fetcher.set_memory_limit(limit)
         with scope:
-            await trace.run()
+            await self._replay_trace_in_memory(Keep.MEMORY)
+        trace = self._replays.get("trace")  # (also when the scope cut the replay short)
+        if trace is None:
+            return
         log.info("trace replayed into memory: %s in %d chunks (%d failed)%s", human_bytes(trace.stats.bytes_done),
                  trace.stats.chunks_done, trace.stats.failed,
                  "; the materializer goes on with the rest" if scope.cancelled_caught else "")
 
+    async def _replay_trace_in_memory(self, keep: Keep, max_bytes: int | None = None) -> Replayer:
+        """Grow the memory LRU for the trace and replay it at ``Priority.TRACE``; the caller shrinks it back."""
+        limit = max(self._base_memory, _memory_for_trace())
+        room = limit - self._base_memory // 2
+        trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
+                         window_bytes=self.window_bytes, max_bytes=room if max_bytes is None else min(max_bytes, room),
+                         keep=keep, bridge=True)
+        self._replays["trace"] = trace
+        self.fetcher.set_memory_limit(limit)
+        await trace.run()
+        return trace
+
     async def _warm_cache(self) -> None:
         """Without a local copy: the trace (held in a grown memory LRU and the disk cache), then hints."""
         budget = self.cache_budget
-        memory = max(self._base_memory, _memory_for_trace())
-        trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
-                         window_bytes=self.window_bytes, max_bytes=min(budget, memory - self._base_memory // 2),
-                         bridge=True)
-        self._replays["trace"] = trace
         if self.trace_entries:
             # the application's start-up reads the trace from memory, not through disk-cache loads
-            self.fetcher.set_memory_limit(memory)
-            await trace.run()
+            trace = await self._replay_trace_in_memory(Keep.ALL, budget)
             budget -= trace.stats.bytes_done
             await self._settle()  # then the start-up is over: the memory LRU back to its size
             self.fetcher.set_memory_limit(self._base_memory)
@@ -240,12 +243,3 @@ class Prefetch:
                 "eta_s": round((total - done) / rate, 1) if rate > 0 and self.state == "running" else None,
                 "trace_entries": len(self.trace_entries), "trace_dropped": trace.stats.dropped if trace else 0,
                 "failed_chunks": sum(r.stats.failed for r in self._replays.values())}
-
-
-async def run_prefetch(catalog: Catalog, fetcher: Fetcher, *, trace_entries: list[Entry] | None,
-                       materializer: Materializer | None, task_status=trio.TASK_STATUS_IGNORED) -> Prefetch:
-    """Functional form of ``Prefetch(...).run()``; ``await nursery.start(run_prefetch, ...)`` style callers
-    should use the class to keep a handle for ``stats()``."""
-    pf = Prefetch(catalog, fetcher, trace_entries=trace_entries, materializer=materializer)
-    await pf.run(task_status=task_status)
-    return pf

@@ -225,6 +225,13 @@ class _CatalogExtra:
         return b"/" + b"/".join(reversed(parts))
 
 
+async def _pread(fd: int, size: int, offset: int) -> bytes:
+    """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes, else in a worker thread."""
+    if size <= LOCAL_INLINE_READ:
+        return os.pread(fd, size, offset)
+    return await trio.to_thread.run_sync(os.pread, fd, size, offset)
+
+
 class SnapshotFS:
     """The file-system operations of one mounted snapshot."""
 
@@ -547,10 +554,7 @@ class SnapshotFS:
                 self.recorder.record(f.ino, off)
         assert f.local_fd is not None
         try:
-            if end - offset <= LOCAL_INLINE_READ:
-                data = os.pread(f.local_fd, end - offset, offset)
-            else:
-                data = await trio.to_thread.run_sync(os.pread, f.local_fd, end - offset, offset)
+            data = await _pread(f.local_fd, end - offset, offset)
         except OSError as exc:
             data = b""
             log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
@@ -583,10 +587,7 @@ class SnapshotFS:
         if f.partial_fd < 0:
             return None
         try:
-            if ext.length <= LOCAL_INLINE_READ:
-                data = os.pread(f.partial_fd, ext.length, ext.offset)
-            else:
-                data = await trio.to_thread.run_sync(os.pread, f.partial_fd, ext.length, ext.offset)
+            data = await _pread(f.partial_fd, ext.length, ext.offset)
         except OSError as exc:
             log.warning("local copy of inode %d: read failed (%s); reading from the store", f.ino, exc.strerror)
             return None
