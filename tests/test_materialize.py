@@ -6,6 +6,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -614,7 +615,7 @@ def test_root_inode_is_a_directory_in_the_tree(box, tmp_path):
 
 # -- one real mount ------------------------------------------------------------------------------------------------
 _MOUNT_CHILD = r"""
-import sys, trio
+import os, sys, trio
 from pathlib import Path
 from ogrefs import fuse_ops
 from ogrefs.catalog import Catalog
@@ -632,7 +633,8 @@ def gone(pack, off, n):
     raise NotFound(f"pack {pack}: the store is gone")
 
 fetcher = Fetcher(gone, retry_for=0)
-fs = SnapshotFS(cat, fetcher, local=Materializer(cat, fetcher, Path(state)))
+fs = SnapshotFS(cat, fetcher, local=Materializer(cat, fetcher, Path(state)),
+                page_cache=fuse_ops.store_in_page_cache if os.environ.get("OGREFS_TEST_PUSH") else None)
 ready = []
 ops = fuse_ops.FuseOps(fs, on_init=lambda: ready[0].set())
 fuse_ops.fuse_mount(ops, mp, fuse_ops.mount_options())
@@ -647,6 +649,7 @@ async def main():
             print("ready", flush=True)
 
         n.start_soon(announce)
+        n.start_soon(fs.run_pushes)
         await fuse_ops.serve()
         n.cancel_scope.cancel()
 
@@ -654,25 +657,43 @@ try:
     trio.run(main)
 finally:
     fuse_ops.fuse_close(unmount=True)
-print("requests", fetcher.stats.requests, "local opens", fs.stats.local_opens, flush=True)
+print("requests", fetcher.stats.requests, "local opens", fs.stats.local_opens, "reads", fs.stats.reads,
+      "pushed", fs.stats.page_cache_pushed, flush=True)
 """
 
 
 @pytest.mark.fuse
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not os.path.exists("/dev/fuse") or not ROOT, reason="needs /dev/fuse and root")
-def test_a_real_mount_of_a_materialized_snapshot_needs_no_store(box, tmp_path):
+def test_a_real_mount_of_a_materialized_snapshot_needs_no_store_and_crawls_from_the_page_cache(box, tmp_path):
+    """Reads of a crawl's small local files are served from the kernel's page cache, with the right bytes."""
     state = tmp_path / "state"
     m, _ = materialize(box, state)
     assert m.complete
-    mp = tmp_path / "mnt"
-    mp.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    with_push = _crawl_a_real_mount(box, state, tmp_path / "mnt", push=True)
+    without = _crawl_a_real_mount(box, state, tmp_path / "mnt", push=False)
+    assert without["pushed"] == 0 and with_push["pushed"] >= with_push["small"] - 2 * with_push["first"]
+    # every pushed file that was read afterwards was served by the kernel's page cache, not by a READ
+    assert with_push["reads"] <= without["reads"] - with_push["pushed"] + with_push["first"], (with_push, without)
+
+
+def _crawl_a_real_mount(box: Box, state: Path, mp: Path, *, push: bool) -> dict[str, int]:
+    """Mount (no store: only the local copy), open one small file per directory, then read everything."""
+    mp.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OGREFS_TEST_PUSH="1" if push else "")
     child = subprocess.Popen([sys.executable, "-c", _MOUNT_CHILD, box.repo_url, str(box.cache_root), box.snap_id,
                               str(state), str(mp)], env=env, stdout=subprocess.PIPE, text=True)
+    first = seen = small = 0
     try:
         assert child.stdout.readline().strip() == "ready"
-        seen = 0
+        for dirpath, _dirs, files in os.walk(mp / str(box.src).lstrip("/")):  # list, then open one file per dir
+            for name in sorted(files):
+                p = Path(dirpath) / name
+                if not p.is_symlink() and p.is_file() and 0 < p.stat().st_size <= 128 * 1024:
+                    p.read_bytes()
+                    first += 1
+                    break
+        time.sleep(1)  # the pushes run in the background
         for dirpath, _dirs, files in os.walk(box.src):
             for name in files:
                 p = Path(dirpath) / name
@@ -680,9 +701,12 @@ def test_a_real_mount_of_a_materialized_snapshot_needs_no_store(box, tmp_path):
                     continue
                 assert (mp / str(p).lstrip("/")).read_bytes() == p.read_bytes(), p
                 seen += 1
-        assert seen > 60
+                small += 0 < p.stat().st_size <= 128 * 1024
+        assert seen > 60 and small > 20
     finally:
         subprocess.run(["umount", str(mp)], capture_output=True)
         out, _ = child.communicate(timeout=30)
     assert child.returncode == 0
-    assert "requests 0 " in out and f"local opens {seen}" in out, out
+    assert "requests 0 " in out and f"local opens {seen + first}" in out, out
+    reads, pushed = (int(x) for x in re.search(r"reads (\d+) pushed (\d+)", out).groups())
+    return {"reads": reads, "pushed": pushed, "first": first, "small": small}

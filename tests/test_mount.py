@@ -339,6 +339,27 @@ def test_cli_errors_are_one_line(tmp_path, tree_repo, mounter):
     assert mounted_fstype(empty) is None
 
 
+def test_a_snapshot_without_xattrs_says_not_supported_and_one_with_them_shows_them(tmp_path, tree_repo, mounter):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "f").write_text("f")
+    tagged = tmp_path / "tagged"
+    tagged.mkdir()
+    (tagged / "f").write_text("f")
+    os.setxattr(tagged / "f", "user.tag", b"v")
+    mp = mounter.mount(snapshot(tree_repo, plain)["id"], tmp_path / "mnt-plain")
+    with pytest.raises(OSError) as e:  # the daemon answered ENOSYS once; the kernel says "not supported"
+        os.getxattr(under(mp, plain / "f"), "user.tag")
+    assert e.value.errno == errno.EOPNOTSUPP
+    assert os.listxattr(under(mp, plain / "f")) == []
+    assert under(mp, plain / "f").read_text() == "f"
+    mp2 = mounter.mount(snapshot(tree_repo, tagged)["id"], tmp_path / "mnt-tagged")
+    assert os.getxattr(under(mp2, tagged / "f"), "user.tag") == b"v"
+    with pytest.raises(OSError) as e:
+        os.getxattr(under(mp2, tagged / "f"), "user.other")
+    assert e.value.errno == errno.ENODATA
+
+
 def test_missing_dev_fuse_is_reported(monkeypatch, tmp_path):
     from ogrefs import mount as mount_mod
 

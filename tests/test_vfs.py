@@ -257,3 +257,190 @@ def test_errno_mapping_is_total():
     assert vfs_mod.errno_for(StoreError("x")) == errno.EIO
     assert vfs_mod.errno_for(PermissionError(errno.EACCES, "x")) == errno.EACCES
     assert vfs_mod.errno_for(ZeroDivisionError()) == errno.EIO
+
+
+# -- page-cache push: small local files of a crawled directory go to the kernel's page cache -------------------
+class SourceCopy:
+    """A LocalCopy whose complete local copies are the source files themselves (same bytes as the snapshot)."""
+
+    def __init__(self, cat: Catalog, src: Path, missing: set[bytes] = frozenset()) -> None:
+        self.paths = {node.ino: path for path, node in cat.walk() if node.is_reg and path.startswith(os.fsencode(src))
+                      and os.path.basename(path) not in missing}
+
+    def local_path(self, ino: int) -> bytes | None:
+        return self.paths.get(ino)
+
+    def chunk_done(self, chunk: bytes) -> bool:
+        return False
+
+    def tree_path(self, ino: int) -> bytes | None:
+        return None
+
+
+def run_pushing_fs(repo: Repository, cat: Catalog, local, body) -> dict[int, bytes]:
+    """Run ``body(fs)`` with pushes on; returns what went to the "page cache" (ino -> bytes), in order."""
+    pushed: dict[int, bytes] = {}
+    lock = __import__("threading").Lock()
+
+    def page_cache(ino: int, data: bytes) -> None:  # called in worker threads, like the adapter's
+        with lock:
+            assert ino not in pushed, "pushed twice"
+            pushed[ino] = bytes(data)
+
+    fetcher = Fetcher(repo.read_pack_range, None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            fs = SnapshotFS(cat, fetcher, local=local, page_cache=page_cache)
+            nursery.start_soon(fs.run_pushes)
+            await body(fs)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return pushed
+
+
+async def settle() -> None:
+    await trio.sleep(0.3)  # the push runs in a background task and a worker thread
+
+
+def test_opening_a_listed_small_local_file_pushes_its_listed_neighbours(snap):
+    repo, cat, src = snap
+    local = SourceCopy(cat, src, missing={b"f00007"})  # one neighbour is not local yet
+    seen: dict[str, int] = {}
+
+    async def body(fs):
+        d = await walk_to(fs, src / "bigdir")
+        listing = await list_dir(fs, d.node.ino)
+        first = listing[3][1]
+        fh = await fs.open(first, os.O_RDONLY)
+        assert await fs.read(fh, 0, 100) == b"3"
+        fs.release(fh)
+        await settle()
+        seen["inos"] = {ino: name for name, ino, _ in listing}
+        seen["first"] = first
+        # a second open in the same directory pushes nothing more
+        fh = await fs.open(listing[5][1], os.O_RDONLY)
+        fs.release(fh)
+        await settle()
+        seen["count"] = fs.stats.page_cache_pushed
+
+    pushed = run_pushing_fs(repo, cat, local, body)
+    names = seen["inos"]
+    assert seen["first"] not in pushed  # the file being opened is read as usual
+    assert names_of(pushed, names) == {n for n in names.values()} - {b"f00003", b"f00007"}
+    for ino, data in pushed.items():  # exactly each file's bytes
+        assert data == (src / "bigdir" / os.fsdecode(names[ino])).read_bytes()
+    assert seen["count"] == len(pushed) == 1298
+
+
+def names_of(pushed: dict[int, bytes], names: dict[int, bytes]) -> set[bytes]:
+    return {names[ino] for ino in pushed}
+
+
+def test_a_push_skips_files_the_kernel_was_not_told_about(snap):
+    repo, cat, src = snap
+    local = SourceCopy(cat, src)
+    got: dict[str, object] = {}
+
+    async def body(fs):
+        d = await walk_to(fs, src / "bigdir")
+        # only looked up, never listed: the kernel knows these two and nothing else in the directory
+        a = await fs.lookup(d.node.ino, b"f00010")
+        b = await fs.lookup(d.node.ino, b"f00011")
+        fh = await fs.open(a.node.ino, os.O_RDONLY)
+        fs.release(fh)
+        await settle()
+        got["only"] = b.node.ino
+
+    pushed = run_pushing_fs(repo, cat, local, body)
+    assert list(pushed) == [got["only"]]
+
+
+def test_a_push_stops_at_the_byte_cap_per_directory(snap, monkeypatch):
+    repo, cat, src = snap
+    monkeypatch.setattr(vfs_mod, "PUSH_DIR_MAX", 10 * 5)  # room for ten of the 5-byte files f01000...
+    got: dict[str, object] = {}
+
+    async def body(fs):
+        d = await walk_to(fs, src / "bigdir")
+        listing = await list_dir(fs, d.node.ino)
+        got["names"] = {i: n for n, i, _ in listing}
+        fh = await fs.open(listing[1000][1], os.O_RDONLY)
+        fs.release(fh)
+        await settle()
+
+    pushed = run_pushing_fs(repo, cat, SourceCopy(cat, src), body)
+    sizes = [len(v) for v in pushed.values()]
+    assert pushed and sum(sizes) <= 50
+    # name order: the first files of the listing (1-4 bytes each) until the next one would not fit
+    assert [got["names"][i] for i in pushed] == [b"f%05d" % i for i in range(len(pushed))]
+
+
+def test_inside_a_crawl_a_subdirectory_is_pushed_when_its_listing_ends_and_again_after_forget(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "other").mkdir()
+    for name in ("a", "b", "c", "sub/d", "sub/e", "other/f"):
+        (src / name).write_bytes(name.encode() * 10)
+    repo = Repository.init(f"memory://vfs-{secrets.token_hex(4)}", cache_root=tmp_path / "cache")
+    cat = Catalog(repo.catalog_path(take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)]))["id"]))
+    calls: list[bytes] = []
+    steps: dict[str, list[bytes]] = {}
+
+    def page_cache(ino: int, data: bytes) -> None:
+        calls.append(data)
+
+    async def body(fs):
+        other = await walk_to(fs, src / "other")
+        await list_dir(fs, other.node.ino)  # listed before any crawl started: nothing is pushed
+        top = await walk_to(fs, src)
+        top_list = {n: i for n, i, _ in await list_dir(fs, top.node.ino)}
+        fh = await fs.open(top_list[b"a"], os.O_RDONLY)  # the crawl starts: a's neighbours are pushed
+        fs.release(fh)
+        await settle()
+        steps["open"] = list(calls)
+        await list_dir(fs, top_list[b"sub"])  # listed to its end inside the crawl: pushed, nothing opened
+        await settle()
+        steps["listing"] = list(calls)
+        # the kernel forgot src (and the pages of its files with it): the next open pushes again
+        fs.forget([(top.node.ino, fs.lookup_count(top.node.ino))])
+        fh = await fs.open(top_list[b"a"], os.O_RDONLY)
+        fs.release(fh)
+        await settle()
+        steps["forget"] = list(calls)
+
+    fetcher = Fetcher(repo.read_pack_range, None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            fs = SnapshotFS(cat, fetcher, local=SourceCopy(cat, src), page_cache=page_cache)
+            nursery.start_soon(fs.run_pushes)
+            await body(fs)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sorted(steps["open"]) == [b"b" * 10, b"c" * 10]
+    assert sorted(steps["listing"][2:]) == [b"sub/d" * 10, b"sub/e" * 10]
+    assert sorted(steps["forget"][4:]) == [b"b" * 10, b"c" * 10]
+
+
+def test_a_snapshot_without_extended_attributes_answers_enosys(tmp_path):
+    """The kernel stops asking after ENOSYS (overlayfs asks every lower file for trusted.overlay.metacopy)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a")
+    repo = Repository.init(f"memory://vfs-{secrets.token_hex(4)}", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)]))
+    cat = Catalog(repo.catalog_path(m["id"]))
+
+    async def body(fs):
+        a = await walk_to(fs, src / "a")
+        with pytest.raises(FsError) as e:
+            await fs.getxattr(a.node.ino, b"trusted.overlay.metacopy")
+        assert e.value.errno == errno.ENOSYS
+        assert await fs.listxattr(a.node.ino) == []
+
+    run_fs(repo, cat, body)

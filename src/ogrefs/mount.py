@@ -425,7 +425,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     recorder = Recorder(catalog) if opts.save_trace else None
     materializer = (Materializer(catalog, fetcher, opts.state_dir)
                     if (opts.state_dir is not None and opts.materialize) else None)
-    fs = SnapshotFS(catalog, fetcher, recorder=recorder, local=materializer)
+    fs = SnapshotFS(catalog, fetcher, recorder=recorder, local=materializer,
+                    page_cache=fuse_ops.store_in_page_cache if materializer is not None else None)
     prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer,
                         idle_for=fs.idle_for)
     trace_saved: list[str | None] = []
@@ -449,6 +450,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                 "cache_misses": st["misses"], "chunks_in_flight": st["in_flight"], "chunks_queued": st["queued"],
                 "errors": st["errors"], "corrupt": st["corrupt"], "retries": st["retries"],
                 "cache_write_errors": st["cache_write_errors"], "local_opens": getattr(vs, "local_opens", 0),
+                "page_cache_pushed": vs.page_cache_pushed,
                 "materialize": prefetch.stats(), "trace_replayed": len(opts.trace_entries or []),
                 "trace_recording": bool(recorder and recorder.active)}
 
@@ -519,6 +521,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             nursery.start_soon(on_signals)
             nursery.start_soon(announce)
             nursery.start_soon(write_status)
+            nursery.start_soon(fs.run_pushes)
             await fuse_ops.serve()
             nursery.cancel_scope.cancel()
 

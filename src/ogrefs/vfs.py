@@ -23,10 +23,18 @@ previous one ended is sequential: the handle then asks the fetcher for the
 chunks of the next ``window`` bytes (doubling up to ``readahead_max``), which
 the fetcher coalesces into few ranged GETs.
 
+Fewer round trips: a snapshot without extended attributes answers getxattr
+with ENOSYS (the kernel stops asking), and the small complete local copies of
+a directory a program is crawling go into the kernel's page cache ahead of
+their reads (:meth:`SnapshotFS._push_siblings`; docs/mount.md).
+
 Who owns what: a SnapshotFS, its lookup counts and its handle tables belong to
 the trio loop; every method is called from trio tasks only.  Worker threads
 get the Catalog (thread-safe: one SQLite connection per thread) and an inode
-number or name, and return fresh lists.
+number or name, and return fresh lists.  The push channel belongs to the loop
+too: :meth:`SnapshotFS._queue_push` sends, :meth:`SnapshotFS.run_pushes` (a
+task in the mount's nursery) receives; its worker thread gets a tuple of
+(inode, path, size) and the adapter's store function, which is thread-safe.
 
 Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
 place that turns any exception into an errno for an adapter.
@@ -71,6 +79,11 @@ SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
 #: Reads of complete local copies up to this size are served inline (see the module docstring).
 LOCAL_INLINE_READ = 128 * 1024
+#: Page-cache push: complete local copies of files up to this size ...
+PUSH_FILE_MAX = 128 * 1024
+#: ... up to this many bytes per directory, go into the kernel's page cache together.
+PUSH_DIR_MAX = 16 * MiB
+PUSH_BATCH = 64  # files opened and read ahead at once
 
 
 class FsError(Exception):
@@ -116,6 +129,7 @@ class VfsStats:
     read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
     local_opens: int = 0  # opens served from the local copy (materialization)
     local_reads: int = 0
+    page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
 
 
 class AccessRecorder(Protocol):
@@ -155,10 +169,11 @@ class _OpenFile:
 
 
 class _OpenDir:
-    __slots__ = ("ino", "base", "entries", "complete")
+    __slots__ = ("ino", "base", "entries", "complete", "listed")
 
     def __init__(self, ino: int) -> None:
         self.ino = ino
+        self.listed = False  # the kernel has been told the end of the listing
         self.base = 0  # directory position of entries[0]
         self.entries: list[tuple[bytes, Attr]] = []
         self.complete = False  # entries reach the end of the directory
@@ -196,6 +211,16 @@ class _CatalogExtra:
         row = self._db().execute("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
         return row[0] if row else ROOT_INO
 
+    def small_files(self, parent: int, max_size: int, limit: int = 8192) -> list[tuple[int, int]]:
+        """(ino, size) of the non-empty regular files of directory ``parent`` up to ``max_size``, in name order."""
+        return self._db().execute(
+            "SELECT i.ino, i.size FROM dirents d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? "
+            "AND i.mode & 61440 = 32768 AND i.size > 0 AND i.size <= ? ORDER BY d.name LIMIT ?",
+            (parent, max_size, limit)).fetchall()
+
+    def has_xattrs(self) -> bool:
+        return self._db().execute("SELECT 1 FROM xattrs LIMIT 1").fetchone() is not None
+
     def small_sibling_refs(self, parent: int, max_chunk: int, max_bytes: int) -> list[ChunkRef]:
         """Chunks of the small files of directory ``parent``, in pack order, up to ``max_bytes`` stored."""
         rows = self._db().execute(
@@ -225,6 +250,40 @@ class _CatalogExtra:
         return b"/" + b"/".join(reversed(parts))
 
 
+def _push_files(store: Callable[[int, bytes], None], files: tuple[tuple[int, bytes, int], ...]) -> int:
+    """Worker thread: read each complete local copy (ino, path, size) and hand its bytes to ``store``.
+
+    Files go in batches: each batch is opened and announced to the kernel's
+    read-ahead first (WILLNEED), so a cold disk reads them in parallel rather
+    than one small read at a time.  A copy that cannot be read whole is
+    skipped (its reads then come as usual); so is an inode the kernel no longer
+    knows (``store`` raises OSError).  Returns how many files were stored.
+    """
+    done = 0
+    for i in range(0, len(files), PUSH_BATCH):
+        fds: list[tuple[int, int, int]] = []
+        try:
+            for ino, path, size in files[i:i + PUSH_BATCH]:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                except OSError:
+                    continue
+                fds.append((ino, fd, size))
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            for ino, fd, size in fds:
+                try:
+                    data = os.pread(fd, size + 1, 0)
+                    if len(data) == size:
+                        store(ino, data)
+                        done += 1
+                except OSError:
+                    continue
+        finally:
+            for _, fd, _ in fds:
+                os.close(fd)
+    return done
+
+
 async def _pread(fd: int, size: int, offset: int) -> bytes:
     """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes, else in a worker thread."""
     if size <= LOCAL_INLINE_READ:
@@ -237,12 +296,18 @@ class SnapshotFS:
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, *, readahead_max: int = 32 * MiB,
                  readahead_min: int = 4 * MiB, recorder: AccessRecorder | None = None,
-                 local: LocalCopy | None = None) -> None:
+                 local: LocalCopy | None = None,
+                 page_cache: Callable[[int, bytes], None] | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.recorder = recorder  # told the first chunks each read touches (access trace)
         self.local = local  # complete local copies of files are read from there, never from the store
         self._dirs_prefetched: set[int] = set()  # directories whose small files were requested together
+        # Puts a file's whole content into the kernel's page cache (the adapter's; thread-safe, called
+        # in worker threads only); its reads then never reach the daemon. None: no such thing.
+        self.page_cache = page_cache
+        self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
+        self._push_send, self._push_recv = trio.open_memory_channel[tuple[int, int]](64)
         self.readahead_max = readahead_max
         self.readahead_min = readahead_min
         self.stats = VfsStats()
@@ -255,6 +320,7 @@ class SnapshotFS:
         counts = catalog.counts()
         self._inode_count = counts["inodes"]
         self._data_bytes = self._extra._db().execute("SELECT coalesce(sum(raw_len), 0) FROM blobs").fetchone()[0]
+        self._has_xattrs = self._extra.has_xattrs()
 
     def idle_for(self) -> float:
         """Seconds since an application last asked the mount for anything (lookup, open, read, listing)."""
@@ -312,6 +378,8 @@ class SnapshotFS:
                 self._lookups[ino] = left
             else:
                 self._lookups.pop(ino, None)
+                # a directory the kernel forgot took its files' cached pages along: push again next time
+                self._dirs_pushed.discard(ino)
 
     def lookup_count(self, ino: int) -> int:
         return self._lookups.get(ino, 0)
@@ -327,6 +395,11 @@ class SnapshotFS:
         return node.target or b""
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if not self._has_xattrs:
+            # ENOSYS tells the kernel to stop asking (it then answers "not supported" itself):
+            # overlayfs asks every lower file it looks up for trusted.overlay.metacopy, one
+            # round trip each, for a snapshot that holds no extended attribute at all.
+            raise FsError(errno.ENOSYS)
         for n, value in self.catalog.xattrs(ino):
             if n == name:
                 return value
@@ -371,6 +444,9 @@ class SnapshotFS:
             i = pos - d.base
             if not 0 <= i < len(d.entries):
                 if i == len(d.entries) and d.complete:
+                    if not d.listed:
+                        d.listed = True
+                        self._listed(d.ino)
                     return
                 if i == len(d.entries) and d.entries:
                     after, skip = d.entries[-1][0], 0
@@ -418,6 +494,8 @@ class SnapshotFS:
                 f.local_fd = fd
                 self.stats.opens += 1
                 self.stats.local_opens += 1
+                if self.page_cache is not None and node.size <= PUSH_FILE_MAX:
+                    self._push_siblings(ino)
                 return fh
         if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
             extents = self.catalog.extents(ino) if node.size else []
@@ -446,6 +524,65 @@ class SnapshotFS:
                                              SIBLING_BYTES_MAX)
         if refs:
             self.fetcher.prefetch(refs, Priority.READ)
+
+    def _listed(self, ino: int) -> None:
+        """A listing of directory ``ino`` reached its end: inside a crawl, its small files go to the page cache now.
+
+        A crawl lists a directory, then opens its files in listing order.  When
+        the parent's files were pushed, this directory is most likely next, and
+        pushing at the listing puts its first files in the page cache before
+        their opens arrive, instead of racing them.
+        """
+        if self.page_cache is None or ino in self._dirs_pushed or ino == ROOT_INO:
+            return
+        if self._extra.parent_of(ino) in self._dirs_pushed:
+            self._queue_push(ino, 0)
+
+    def _push_siblings(self, ino: int) -> None:
+        """The first small local file opened in a directory sends its small local neighbours to the page cache.
+
+        A crawl (tar, rsync, an import of a big package) opens file after file
+        of one directory; each open, read and close is a round trip to this
+        daemon.  With the neighbours' bytes in the kernel's page cache their
+        reads are served there, so one round trip is left per file (the open).
+        Once per directory per mount, in the background (:meth:`run_pushes`).
+        """
+        parent = self._extra.parent_of(ino)
+        if parent not in self._dirs_pushed:
+            self._queue_push(parent, ino)
+
+    def _queue_push(self, parent: int, opened: int) -> None:
+        try:
+            self._push_send.send_nowait((parent, opened))
+        except trio.WouldBlock:
+            return  # busy: a later open in this directory asks again
+        self._dirs_pushed.add(parent)
+
+    async def run_pushes(self) -> None:
+        """Serve page-cache pushes until cancelled (a task in the mount's nursery)."""
+        async for parent, opened in self._push_recv:
+            try:
+                await self._push_dir(parent, opened)
+            except Exception as exc:  # noqa: BLE001 - a push only saves round trips
+                log.warning("page-cache push for directory inode %d failed: %s", parent, exc)
+
+    async def _push_dir(self, parent: int, opened: int) -> None:
+        assert self.local is not None and self.page_cache is not None
+        rows = await trio.to_thread.run_sync(self._extra.small_files, parent, PUSH_FILE_MAX)
+        files, total = [], 0
+        for ino, size in rows:
+            # only inodes the kernel holds (listed or looked up): it drops a push for any other
+            if ino == opened or ino not in self._lookups:
+                continue
+            path = self.local.local_path(ino)
+            if path is None:
+                continue
+            if total + size > PUSH_DIR_MAX:
+                break
+            files.append((ino, path, size))
+            total += size
+        if files:
+            self.stats.page_cache_pushed += await trio.to_thread.run_sync(_push_files, self.page_cache, tuple(files))
 
     def _open_local(self, node: Inode) -> int | None:
         """An fd of the complete local copy of ``node``, or None (then the store serves it).
