@@ -222,6 +222,11 @@ class Ticket:
         self._pending = pending
         self._data = data
 
+    @property
+    def ready(self) -> bool:
+        """Whether the chunk came from memory at once (nothing to wait for, nothing on its way)."""
+        return self._data is not None
+
     async def result(self) -> bytes:
         """The chunk's verified plaintext; raises :class:`FetchError`."""
         if self._data is not None:

@@ -22,6 +22,9 @@ slots for it):
 
 The link stays full: chunks are requested in pack-ordered groups (16 MiB)
 while less than ``window_bytes`` (96 MiB) are requested and not yet written.
+Chunks the memory LRU already holds (a trace or the hints, streamed before the
+tree existed) do not count against the window: they take no link time, and
+counting them would leave the link idle while the writer works through them.
 
 Durability.  The state lives in ``<state_dir>/materialize.sqlite``:
 
@@ -163,22 +166,49 @@ class _Item:
 
 
 class _Budget:
-    """Bytes requested from the fetcher and not yet written; the feeder waits while the window is full."""
+    """Bytes requested from the fetcher and not yet written; the feeder waits while the window is full.
+
+    ``used`` counts chunks on their way over the link (or arrived, not yet
+    written); ``ready`` counts chunks that came from memory, not yet written.
+    The window is ``limit`` plus ``ready``: while the writer works through a
+    backlog from memory (a trace or the hints streamed before the tree
+    existed), the link keeps fetching what comes after it instead of idling,
+    and holds at most as much again as the backlog being written.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.ready = 0
         self._changed = trio.Event()
 
     async def acquire(self, n: int) -> None:
-        while self.used > 0 and self.used + n > self.limit:
+        while self.used > 0 and self.used + n > self.limit + self.ready:
             await self._changed.wait()
         self.used += n
+
+    def add_ready(self, n: int) -> None:
+        self.ready += n
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def written(self, charged: int, ready: int) -> None:
+        self.used -= charged
+        self.ready -= ready
+        self._changed.set()
+        self._changed = trio.Event()
 
     def release(self, n: int) -> None:
         self.used -= n
         self._changed.set()
         self._changed = trio.Event()
+
+    def adjust(self, n: int) -> None:
+        """Charge ``n`` more bytes (or fewer, when negative) without waiting."""
+        if n > 0:
+            self.used += n
+        elif n < 0:
+            self.release(-n)
 
 
 class _Stop(Exception):
@@ -607,8 +637,8 @@ class Materializer:
     async def _pass(self) -> None:
         """Fetch and write every chunk not done yet: feeder -> collector -> writer, in order."""
         budget = _Budget(self.window_bytes)
-        items_send, items_recv = trio.open_memory_channel[tuple[_Item, Ticket]](math.inf)
-        batch_send, batch_recv = trio.open_memory_channel[list[tuple[_Item, bytes]]](1)
+        items_send, items_recv = trio.open_memory_channel[tuple[_Item, Ticket, bool]](math.inf)
+        batch_send, batch_recv = trio.open_memory_channel[tuple[list[tuple[_Item, bytes]], int]](1)
         self._stopped = False
         async with trio.open_nursery() as nursery:
             self._pass_scope = nursery.cancel_scope
@@ -637,7 +667,8 @@ class Materializer:
                     groups[-1].append(item)
                     size += item.ref.raw_len
                 for group in groups:
-                    size = sum(i.ref.raw_len for i in group)
+                    # the window counts what must come over the link: chunks in memory are ready
+                    size = sum(i.ref.raw_len for i in group if not self.fetcher.is_cached_in_memory(i.ref.chunk))
                     await budget.acquire(size)
                     if self._abort_pass:
                         budget.release(size)
@@ -647,22 +678,26 @@ class Materializer:
                     # so no chunk already on disk is fetched again.
                     tickets = self.fetcher.request([i.ref for i in group], _PRIORITY[group[0].cls],
                                                    keep=_KEEP[group[0].cls], bridge=self._fresh)
+                    # (a chunk evicted from memory since the check above is fetched after all: charge it)
+                    budget.adjust(sum(i.ref.raw_len for i, t in zip(group, tickets) if not t.ready) - size)
+                    budget.add_ready(sum(i.ref.raw_len for i, t in zip(group, tickets) if t.ready))
                     for i, t in zip(group, tickets):
-                        send.send_nowait((i, t))
+                        send.send_nowait((i, t, not t.ready))
 
     async def _collect(self, budget: _Budget, recv: trio.MemoryReceiveChannel,
                        send: trio.MemorySendChannel) -> None:
         batch: list[tuple[_Item, bytes]] = []
         size = 0
+        charged = 0  # of the batch's bytes, those counted against the window
 
         async def flush() -> None:
-            nonlocal batch, size
+            nonlocal batch, size, charged
             if batch:
-                await send.send(batch)
-                batch, size = [], 0
+                await send.send((batch, charged))
+                batch, size, charged = [], 0, 0
 
         async with send, recv:
-            current: tuple[_Item, Ticket] | None = None
+            current: tuple[_Item, Ticket, bool] | None = None
             while True:
                 if current is None:
                     if batch:
@@ -679,7 +714,7 @@ class Materializer:
                             current = await recv.receive()
                         except trio.EndOfChannel:
                             break
-                item, ticket = current
+                item, ticket, is_charged = current
                 try:
                     if batch:
                         data = None
@@ -692,12 +727,15 @@ class Materializer:
                         data = await ticket.result()
                 except FetchError as exc:
                     current = None
-                    budget.release(item.ref.raw_len)
+                    if is_charged:
+                        budget.release(item.ref.raw_len)
                     self._fetch_failed(item, exc)
                     continue
                 current = None
                 batch.append((item, data))
                 size += len(data)
+                if is_charged:
+                    charged += item.ref.raw_len
                 if size >= self.batch_bytes or len(batch) >= self.batch_chunks:
                     await flush()
             await flush()
@@ -715,7 +753,7 @@ class Materializer:
 
     async def _write(self, budget: _Budget, recv: trio.MemoryReceiveChannel) -> None:
         async with recv:
-            async for batch in recv:
+            async for batch, charged in recv:
                 try:
                     newly = await trio.to_thread.run_sync(self._write_batch, batch)
                 except (OSError, sqlite3.Error, OgrefsError) as exc:
@@ -723,11 +761,11 @@ class Materializer:
                     self._stopped = True
                     self._pass_scope.cancel()
                     return
-                n = 0
-                for item, data in batch:
-                    self._class_done[item.cls] += len(data)
-                    n += len(data)
-                budget.release(n)
+                total = 0
+                for item, _data in batch:
+                    self._class_done[item.cls] += item.ref.raw_len
+                    total += item.ref.raw_len
+                budget.written(charged, total - charged)
                 self._done.update(item.ref.chunk for item, _ in batch)
                 self._complete.update(newly)
                 self._sample()

@@ -116,9 +116,9 @@ class Prefetch:
         if m is not None and m.state != "not materializing":
             replay = trio.CancelScope()
             async with trio.open_nursery() as nursery:
-                if self.trace_entries and not await trio.to_thread.run_sync(m.is_built):
-                    # (once the tree exists, the materializer's trace class goes first instead)
-                    nursery.start_soon(self._trace_first, m, replay)
+                if not await trio.to_thread.run_sync(m.is_built):
+                    # (once the tree exists, the materializer's own classes go first instead)
+                    nursery.start_soon(self._stream_first, m, replay)
                 # the trace streams meanwhile; once the tree exists the materializer's own trace class
                 # takes over (taking what is in memory), so the replay held in memory is bounded by
                 # the application's start-up and the tree build, whatever the size of the trace
@@ -160,8 +160,8 @@ class Prefetch:
         finally:
             self.settling = False
 
-    async def _trace_first(self, m: Materializer, scope: trio.CancelScope) -> None:
-        """Replay the trace into memory before the materializer builds its tree.
+    async def _stream_first(self, m: Materializer, scope: trio.CancelScope) -> None:
+        """Replay the trace (or, with none, the hints) into memory before the materializer builds its tree.
 
         The tree (every directory and file of the snapshot, and the plan of
         what goes where) takes seconds of CPU to build; the trace is what the
@@ -171,25 +171,47 @@ class Prefetch:
         disk cache would be a third copy).  It stops when the tree exists: the
         materializer's trace class goes on from there.  The LRU goes back to
         its size once the materializer is done.
+
+        Without a trace the catalog's hints stream the same way, at
+        ``Priority.HINT``: the link is busy from the first second (the
+        materializer's hint class starts with the same chunks), and an
+        application that starts without a trace finds its environment
+        arriving meanwhile.
         """
         with scope:
-            await self._replay_trace_in_memory(Keep.MEMORY)
-        trace = self._replays.get("trace")  # (also when the scope cut the replay short)
-        if trace is None:
+            if self.trace_entries:
+                await self._replay_trace_in_memory(Keep.MEMORY)
+            else:
+                await self._replay_hints_in_memory()
+        name = "trace" if self.trace_entries else "hint"
+        r = self._replays.get(name)  # (also when the scope cut the replay short)
+        if r is None:
             return
-        log.info("trace replayed into memory: %s in %d chunks (%d failed)%s", human_bytes(trace.stats.bytes_done),
-                 trace.stats.chunks_done, trace.stats.failed,
+        log.info("%s replayed into memory: %s in %d chunks (%d failed)%s", name, human_bytes(r.stats.bytes_done),
+                 r.stats.chunks_done, r.stats.failed,
                  "; the materializer goes on with the rest" if scope.cancelled_caught else "")
+
+    def _grow_memory(self) -> int:
+        """Grow the memory LRU for a replay held in memory; returns the bytes a replay may take."""
+        limit = max(self._base_memory, _memory_for_trace())
+        self.fetcher.set_memory_limit(limit)
+        return limit - self._base_memory // 2
+
+    async def _replay_hints_in_memory(self) -> None:
+        room = self._grow_memory()
+        refs = await trio.to_thread.run_sync(hint_refs, self.catalog, room)
+        hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,
+                                   window_bytes=self.window_bytes, keep=Keep.MEMORY, bridge=True)
+        self._replays["hint"] = hints
+        await hints.run()
 
     async def _replay_trace_in_memory(self, keep: Keep, max_bytes: int | None = None) -> Replayer:
         """Grow the memory LRU for the trace and replay it at ``Priority.TRACE``; the caller shrinks it back."""
-        limit = max(self._base_memory, _memory_for_trace())
-        room = limit - self._base_memory // 2
+        room = self._grow_memory()
         trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
                          window_bytes=self.window_bytes, max_bytes=room if max_bytes is None else min(max_bytes, room),
                          keep=keep, bridge=True)
         self._replays["trace"] = trace
-        self.fetcher.set_memory_limit(limit)
         await trace.run()
         return trace
 
@@ -216,15 +238,18 @@ class Prefetch:
             out = self.materializer.stats()
             out["mode"] = "materialize"
             out["trace_entries"] = len(self.trace_entries)
-            trace = self._replays.get("trace")
-            if trace is not None and out["state"] in ("idle", "preparing"):
-                # the trace streams into memory before the tree exists: show it as the trace class
-                out["classes"]["trace"] = {"bytes_done": trace.stats.bytes_done,
-                                           "bytes_total": trace.stats.bytes_total}
-                if out["state"] == "idle":
-                    out["state"] = "replaying trace"
-            if self.settling and out["state"] == "idle":
-                out["state"] = "waiting for the application to settle"
+            idle = out["state"] == "idle"
+            doing = []
+            for name in ("trace", "hint"):
+                r = self._replays.get(name)
+                if r is not None and out["state"] in ("idle", "preparing"):
+                    # it streams into memory before the tree exists: show it as its class
+                    out["classes"][name] = {"bytes_done": r.stats.bytes_done, "bytes_total": r.stats.bytes_total}
+                    doing.append("replaying trace" if name == "trace" else "replaying hints")
+            if self.settling:
+                doing.append("waiting for the application to settle")
+            if idle and doing:
+                out["state"] = ", ".join(doing)
             return out
         classes = {name: {"bytes_done": 0, "bytes_total": 0} for name in CLASSES}
         for name, r in self._replays.items():
