@@ -637,6 +637,58 @@ def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path, monkey
     assert any(calls > 0 and backlog > 3 * window for backlog, calls in seen), seen
 
 
+def test_what_a_reader_fetches_is_adopted_into_the_tree_not_cached_and_never_fetched_again(box, tmp_path):
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    log = CallLog(box.repo.read_pack_range)
+    fetcher = Fetcher(log, cache)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=MiB, group_bytes=256 * 1024)
+    fetcher.adopter = m.adopt
+    refs = box.refs_of("data/shard2.bin")  # background class: the materializer gets there last
+    assert len(refs) >= 3
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(m.run)
+            with trio.fail_after(20):
+                while m.state != "running":
+                    await trio.sleep(0.005)
+            for ref in refs:  # an application reads the shard while the materializer works on the rest
+                assert len(await fetcher.get(ref, Priority.READ)) == ref.raw_len
+
+    run_trio(fetcher, body)
+    assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
+    assert m.adopted_chunks >= len(refs)
+    for ref in refs:
+        covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
+        assert len(covering) == 1, (ref, covering)  # fetched for the reader only: the tree took it from there
+        assert not cache.contains(ref.chunk)  # and the chunk cache did without it
+    assert done_chunks(tmp_path / "state") >= {r.chunk for r in refs}
+
+
+def test_adoption_stops_at_its_bound_and_the_cache_keeps_the_rest(box, tmp_path):
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    fetcher = Fetcher(box.repo.read_pack_range, cache)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=MiB, group_bytes=256 * 1024,
+                     adopt_bytes=1)  # room for nothing
+    fetcher.adopter = m.adopt
+    refs = box.refs_of("data/shard2.bin")
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(m.run)
+            with trio.fail_after(20):
+                while m.state != "running":
+                    await trio.sleep(0.005)
+            for ref in refs:
+                await fetcher.get(ref, Priority.READ)
+            await trio.sleep(0.2)
+            assert all(cache.contains(r.chunk) for r in refs)  # kept the usual way
+
+    run_trio(fetcher, body)
+    assert m.complete and m.adopted_chunks == 0
+    assert compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
+
+
 def test_request_keep_false_stays_out_of_the_caches_unless_a_reader_wants_it(box, tmp_path):
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     gate = threading.Event()

@@ -253,6 +253,10 @@ class Fetcher:
         self._read_range = read_range
         self._open_range: OpenRange = open_range or (lambda pack, off, n: BytesRange(read_range(pack, off, n)))
         self._decode_blob = decode
+        # Called on the loop with every chunk fetched from the store for a caller that keeps it (a
+        # reader, its read-ahead); True means it was taken (materialization writes it to its tree)
+        # and the chunk cache can do without it.
+        self.adopter: Callable[[ChunkRef, bytes], bool] | None = None
         self.cache = cache
         self.max_requests = max_requests
         self.reserved_for_read = reserved_for_read
@@ -464,6 +468,10 @@ class Fetcher:
             self._mem_put(p.ref.chunk, data)
         p.done.set()
 
+    def _adopted(self, p: _Pending, data: bytes) -> bool:
+        """Offer a chunk fetched from the store for a keeping caller to the adopter (materialization)."""
+        return self.adopter is not None and self.adopter(p.ref, data)
+
     def _fail(self, p: _Pending, error: FetchError) -> None:
         p.error = error
         self.stats.errors += 1
@@ -610,7 +618,7 @@ class Fetcher:
                 self._fetching -= 1
                 self.stats.chunks_fetched += 1
                 self._finish(p, result)
-                if self.cache is not None and p.keep >= Keep.ALL:
+                if p.keep >= Keep.ALL and not self._adopted(p, result) and self.cache is not None:
                     assert self._nursery is not None
                     self._nursery.start_soon(self._store, p.ref.chunk, result)
 
@@ -708,7 +716,7 @@ class Fetcher:
         else:
             self.stats.chunks_fetched += 1
             self._finish(p, data)
-            if self.cache is not None and p.keep >= Keep.ALL:
+            if p.keep >= Keep.ALL and not self._adopted(p, data) and self.cache is not None:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._store, p.ref.chunk, data)
         finally:

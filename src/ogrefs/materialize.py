@@ -43,6 +43,15 @@ fetched and written again: a restart with the same state directory never
 fetches a done chunk and never trusts an unrecorded one.  Files are served
 locally only when every one of their chunks is recorded done.
 
+Adoption.  A chunk fetched from the store for someone else (an application's
+read, its read-ahead) while a pass runs is handed to the materializer
+(:meth:`Materializer.adopt`, the fetcher's ``adopter`` hook) and written into
+the tree at once, by the same durable batch write, instead of going to the
+chunk cache and being loaded, verified and copied from there later.  A chunk
+is claimed by one writer only: the feeder skips adopted chunks, adoption
+skips chunks the feeder has requested.  At most ``adopt_bytes`` wait to be
+written; beyond that a chunk goes to the chunk cache as before.
+
 Disk space.  Before anything is written, the bytes still needed (data of the
 chunks not yet done, per target file) plus a margin are compared with the free
 space of the state directory; if they do not fit, nothing is materialized and
@@ -55,7 +64,10 @@ Who owns what: a Materializer and its counters belong to the trio loop.  Its
 worker-thread calls (tree building, batch writes with their fsyncs, metadata,
 SQLite) get immutable inputs (bytes, tuples) and return new objects; each
 thread uses its own SQLite connection, and only one writes at a time (the
-single writer task, or the preparation before it starts).
+writer task and the adoption writer take turns under ``_write_lock``; the
+preparation runs before either starts).  ``_claimed`` (chunks requested by the
+feeder or adopted, not yet recorded done) and the adoption queue belong to
+the loop as well.
 """
 
 from __future__ import annotations
@@ -228,7 +240,8 @@ class Materializer:
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, state_dir: Path, *, window_bytes: int = 96 * MiB,
                  group_bytes: int = 16 * MiB, batch_bytes: int = 16 * MiB, batch_chunks: int = 1024,
-                 reserve_bytes: int | None = None, flush_after: float = 0.2, retry_delay: float = 10.0) -> None:
+                 reserve_bytes: int | None = None, flush_after: float = 0.2, retry_delay: float = 10.0,
+                 adopt_bytes: int = 64 * MiB) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.state_dir = Path(state_dir)
@@ -240,6 +253,14 @@ class Materializer:
         self.reserve_bytes = reserve_bytes
         self.flush_after = flush_after
         self.retry_delay = retry_delay
+        self.adopt_bytes = adopt_bytes
+        self.adopted_chunks = 0
+        self._claimed: set[bytes] = set()  # requested by the feeder or adopted, not yet recorded done
+        self._adopted: list[tuple[ChunkRef, bytes]] = []
+        self._adopted_size = 0
+        self._adopting = False  # a pass is running: its writers take adopted chunks
+        self._adopt_wakeup = trio.Event()
+        self._write_lock = trio.Lock()
         self.state = "idle"
         self.reason: str | None = None
         self.complete = False
@@ -314,6 +335,24 @@ class Materializer:
         """Whether ``chunk`` is in the tree at every place it belongs (durable, recorded)."""
         return chunk in self._done
 
+    def adopt(self, ref: ChunkRef, data: bytes) -> bool:
+        """Take a chunk the fetcher got from the store for someone else; True if it will be written to the tree.
+
+        On the trio loop (the fetcher's ``adopter`` hook).  False when no pass
+        is running, the chunk is done or claimed already, or ``adopt_bytes``
+        are waiting: the caller keeps it (chunk cache) as before.
+        """
+        chunk = ref.chunk
+        if not self._adopting or chunk in self._done or chunk in self._claimed:
+            return False
+        if self._adopted_size + len(data) > self.adopt_bytes:
+            return False
+        self._claimed.add(chunk)
+        self._adopted.append((ref, data))
+        self._adopted_size += len(data)
+        self._adopt_wakeup.set()
+        return True
+
     def tree_path(self, ino: int) -> bytes | None:
         """The tree's file for regular file ``ino``, complete or not (its done chunks are in place)."""
         return self._tree_file(ino) if self._done else None
@@ -347,6 +386,7 @@ class Materializer:
                         for i, name in enumerate(CLASSES)},
             "bytes_done": done, "bytes_total": total, "rate_bps": round(rate), "eta_s": None if eta is None else round(eta, 1),
             "files_complete": len(self._complete), "files_total": self.files_total, "failed_chunks": self.failed_chunks,
+            "adopted_chunks": self.adopted_chunks,
         }
 
     # -- running --------------------------------------------------------------------------------
@@ -623,16 +663,37 @@ class Materializer:
                               f"ORDER BY {_ORDER} LIMIT ?", (*after, limit)).fetchall()
         if not rows:
             return [], None
-        targets: dict[bytes, list[tuple[int, int, bytes]]] = {}
-        marks = ",".join("?" * len(rows))
-        for chunk, ino, off, path in db.execute(
-                f"SELECT t.chunk, t.ino, t.off, f.path FROM targets t JOIN files f ON f.ino = t.ino "
-                f"WHERE t.chunk IN ({marks})", [r[1] for r in rows]):
-            targets.setdefault(chunk, []).append((ino, off, path))
+        targets = self._targets(db, [r[1] for r in rows])
         items = [_Item(id_, ChunkRef(chunk, pack, poff, slen, rlen), cls, tuple(targets.get(chunk, ())))
                  for id_, chunk, pack, poff, slen, rlen, cls, _seq in rows]
         id_, _c, pack, poff, _s, _r, cls, seq = rows[-1]
         return items, (cls, seq, pack, poff, id_)
+
+    @staticmethod
+    def _targets(db: sqlite3.Connection, chunks: list[bytes]) -> dict[bytes, list[tuple[int, int, bytes]]]:
+        targets: dict[bytes, list[tuple[int, int, bytes]]] = {}
+        marks = ",".join("?" * len(chunks))
+        for chunk, ino, off, path in db.execute(
+                f"SELECT t.chunk, t.ino, t.off, f.path FROM targets t JOIN files f ON f.ino = t.ino "
+                f"WHERE t.chunk IN ({marks})", chunks):
+            targets.setdefault(chunk, []).append((ino, off, path))
+        return targets
+
+    def _adopted_items(self, refs: tuple[ChunkRef, ...]) -> list[_Item | None]:
+        """Worker thread: the plan rows of adopted chunks (None for a chunk the plan does not hold, or done)."""
+        db = self._db()
+        rows = {}
+        for i in range(0, len(refs), 500):
+            part = [r.chunk for r in refs[i:i + 500]]
+            marks = ",".join("?" * len(part))
+            rows.update((chunk, (id_, cls)) for id_, chunk, cls in db.execute(
+                f"SELECT id, chunk, cls FROM chunks WHERE done=0 AND chunk IN ({marks})", part))
+        targets = self._targets(db, list(rows))
+        out: list[_Item | None] = []
+        for ref in refs:
+            row = rows.get(ref.chunk)
+            out.append(None if row is None else _Item(row[0], ref, row[1], tuple(targets.get(ref.chunk, ()))))
+        return out
 
     async def _pass(self) -> None:
         """Fetch and write every chunk not done yet: feeder -> collector -> writer, in order."""
@@ -640,11 +701,19 @@ class Materializer:
         items_send, items_recv = trio.open_memory_channel[tuple[_Item, Ticket, bool]](math.inf)
         batch_send, batch_recv = trio.open_memory_channel[tuple[list[tuple[_Item, bytes]], int]](1)
         self._stopped = False
-        async with trio.open_nursery() as nursery:
-            self._pass_scope = nursery.cancel_scope
-            nursery.start_soon(self._feed, budget, items_send)
-            nursery.start_soon(self._collect, budget, items_recv, batch_send)
-            nursery.start_soon(self._write, budget, batch_recv)
+        self._claimed = set()
+        async with trio.open_nursery() as outer:
+            self._pass_scope = outer.cancel_scope
+            self._adopting = True
+            outer.start_soon(self._write_adopted)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._feed, budget, items_send)
+                    nursery.start_soon(self._collect, budget, items_recv, batch_send)
+                    nursery.start_soon(self._write, budget, batch_recv)
+            finally:
+                self._adopting = False  # no more; the adoption writer drains what it has and ends
+                self._adopt_wakeup.set()
         if self._stopped:
             raise _Stop(self.reason)
 
@@ -659,8 +728,8 @@ class Materializer:
                 groups: list[list[_Item]] = []
                 size = 0
                 for item in page:
-                    if item.id in self._failed:
-                        continue
+                    if item.id in self._failed or item.ref.chunk in self._claimed or item.ref.chunk in self._done:
+                        continue  # (adopted meanwhile, or written since the page was read)
                     if not groups or item.cls != groups[-1][0].cls or size + item.ref.raw_len > self.group_bytes:
                         groups.append([])
                         size = 0
@@ -676,6 +745,12 @@ class Materializer:
                     # A fresh tree's GETs may bridge small gaps (what is in them was fetched by this
                     # run, e.g. the trace chunks among a venv's files); after a restart they never do,
                     # so no chunk already on disk is fetched again.
+                    # adopted (and perhaps written) while the window was full
+                    group = [i for i in group if i.ref.chunk not in self._claimed and i.ref.chunk not in self._done]
+                    if not group:
+                        budget.release(size)
+                        continue
+                    self._claimed.update(i.ref.chunk for i in group)
                     tickets = self.fetcher.request([i.ref for i in group], _PRIORITY[group[0].cls],
                                                    keep=_KEEP[group[0].cls], bridge=self._fresh)
                     # (a chunk evicted from memory since the check above is fetched after all: charge it)
@@ -729,6 +804,7 @@ class Materializer:
                     current = None
                     if is_charged:
                         budget.release(item.ref.raw_len)
+                    self._claimed.discard(item.ref.chunk)
                     self._fetch_failed(item, exc)
                     continue
                 current = None
@@ -754,21 +830,55 @@ class Materializer:
     async def _write(self, budget: _Budget, recv: trio.MemoryReceiveChannel) -> None:
         async with recv:
             async for batch, charged in recv:
-                try:
-                    newly = await trio.to_thread.run_sync(self._write_batch, batch)
-                except (OSError, sqlite3.Error, OgrefsError) as exc:
-                    self._stop(exc, "writing the local tree")
-                    self._stopped = True
-                    self._pass_scope.cancel()
+                if not await self._write_locked(batch):
                     return
-                total = 0
-                for item, _data in batch:
-                    self._class_done[item.cls] += item.ref.raw_len
-                    total += item.ref.raw_len
-                budget.written(charged, total - charged)
-                self._done.update(item.ref.chunk for item, _ in batch)
-                self._complete.update(newly)
-                self._sample()
+                budget.written(charged, sum(item.ref.raw_len for item, _ in batch) - charged)
+
+    async def _write_locked(self, batch: list[tuple[_Item, bytes]]) -> bool:
+        """Write one batch (taking turns with the other writer) and record it here; False if the pass stops."""
+        try:
+            async with self._write_lock:
+                newly = await trio.to_thread.run_sync(self._write_batch, batch)
+        except (OSError, sqlite3.Error, OgrefsError) as exc:
+            self._stop(exc, "writing the local tree")
+            self._stopped = True
+            assert self._pass_scope is not None
+            self._pass_scope.cancel()
+            return False
+        for item, _data in batch:
+            self._class_done[item.cls] += item.ref.raw_len
+            self._done.add(item.ref.chunk)
+            self._claimed.discard(item.ref.chunk)
+        self._complete.update(newly)
+        self._sample()
+        return True
+
+    async def _write_adopted(self) -> None:
+        """Write adopted chunks into the tree in batches until the pass ends and nothing is left."""
+        while True:
+            if not self._adopted:
+                if not self._adopting:
+                    return
+                self._adopt_wakeup = trio.Event()
+                await self._adopt_wakeup.wait()
+                continue
+            take, size = [], 0
+            while self._adopted and (not take or size < self.batch_bytes) and len(take) < self.batch_chunks:
+                ref, data = self._adopted.pop(0)
+                take.append((ref, data))
+                size += len(data)
+            items = await trio.to_thread.run_sync(self._adopted_items, tuple(r for r, _ in take))
+            batch = []
+            for (ref, data), item in zip(take, items):
+                if item is None:
+                    self._claimed.discard(ref.chunk)
+                else:
+                    batch.append((item, data))
+            ok = not batch or await self._write_locked(batch)
+            self._adopted_size -= size
+            self.adopted_chunks += len(batch)
+            if not ok:
+                return
 
     def _write_batch(self, batch: list[tuple[_Item, bytes]]) -> list[int]:
         """Worker thread: write, fdatasync, then record done; returns the inodes that became complete."""
@@ -789,10 +899,14 @@ class Materializer:
             for fd in fds.values():
                 os.close(fd)
         db = self._db()
-        pending = Counter(ino for item, _ in batch for ino, _o, _p in item.targets)
+        pending: Counter[int] = Counter()
         db.execute("BEGIN")
         try:
-            db.executemany("UPDATE chunks SET done=1 WHERE id=?", [(item.id,) for item, _ in batch])
+            for item, _ in batch:
+                # only a chunk that was not done yet counts towards its files (never twice: a file must
+                # not look complete before every one of its chunks is in place)
+                if db.execute("UPDATE chunks SET done=1 WHERE id=? AND done=0", (item.id,)).rowcount:
+                    pending.update(ino for ino, _o, _p in item.targets)
             db.executemany("UPDATE files SET pending=pending-? WHERE ino=?", [(n, ino) for ino, n in pending.items()])
             db.execute("COMMIT")
         except BaseException:

@@ -425,6 +425,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     recorder = Recorder(catalog) if opts.save_trace else None
     materializer = (Materializer(catalog, fetcher, opts.state_dir)
                     if (opts.state_dir is not None and opts.materialize) else None)
+    if materializer is not None:
+        fetcher.adopter = materializer.adopt  # what readers fetch goes to the tree at once, not via the cache
     fs = SnapshotFS(catalog, fetcher, recorder=recorder, local=materializer,
                     page_cache=fuse_ops.store_in_page_cache if materializer is not None else None)
     prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer,
