@@ -665,6 +665,45 @@ def test_what_a_reader_fetches_is_adopted_into_the_tree_not_cached_and_never_fet
     assert done_chunks(tmp_path / "state") >= {r.chunk for r in refs}
 
 
+def test_a_chunk_fetched_for_the_tree_but_not_yet_written_is_read_from_hand_not_fetched_again(box, tmp_path,
+                                                                                                 monkeypatch):
+    log = CallLog(box.repo.read_pack_range)
+    fetcher = Fetcher(log)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=64 * MiB)
+    gate = threading.Event()
+    real_write = Materializer._write_batch
+
+    def held_write(self, batch):
+        gate.wait(20)  # the writer is slow: fetched chunks wait in hand
+        return real_write(self, batch)
+
+    monkeypatch.setattr(Materializer, "_write_batch", held_write)
+    fs = SnapshotFS(box.catalog, fetcher, local=m)
+    path = box.path("data/shard1.bin")
+    node = box.catalog.resolve(path)
+    ref = box.refs_of("data/shard1.bin")[0]
+    got: dict[str, object] = {}
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(m.run)
+            with trio.fail_after(20):
+                while m.chunk_in_hand(ref.chunk) is None:
+                    await trio.sleep(0.01)
+            got["calls"] = len(log.calls)
+            fh = await fs.open(node.ino, os.O_RDONLY)
+            got["data"] = bytes(await fs.read(fh, 0, ref.raw_len))
+            fs.release(fh)
+            got["after"] = len(log.calls)
+            gate.set()
+
+    run_trio(fetcher, body)
+    assert got["data"] == Path(os.fsdecode(path)).read_bytes()[:ref.raw_len]
+    covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
+    assert len(covering) == 1, covering  # the materializer's GET only
+    assert m.complete and m.chunk_in_hand(ref.chunk) is None
+
+
 def test_adoption_stops_at_its_bound_and_the_cache_keeps_the_rest(box, tmp_path):
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     fetcher = Fetcher(box.repo.read_pack_range, cache)

@@ -216,6 +216,9 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
         def chunk_done(self, chunk):
             return False
 
+        def chunk_in_hand(self, chunk):
+            return None
+
         def tree_path(self, i):
             return None
 

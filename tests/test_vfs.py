@@ -273,6 +273,9 @@ class SourceCopy:
     def chunk_done(self, chunk: bytes) -> bool:
         return False
 
+    def chunk_in_hand(self, chunk: bytes) -> bytes | None:
+        return None
+
     def tree_path(self, ino: int) -> bytes | None:
         return None
 

@@ -256,6 +256,7 @@ class Materializer:
         self.adopt_bytes = adopt_bytes
         self.adopted_chunks = 0
         self._claimed: set[bytes] = set()  # requested by the feeder or adopted, not yet recorded done
+        self._in_hand: dict[bytes, bytes] = {}  # claimed chunks whose bytes are here, until recorded done
         self._adopted: list[tuple[ChunkRef, bytes]] = []
         self._adopted_size = 0
         self._adopting = False  # a pass is running: its writers take adopted chunks
@@ -335,6 +336,15 @@ class Materializer:
         """Whether ``chunk`` is in the tree at every place it belongs (durable, recorded)."""
         return chunk in self._done
 
+    def chunk_in_hand(self, chunk: bytes) -> bytes | None:
+        """The verified bytes of ``chunk`` if it was fetched for the tree and is not yet recorded done.
+
+        Between its arrival and its durable write a chunk is in neither the
+        tree nor any cache; a reader asking for it then gets it from here
+        instead of fetching it a second time.
+        """
+        return self._in_hand.get(chunk)
+
     def adopt(self, ref: ChunkRef, data: bytes) -> bool:
         """Take a chunk the fetcher got from the store for someone else; True if it will be written to the tree.
 
@@ -348,6 +358,7 @@ class Materializer:
         if self._adopted_size + len(data) > self.adopt_bytes:
             return False
         self._claimed.add(chunk)
+        self._in_hand[chunk] = data
         self._adopted.append((ref, data))
         self._adopted_size += len(data)
         self._adopt_wakeup.set()
@@ -702,6 +713,7 @@ class Materializer:
         batch_send, batch_recv = trio.open_memory_channel[tuple[list[tuple[_Item, bytes]], int]](1)
         self._stopped = False
         self._claimed = set()
+        self._in_hand = {}
         async with trio.open_nursery() as outer:
             self._pass_scope = outer.cancel_scope
             self._adopting = True
@@ -714,6 +726,7 @@ class Materializer:
             finally:
                 self._adopting = False  # no more; the adoption writer drains what it has and ends
                 self._adopt_wakeup.set()
+        self._in_hand = {}  # (empty unless the pass stopped: a write failed, or it was cancelled)
         if self._stopped:
             raise _Stop(self.reason)
 
@@ -808,6 +821,7 @@ class Materializer:
                     self._fetch_failed(item, exc)
                     continue
                 current = None
+                self._in_hand[item.ref.chunk] = data
                 batch.append((item, data))
                 size += len(data)
                 if is_charged:
@@ -849,6 +863,7 @@ class Materializer:
             self._class_done[item.cls] += item.ref.raw_len
             self._done.add(item.ref.chunk)
             self._claimed.discard(item.ref.chunk)
+            self._in_hand.pop(item.ref.chunk, None)
         self._complete.update(newly)
         self._sample()
         return True
@@ -872,6 +887,7 @@ class Materializer:
             for (ref, data), item in zip(take, items):
                 if item is None:
                     self._claimed.discard(ref.chunk)
+                    self._in_hand.pop(ref.chunk, None)
                 else:
                     batch.append((item, data))
             ok = not batch or await self._write_locked(batch)

@@ -148,6 +148,8 @@ class LocalCopy(Protocol):
 
     def chunk_done(self, chunk: bytes) -> bool: ...
 
+    def chunk_in_hand(self, chunk: bytes) -> bytes | None: ...
+
     def tree_path(self, ino: int) -> bytes | None: ...
 
 
@@ -648,8 +650,8 @@ class SnapshotFS:
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together
             refs = [f.refs[k] for k in wanted] + ahead
-            if local is not None:  # chunks the materializer has written are read from its tree, not fetched
-                refs = [r for r in refs if not local.chunk_done(r.chunk)]
+            if local is not None:  # chunks the materializer has (written or about to be) are not fetched
+                refs = [r for r in refs if not local.chunk_done(r.chunk) and local.chunk_in_hand(r.chunk) is None]
             self.fetcher.prefetch(refs, Priority.READ)
         parts: list[bytes | memoryview] = []
         pos = offset
@@ -665,6 +667,8 @@ class SnapshotFS:
                 elif local is not None and local.chunk_done(chunk) and (
                         tree := await self._read_done_chunk(f, ext)) is not None:
                     data = tree
+                elif local is not None and (held := local.chunk_in_hand(chunk)) is not None:
+                    data = held  # fetched by the materializer, on its way into the tree
                 else:
                     t0 = trio.current_time()
                     data = await self.fetcher.get(f.refs[k], Priority.READ)
