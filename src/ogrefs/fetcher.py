@@ -188,6 +188,7 @@ class FetchStats:
     misses: int = 0  # chunks that needed a store request
     requests: int = 0  # ranged GETs that returned data
     bytes_fetched: int = 0  # bytes those GETs returned
+    bytes_bridged: int = 0  # of those, bytes of gaps read across and dropped (bridged requests)
     chunks_fetched: int = 0  # chunks decoded and verified from the store
     retries: int = 0  # store requests repeated after a transient failure
     corrupt: int = 0  # blobs that failed verification
@@ -226,6 +227,13 @@ class Ticket:
     def ready(self) -> bool:
         """Whether the chunk came from memory at once (nothing to wait for, nothing on its way)."""
         return self._data is not None
+
+    def peek(self) -> bytes | None:
+        """The chunk's verified plaintext if it has arrived, else None (never waits, never raises)."""
+        if self._data is not None:
+            return self._data
+        p = self._pending
+        return p.data if p is not None and p.error is None else None
 
     async def result(self) -> bytes:
         """The chunk's verified plaintext; raises :class:`FetchError`."""
@@ -604,6 +612,7 @@ class Fetcher:
             for i, result in batch:
                 if i < 0:  # bytes of a gap, read and dropped
                     self.stats.bytes_fetched += result  # type: ignore[operator]
+                    self.stats.bytes_bridged += result  # type: ignore[operator]
                     continue
                 delivered[i] = True
                 p = run[i]

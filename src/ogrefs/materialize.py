@@ -256,7 +256,8 @@ class Materializer:
         self.adopt_bytes = adopt_bytes
         self.adopted_chunks = 0
         self._claimed: set[bytes] = set()  # requested by the feeder or adopted, not yet recorded done
-        self._in_hand: dict[bytes, bytes] = {}  # claimed chunks whose bytes are here, until recorded done
+        self._in_hand: dict[bytes, bytes] = {}  # adopted chunks, until recorded done
+        self._tickets: dict[bytes, Ticket] = {}  # chunks the feeder requested, until recorded done
         self._adopted: list[tuple[ChunkRef, bytes]] = []
         self._adopted_size = 0
         self._adopting = False  # a pass is running: its writers take adopted chunks
@@ -340,10 +341,14 @@ class Materializer:
         """The verified bytes of ``chunk`` if it was fetched for the tree and is not yet recorded done.
 
         Between its arrival and its durable write a chunk is in neither the
-        tree nor any cache; a reader asking for it then gets it from here
-        instead of fetching it a second time.
+        tree nor any cache (the collector takes tickets in order, so one that
+        arrived may wait behind others); a reader asking for it then gets it
+        from here instead of fetching it a second time.
         """
-        return self._in_hand.get(chunk)
+        data = self._in_hand.get(chunk)
+        if data is None and (ticket := self._tickets.get(chunk)) is not None:
+            data = ticket.peek()
+        return data
 
     def adopt(self, ref: ChunkRef, data: bytes) -> bool:
         """Take a chunk the fetcher got from the store for someone else; True if it will be written to the tree.
@@ -713,7 +718,7 @@ class Materializer:
         batch_send, batch_recv = trio.open_memory_channel[tuple[list[tuple[_Item, bytes]], int]](1)
         self._stopped = False
         self._claimed = set()
-        self._in_hand = {}
+        self._in_hand, self._tickets = {}, {}
         async with trio.open_nursery() as outer:
             self._pass_scope = outer.cancel_scope
             self._adopting = True
@@ -726,7 +731,7 @@ class Materializer:
             finally:
                 self._adopting = False  # no more; the adoption writer drains what it has and ends
                 self._adopt_wakeup.set()
-        self._in_hand = {}  # (empty unless the pass stopped: a write failed, or it was cancelled)
+        self._in_hand, self._tickets = {}, {}  # (empty unless the pass stopped: a write failed, or cancelled)
         if self._stopped:
             raise _Stop(self.reason)
 
@@ -770,6 +775,7 @@ class Materializer:
                     budget.adjust(sum(i.ref.raw_len for i, t in zip(group, tickets) if not t.ready) - size)
                     budget.add_ready(sum(i.ref.raw_len for i, t in zip(group, tickets) if t.ready))
                     for i, t in zip(group, tickets):
+                        self._tickets[i.ref.chunk] = t
                         send.send_nowait((i, t, not t.ready))
 
     async def _collect(self, budget: _Budget, recv: trio.MemoryReceiveChannel,
@@ -818,10 +824,10 @@ class Materializer:
                     if is_charged:
                         budget.release(item.ref.raw_len)
                     self._claimed.discard(item.ref.chunk)
+                    self._tickets.pop(item.ref.chunk, None)
                     self._fetch_failed(item, exc)
                     continue
                 current = None
-                self._in_hand[item.ref.chunk] = data
                 batch.append((item, data))
                 size += len(data)
                 if is_charged:
@@ -864,6 +870,7 @@ class Materializer:
             self._done.add(item.ref.chunk)
             self._claimed.discard(item.ref.chunk)
             self._in_hand.pop(item.ref.chunk, None)
+            self._tickets.pop(item.ref.chunk, None)
         self._complete.update(newly)
         self._sample()
         return True
