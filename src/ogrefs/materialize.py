@@ -760,15 +760,15 @@ class Materializer:
                     if self._abort_pass:
                         budget.release(size)
                         return
-                    # A fresh tree's GETs may bridge small gaps (what is in them was fetched by this
-                    # run, e.g. the trace chunks among a venv's files); after a restart they never do,
-                    # so no chunk already on disk is fetched again.
                     # adopted (and perhaps written) while the window was full
                     group = [i for i in group if i.ref.chunk not in self._claimed and i.ref.chunk not in self._done]
                     if not group:
                         budget.release(size)
                         continue
                     self._claimed.update(i.ref.chunk for i in group)
+                    # A fresh tree's GETs may bridge small gaps (what is in them was fetched by this
+                    # run, e.g. the trace chunks among a venv's files); after a restart they never do,
+                    # so no chunk already on disk is fetched again.
                     tickets = self.fetcher.request([i.ref for i in group], _PRIORITY[group[0].cls],
                                                    keep=_KEEP[group[0].cls], bridge=self._fresh)
                     # (a chunk evicted from memory since the check above is fetched after all: charge it)
