@@ -38,6 +38,9 @@ needs no locks.  Worker threads get immutable inputs (a pack name and range; a
 read-only view of downloaded bytes; a chunk id and its bytes) and return new
 objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
 store request, cache probe and cache write run; cancelling it stops them all.
+The ``adopter`` hook (materialization) is called on the loop, with a chunk
+just fetched for a caller that keeps it; when it takes the chunk, the chunk
+cache does without it.
 """
 
 from __future__ import annotations
