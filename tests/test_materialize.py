@@ -508,15 +508,22 @@ def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
     assert pf2.stats()["bytes_done"] == first < st["classes"]["hint"]["bytes_total"]
 
 
-def test_the_trace_streams_into_memory_before_the_tree_is_built_and_is_not_fetched_twice(box, tmp_path,
-                                                                                          monkeypatch):
-    """Materializing mounts stream the trace at once (the tree takes seconds to build) and write it from memory."""
+@pytest.mark.parametrize("with_trace", [True, False], ids=["trace", "hints-without-trace"])
+def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_are_fetched_once(
+        box, tmp_path, monkeypatch, with_trace):
+    """Materializing mounts stream the trace at once (the tree takes seconds to build) and write it from memory;
+    without a trace the hints (python, checkpoint) stream the same way."""
+    from ogrefs.prefetch import hint_refs
+
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     log = CallLog(box.repo.read_pack_range)
     fetcher = Fetcher(log, cache)
     m = Materializer(box.catalog, fetcher, tmp_path / "state")
-    trace = [(box.path("data/shard2.bin"), 0), (box.path("data/shard0.bin"), 0)]
-    trace_refs = box.refs_of("data/shard2.bin")[:1] + box.refs_of("data/shard0.bin")[:1]
+    if with_trace:
+        trace = [(box.path("data/shard2.bin"), 0), (box.path("data/shard0.bin"), 0)]
+        streamed = box.refs_of("data/shard2.bin")[:1] + box.refs_of("data/shard0.bin")[:1]
+    else:
+        trace, streamed = None, hint_refs(box.catalog)
     calls_before_prepare: list[int] = []
     prepare = Materializer._prepare
 
@@ -526,44 +533,18 @@ def test_the_trace_streams_into_memory_before_the_tree_is_built_and_is_not_fetch
 
     monkeypatch.setattr(Materializer, "_prepare", spy)
     pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m, idle_for=lambda: 1e9,
-                  settle_quiet=0.3)  # no application: the tree is built 0.3 s in, while the trace streams
+                  settle_quiet=0.3)  # no application: the tree is built 0.3 s in, while the replay streams
     run_trio(fetcher, pf.run)
     assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
-    assert calls_before_prepare and calls_before_prepare[0] >= 1  # the trace was fetched before the tree existed
-    for ref in trace_refs:
+    assert calls_before_prepare and calls_before_prepare[0] >= 1  # fetched before the tree existed
+    for ref in streamed:
         covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
         assert len(covering) == 1, (ref, covering)  # once: the materializer took it from memory
         assert not cache.contains(ref.chunk)  # Keep.MEMORY: not a third copy in the disk cache
     assert fetcher.memory_bytes == 128 * MiB  # the memory LRU is back to its size
     st = pf.stats()
-    assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
-
-
-def test_without_a_trace_the_hints_stream_into_memory_before_the_tree_is_built(box, tmp_path, monkeypatch):
-    """No trace: the link is busy with the hints (python, checkpoint) while the tree is built, each fetched once."""
-    from ogrefs.prefetch import hint_refs
-
-    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
-    log = CallLog(box.repo.read_pack_range)
-    fetcher = Fetcher(log, cache)
-    m = Materializer(box.catalog, fetcher, tmp_path / "state")
-    calls_before_prepare: list[int] = []
-    prepare = Materializer._prepare
-
-    def spy(self, entries):
-        calls_before_prepare.append(len(log.calls))
-        return prepare(self, entries)
-
-    monkeypatch.setattr(Materializer, "_prepare", spy)
-    pf = Prefetch(box.catalog, fetcher, materializer=m, idle_for=lambda: 1e9, settle_quiet=0.3)
-    run_trio(fetcher, pf.run)
-    assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
-    assert calls_before_prepare and calls_before_prepare[0] >= 1  # hints were on their way before the tree
-    for ref in hint_refs(box.catalog):
-        covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
-        assert len(covering) == 1, (ref, covering)  # once: the materializer took it from memory
-        assert not cache.contains(ref.chunk)
-    assert fetcher.memory_bytes == 128 * MiB
+    if with_trace:
+        assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
 
 
 @pytest.mark.parametrize("app_stops", [True, False], ids=["app-goes-quiet", "app-keeps-busy"])

@@ -8,6 +8,7 @@ import os
 import random
 import secrets
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -276,16 +277,22 @@ class SourceCopy:
     def chunk_in_hand(self, chunk: bytes) -> bytes | None:
         return None
 
+    def local_paths(self, inos: list[int]) -> dict[int, bytes]:
+        return {ino: self.paths[ino] for ino in inos if ino in self.paths}
+
     def tree_path(self, ino: int) -> bytes | None:
         return None
 
 
-def run_pushing_fs(repo: Repository, cat: Catalog, local, body) -> dict[int, bytes]:
-    """Run ``body(fs)`` with pushes on; returns what went to the "page cache" (ino -> bytes), in order."""
-    pushed: dict[int, bytes] = {}
-    lock = __import__("threading").Lock()
+def run_pushing_fs(repo: Repository, cat: Catalog, local, body, page_cache=None) -> dict[int, bytes]:
+    """Run ``body(fs)`` with pushes on; returns what went to the "page cache" (ino -> bytes), in order.
 
-    def page_cache(ino: int, data: bytes) -> None:  # called in worker threads, like the adapter's
+    ``page_cache``: a store function of the test's own instead (then nothing is returned).
+    """
+    pushed: dict[int, bytes] = {}
+    lock = threading.Lock()
+
+    def collect(ino: int, data: bytes) -> None:  # called in worker threads, like the adapter's
         with lock:
             assert ino not in pushed, "pushed twice"
             pushed[ino] = bytes(data)
@@ -295,7 +302,7 @@ def run_pushing_fs(repo: Repository, cat: Catalog, local, body) -> dict[int, byt
     async def main():
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
-            fs = SnapshotFS(cat, fetcher, local=local, page_cache=page_cache)
+            fs = SnapshotFS(cat, fetcher, local=local, page_cache=page_cache or collect)
             nursery.start_soon(fs.run_pushes)
             await body(fs)
             nursery.cancel_scope.cancel()
@@ -414,17 +421,7 @@ def test_inside_a_crawl_a_subdirectory_is_pushed_when_its_listing_ends_and_again
         await settle()
         steps["forget"] = list(calls)
 
-    fetcher = Fetcher(repo.read_pack_range, None)
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(fetcher.run)
-            fs = SnapshotFS(cat, fetcher, local=SourceCopy(cat, src), page_cache=page_cache)
-            nursery.start_soon(fs.run_pushes)
-            await body(fs)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    run_pushing_fs(repo, cat, SourceCopy(cat, src), body, page_cache=page_cache)  # src is pushed twice here
     assert sorted(steps["open"]) == [b"b" * 10, b"c" * 10]
     assert sorted(steps["listing"][2:]) == [b"sub/d" * 10, b"sub/e" * 10]
     assert sorted(steps["forget"][4:]) == [b"b" * 10, b"c" * 10]

@@ -67,7 +67,8 @@ thread uses its own SQLite connection, and only one writes at a time (the
 writer task and the adoption writer take turns under ``_write_lock``; the
 preparation runs before either starts).  ``_claimed`` (chunks requested by the
 feeder or adopted, not yet recorded done) and the adoption queue belong to
-the loop as well.
+the loop as well.  :meth:`Materializer.local_paths` is the one method meant
+for other threads (the vfs's page-cache push): it reads recorded state only.
 """
 
 from __future__ import annotations
@@ -199,8 +200,10 @@ class _Budget:
             await self._changed.wait()
         self.used += n
 
-    def add_ready(self, n: int) -> None:
-        self.ready += n
+    def settle(self, *, charged: int, ready: int, acquired: int) -> None:
+        """After a request: ``charged`` bytes go over the link (``acquired`` were reserved), ``ready`` came from memory."""
+        self.used += charged - acquired
+        self.ready += ready
         self._changed.set()
         self._changed = trio.Event()
 
@@ -214,13 +217,6 @@ class _Budget:
         self.used -= n
         self._changed.set()
         self._changed = trio.Event()
-
-    def adjust(self, n: int) -> None:
-        """Charge ``n`` more bytes (or fewer, when negative) without waiting."""
-        if n > 0:
-            self.used += n
-        elif n < 0:
-            self.release(-n)
 
 
 class _Stop(Exception):
@@ -258,7 +254,7 @@ class Materializer:
         self._claimed: set[bytes] = set()  # requested by the feeder or adopted, not yet recorded done
         self._in_hand: dict[bytes, bytes] = {}  # adopted chunks, until recorded done
         self._tickets: dict[bytes, Ticket] = {}  # chunks the feeder requested, until recorded done
-        self._adopted: list[tuple[ChunkRef, bytes]] = []
+        self._adopted: deque[tuple[ChunkRef, bytes]] = deque()
         self._adopted_size = 0
         self._adopting = False  # a pass is running: its writers take adopted chunks
         self._adopt_wakeup = trio.Event()
@@ -332,6 +328,22 @@ class Materializer:
     def local_path(self, ino: int) -> bytes | None:
         """The local copy of regular file ``ino`` if it is complete (data durable, metadata applied), else None."""
         return self._tree_file(ino) if ino in self._complete else None
+
+    def local_paths(self, inos: list[int]) -> dict[int, bytes]:
+        """Blocking (a worker thread; its own SQLite connection): the complete local copies among ``inos``.
+
+        Reads the recorded state (a file is recorded complete once its data is
+        durable and its metadata applied), so it needs nothing of the loop's.
+        """
+        if self.state == "not materializing":
+            return {}
+        out: dict[int, bytes] = {}
+        db = self._db()
+        for i in range(0, len(inos), 500):
+            part = inos[i:i + 500]
+            out.update((ino, self._dest(path)) for ino, path in db.execute(
+                f"SELECT ino, path FROM files WHERE complete=1 AND ino IN ({','.join('?' * len(part))})", part))
+        return out
 
     def chunk_done(self, chunk: bytes) -> bool:
         """Whether ``chunk`` is in the tree at every place it belongs (durable, recorded)."""
@@ -772,8 +784,8 @@ class Materializer:
                     tickets = self.fetcher.request([i.ref for i in group], _PRIORITY[group[0].cls],
                                                    keep=_KEEP[group[0].cls], bridge=self._fresh)
                     # (a chunk evicted from memory since the check above is fetched after all: charge it)
-                    budget.adjust(sum(i.ref.raw_len for i, t in zip(group, tickets) if not t.ready) - size)
-                    budget.add_ready(sum(i.ref.raw_len for i, t in zip(group, tickets) if t.ready))
+                    ready = sum(i.ref.raw_len for i, t in zip(group, tickets) if t.ready)
+                    budget.settle(charged=sum(i.ref.raw_len for i in group) - ready, ready=ready, acquired=size)
                     for i, t in zip(group, tickets):
                         self._tickets[i.ref.chunk] = t
                         send.send_nowait((i, t, not t.ready))
@@ -886,7 +898,7 @@ class Materializer:
                 continue
             take, size = [], 0
             while self._adopted and (not take or size < self.batch_bytes) and len(take) < self.batch_chunks:
-                ref, data = self._adopted.pop(0)
+                ref, data = self._adopted.popleft()
                 take.append((ref, data))
                 size += len(data)
             items = await trio.to_thread.run_sync(self._adopted_items, tuple(r for r, _ in take))

@@ -34,7 +34,8 @@ get the Catalog (thread-safe: one SQLite connection per thread) and an inode
 number or name, and return fresh lists.  The push channel belongs to the loop
 too: :meth:`SnapshotFS._queue_push` sends, :meth:`SnapshotFS.run_pushes` (a
 task in the mount's nursery) receives; its worker thread gets a tuple of
-(inode, path, size) and the adapter's store function, which is thread-safe.
+(inode, size) and two thread-safe functions: the adapter's store and the
+local copy's path query (its own SQLite connection per thread).
 
 Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
 place that turns any exception into an errno for an adapter.
@@ -152,6 +153,10 @@ class LocalCopy(Protocol):
 
     def tree_path(self, ino: int) -> bytes | None: ...
 
+    def local_paths(self, inos: list[int]) -> dict[int, bytes]:
+        """Blocking, thread-safe (worker threads): the complete local copies among ``inos``."""
+        ...
+
 
 class _OpenFile:
     __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
@@ -252,15 +257,27 @@ class _CatalogExtra:
         return b"/" + b"/".join(reversed(parts))
 
 
-def _push_files(store: Callable[[int, bytes], None], files: tuple[tuple[int, bytes, int], ...]) -> int:
-    """Worker thread: read each complete local copy (ino, path, size) and hand its bytes to ``store``.
+def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list[int]], dict[int, bytes]],
+                candidates: tuple[tuple[int, int], ...]) -> int:
+    """Worker thread: hand the bytes of the complete local copies among ``candidates`` (ino, size) to ``store``.
 
-    Files go in batches: each batch is opened and announced to the kernel's
+    In listing order, up to ``PUSH_DIR_MAX`` bytes.  Files go in batches: each batch is opened and announced to the kernel's
     read-ahead first (WILLNEED), so a cold disk reads them in parallel rather
     than one small read at a time.  A copy that cannot be read whole is
     skipped (its reads then come as usual); so is an inode the kernel no longer
     knows (``store`` raises OSError).  Returns how many files were stored.
     """
+    paths = local_paths([ino for ino, _ in candidates])
+    files: list[tuple[int, bytes, int]] = []
+    total = 0
+    for ino, size in candidates:
+        path = paths.get(ino)
+        if path is None:
+            continue
+        if total + size > PUSH_DIR_MAX:
+            break
+        files.append((ino, path, size))
+        total += size
     done = 0
     for i in range(0, len(files), PUSH_BATCH):
         fds: list[tuple[int, int, int]] = []
@@ -571,20 +588,11 @@ class SnapshotFS:
     async def _push_dir(self, parent: int, opened: int) -> None:
         assert self.local is not None and self.page_cache is not None
         rows = await trio.to_thread.run_sync(self._extra.small_files, parent, PUSH_FILE_MAX)
-        files, total = [], 0
-        for ino, size in rows:
-            # only inodes the kernel holds (listed or looked up): it drops a push for any other
-            if ino == opened or ino not in self._lookups:
-                continue
-            path = self.local.local_path(ino)
-            if path is None:
-                continue
-            if total + size > PUSH_DIR_MAX:
-                break
-            files.append((ino, path, size))
-            total += size
-        if files:
-            self.stats.page_cache_pushed += await trio.to_thread.run_sync(_push_files, self.page_cache, tuple(files))
+        # only inodes the kernel holds (listed or looked up): it drops a push for any other
+        candidates = tuple((ino, size) for ino, size in rows if ino != opened and ino in self._lookups)
+        if candidates:
+            self.stats.page_cache_pushed += await trio.to_thread.run_sync(
+                _push_files, self.page_cache, self.local.local_paths, candidates)
 
     def _open_local(self, node: Inode) -> int | None:
         """An fd of the complete local copy of ``node``, or None (then the store serves it).
