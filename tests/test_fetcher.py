@@ -283,6 +283,52 @@ def test_a_stream_that_breaks_is_resumed_from_the_first_missing_chunk():
     assert f.stats.retries == 1 and f.stats.chunks_fetched == 6 and f.stats.errors == 0
 
 
+def test_held_chunks_stay_in_memory_whatever_the_lru_does_until_taken():
+    """A replay held for the materializer survives readers that churn the LRU; taking it releases it."""
+    fake = FakePacks()
+    data = payloads(5)
+    refs = fake.add("p1", data)
+    f = Fetcher(fake.read_range, memory_bytes=1)  # an LRU that keeps nothing
+    f.hold(len(data[0]) + len(data[1]))  # room for two
+
+    async def body(nursery):
+        tickets = f.request(refs[:3], Priority.TRACE, keep=Keep.MEMORY, hold=True)
+        assert [await t.result() for t in tickets] == data[:3]
+        assert [await f.get(r) for r in refs[3:]] == data[3:]
+        assert f.is_cached_in_memory(refs[0].chunk) and f.is_cached_in_memory(refs[1].chunk)
+        assert not f.is_cached_in_memory(refs[2].chunk)  # no room left: the (empty) LRU had it
+        assert f.snapshot_stats()["held_bytes"] == len(data[0]) + len(data[1])
+        calls = len(fake.calls)
+        assert await f.get(refs[0]) == data[0] and len(fake.calls) == calls  # readers find it, it stays
+        assert f.is_cached_in_memory(refs[0].chunk)
+        (t,) = f.request(refs[:1], Priority.TRACE, keep=Keep.NONE, take=True)
+        assert t.ready and await t.result() == data[0] and len(fake.calls) == calls
+        assert not f.is_cached_in_memory(refs[0].chunk)  # taken: released
+        assert f.snapshot_stats()["held_bytes"] == len(data[1])
+        f.hold(0)
+        assert not f.is_cached_in_memory(refs[1].chunk) and f.snapshot_stats()["held_bytes"] == 0
+
+    run_with_fetcher(f, body)
+
+
+def test_a_held_request_finding_its_chunk_in_the_lru_holds_it():
+    fake = FakePacks()
+    data = payloads(2)
+    refs = fake.add("p1", data)
+    f = Fetcher(fake.read_range)
+    f.hold(1 << 20)
+
+    async def body(nursery):
+        assert await f.get(refs[0]) == data[0]  # in the LRU
+        (t,) = f.request(refs[:1], Priority.TRACE, keep=Keep.MEMORY, hold=True)
+        assert t.ready
+        f.set_memory_limit(1)  # the LRU drops it ...
+        assert f.is_cached_in_memory(refs[0].chunk)  # ... the hold keeps it
+        assert f.snapshot_stats()["held_bytes"] == len(data[0])
+
+    run_with_fetcher(f, body)
+
+
 def test_keep_memory_stays_out_of_the_disk_cache(tmp_path):
     fake = FakePacks()
     data = payloads(3)

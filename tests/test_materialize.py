@@ -515,15 +515,23 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
     without a trace the hints (python, checkpoint) stream the same way."""
     from ogrefs.prefetch import hint_refs
 
+    from ogrefs import prefetch
+
+    monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 2 * MiB)
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     log = CallLog(box.repo.read_pack_range)
-    fetcher = Fetcher(log, cache)
+    fetcher = Fetcher(log, cache, memory_bytes=1)  # an LRU that keeps nothing: the replay is held apart from it
     m = Materializer(box.catalog, fetcher, tmp_path / "state")
     if with_trace:
         trace = [(box.path("data/shard2.bin"), 0), (box.path("data/shard0.bin"), 0)]
         streamed = box.refs_of("data/shard2.bin")[:1] + box.refs_of("data/shard0.bin")[:1]
     else:
         trace, streamed = None, hint_refs(box.catalog)
+    # then the first 2 MiB of the rest, in pack order (the materializer's background order)
+    rest = prefetch.rest_refs(box.catalog, frozenset(r.chunk for r in streamed), 2 * MiB)
+    assert rest and sum(r.raw_len for r in rest) <= 2 * MiB
+    assert rest == sorted(rest, key=lambda r: (r.pack, r.offset))
+    streamed = streamed + rest
     calls_before_prepare: list[int] = []
     prepare = Materializer._prepare
 
@@ -532,16 +540,24 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
         return prepare(self, entries)
 
     monkeypatch.setattr(Materializer, "_prepare", spy)
-    pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m, idle_for=lambda: 1e9,
-                  settle_quiet=0.3)  # no application: the tree is built 0.3 s in, while the replay streams
+
+    def idle_for() -> float:  # an application busy until the replay and the rest have streamed
+        r = pf._replays.get("background")
+        return 1e9 if r is not None and r.stats.finished else 0.0
+
+    pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m, idle_for=idle_for, settle_quiet=0.3)
     run_trio(fetcher, pf.run)
     assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
     assert calls_before_prepare and calls_before_prepare[0] >= 1  # fetched before the tree existed
+    before = log.calls[:calls_before_prepare[0]]
+    for ref in streamed:
+        assert any(c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2] for c in before), ref
     for ref in streamed:
         covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
         assert len(covering) == 1, (ref, covering)  # once: the materializer took it from memory
         assert not cache.contains(ref.chunk)  # Keep.MEMORY: not a third copy in the disk cache
-    assert fetcher.memory_bytes == 128 * MiB  # the memory LRU is back to its size
+    assert fetcher.memory_bytes == 1  # the LRU never grew for the replay
+    assert fetcher.snapshot_stats()["held_bytes"] == 0 and fetcher.hold_bytes == 0  # all taken, then released
     st = pf.stats()
     if with_trace:
         assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
@@ -577,6 +593,57 @@ def test_materialization_waits_for_the_application_to_settle(box, tmp_path, monk
     else:
         assert waited >= 1.5, waited  # never quiet: starts at settle_max
     assert any("waiting for the application to settle" in s for s in states), states
+
+
+@pytest.mark.parametrize("reads_past_trace", [True, False], ids=["reads-past-its-trace", "reads-its-trace"])
+def test_an_application_reading_past_its_trace_starts_the_materializer(box, tmp_path, monkeypatch,
+                                                                       reads_past_trace):
+    """A busy application that has left its traced start-up (reads what the trace did not hold) is not waited for:
+    the tree is built at once, so what it reads next is adopted."""
+    from ogrefs import prefetch
+
+    monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 0)
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state")
+    started: list[float] = []
+    prepare = Materializer._prepare
+    monkeypatch.setattr(Materializer, "_prepare", lambda self, e: (started.append(time.monotonic()),
+                                                                   prepare(self, e))[1])
+    traced = box.refs_of("data/shard0.bin")[:1]  # (the trace entry's chunk)
+    untraced = box.refs_of("data/shard2.bin")
+    monkeypatch.setattr(prefetch, "SETTLE_PAST_TRACE_BYTES", sum(r.raw_len for r in untraced))
+    pf = Prefetch(box.catalog, fetcher, trace_entries=[(box.path("data/shard0.bin"), 0)], materializer=m,
+                  idle_for=lambda: 0.0, settle_quiet=0.2, settle_max=3.0)  # never quiet
+    t0 = time.monotonic()
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(pf.run)
+            with trio.fail_after(10):
+                while not (pf._replays.get("trace") and pf._replays["trace"].stats.finished):
+                    await trio.sleep(0.01)
+            for ref in traced[:1] + (untraced if reads_past_trace else traced[:1] * 3):
+                await fetcher.get(ref, Priority.READ)
+
+    run_trio(fetcher, body)
+    assert m.complete
+    waited = started[0] - t0
+    if reads_past_trace:
+        assert waited < 2.0, waited
+    else:
+        assert waited >= 3.0, waited  # what the trace held does not count: settle_max
+
+
+def test_written_chunks_leave_the_page_cache(box, tmp_path):
+    """The tree is written with fdatasync, then dropped from the page cache (fadvise DONTNEED)."""
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    assert m.complete
+    big = box.tree_of(state) / "data" / "shard0.bin"
+    assert big.stat().st_size > MiB
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(big)],
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out.split()[0]) < big.stat().st_size // 8, out  # (metadata reads may bring a page or two back)
 
 
 def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path, monkeypatch):
@@ -644,6 +711,43 @@ def test_what_a_reader_fetches_is_adopted_into_the_tree_not_cached_and_never_fet
         assert len(covering) == 1, (ref, covering)  # fetched for the reader only: the tree took it from there
         assert not cache.contains(ref.chunk)  # and the chunk cache did without it
     assert done_chunks(tmp_path / "state") >= {r.chunk for r in refs}
+
+
+def test_a_chunk_the_materializer_asked_for_that_a_reader_also_reads_skips_the_chunk_cache(box, tmp_path):
+    """The feeder writes it from its own ticket (single flight): a copy in the chunk cache would be waste."""
+    cache = ChunkCache(tmp_path / "chunks", 1 << 30)
+    gate = threading.Event()
+
+    def slow(pack, off, n):
+        gate.wait(20)
+        return box.repo.read_pack_range(pack, off, n)
+
+    fetcher = Fetcher(slow, cache)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=64 * MiB)
+    fetcher.adopter = m.adopt
+    ref = box.refs_of("data/shard1.bin")[0]
+
+    async def body():
+        async with trio.open_nursery() as n:
+            n.start_soon(m.run)
+            with trio.fail_after(20):
+                while ref.chunk not in m._claimed:  # requested by the feeder, still on its way
+                    await trio.sleep(0.01)
+            reader = trio.Event()
+
+            async def read():
+                assert len(await fetcher.get(ref, Priority.READ)) == ref.raw_len
+                reader.set()
+
+            n.start_soon(read)
+            await trio.sleep(0.1)
+            gate.set()
+            await reader.wait()
+
+    run_trio(fetcher, body)
+    assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
+    assert ref.chunk in done_chunks(tmp_path / "state")
+    assert not cache.contains(ref.chunk)
 
 
 def test_a_chunk_fetched_for_the_tree_but_not_yet_written_is_read_from_hand_not_fetched_again(box, tmp_path,

@@ -3,7 +3,8 @@
 The fetch path every lazy reader shares (the FUSE mount today; prefetch from a
 recorded trace, hints and background materialization next):
 
-1. ``get(ref)`` answers from a small in-memory LRU of verified chunks.
+1. ``get(ref)`` answers from a small in-memory LRU of verified chunks, or from
+   the chunks a replay holds in memory for the materializer (:meth:`Fetcher.hold`).
 2. Otherwise the chunk gets exactly one *pending* entry, however many readers
    want it; later callers wait on the same entry (single flight) and a caller
    with a more urgent priority raises the entry's priority.
@@ -32,7 +33,7 @@ recorded trace, hints and background materialization next):
    at most ``retry_for`` plus one store call, never a product of attempts.  Failures are not remembered: the next read
    tries again.
 
-Who owns what: all state of a Fetcher (pending table, queue, memory LRU,
+Who owns what: all state of a Fetcher (pending table, queue, memory LRU, held chunks,
 counters) belongs to the trio loop and is only touched by trio tasks, so it
 needs no locks.  Worker threads get immutable inputs (a pack name and range; a
 read-only view of downloaded bytes; a chunk id and its bytes) and return new
@@ -193,6 +194,7 @@ class FetchStats:
     bytes_fetched: int = 0  # bytes those GETs returned
     bytes_bridged: int = 0  # of those, bytes of gaps read across and dropped (bridged requests)
     chunks_fetched: int = 0  # chunks decoded and verified from the store
+    read_missed_bytes: int = 0  # plaintext bytes of chunks an application read that were not in memory
     retries: int = 0  # store requests repeated after a transient failure
     corrupt: int = 0  # blobs that failed verification
     errors: int = 0  # chunk deliveries that failed
@@ -202,13 +204,14 @@ class FetchStats:
 class _Pending:
     """One chunk on its way; the single flight every reader of the chunk waits on."""
 
-    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep", "bridge")
+    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep", "bridge", "hold")
 
     def __init__(self, ref: ChunkRef, priority: Priority, keep: int = 2) -> None:
         self.ref = ref
         self.priority = priority
         self.keep = keep  # Keep level: where the chunk goes once fetched (the most any caller asked for)
         self.bridge = False  # its GET may read across gaps of unwanted blobs (see Fetcher.request)
+        self.hold = False  # held in memory until taken (a replay for the materializer; see Fetcher.hold)
         self.seq = 0
         self.state = "probe"  # probe -> queued -> fetching -> (removed)
         self.done = trio.Event()
@@ -289,6 +292,9 @@ class Fetcher:
         self._fetching = 0  # chunks inside requests in flight
         self._mem: OrderedDict[bytes, bytes] = OrderedDict()
         self._mem_size = 0
+        self._held: dict[bytes, bytes] = {}  # replayed chunks kept until taken (see hold())
+        self._held_size = 0
+        self.hold_bytes = 0  # bound of _held; 0: nothing is held
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._net_limiter = trio.CapacityLimiter(max_requests)
@@ -333,11 +339,11 @@ class Fetcher:
         pack share one ranged GET.
         """
         before = len(self._pending)
-        self._want([r for r in refs if r.chunk not in self._mem], priority)
+        self._want([r for r in refs if not self.is_cached_in_memory(r.chunk)], priority)
         return len(self._pending) - before
 
     def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True,
-                bridge: bool = False) -> list[Ticket]:
+                bridge: bool = False, hold: bool = False, take: bool = False) -> list[Ticket]:
         """Schedule chunks like :meth:`prefetch` and return one :class:`Ticket` per ref, in order.
 
         A ticket holds its chunk until awaited, so nothing is fetched twice however
@@ -350,32 +356,66 @@ class Fetcher:
         these chunks may read across gaps of up to ``max_gap`` bytes of blobs
         nobody asked for, which are dropped; only for callers who know none of
         those blobs is already on local disk (a trace replayed before anything
-        is materialized), since it fetches bytes again.
+        is materialized), since it fetches bytes again.  ``hold=True``: the
+        chunks are held in memory (see :meth:`hold`) until a caller with
+        ``take=True`` gets them, which releases them.
         """
         out: list[Ticket] = []
         missing: list[ChunkRef] = []
         for ref in refs:
-            data = self._mem_get(ref.chunk)
+            data = self._held.pop(ref.chunk, None) if take else None
+            if data is not None:
+                self._held_size -= len(data)
+            else:
+                data = self._mem_get(ref.chunk)
+                if (data is not None and hold and ref.chunk not in self._held
+                        and self._held_size + len(data) <= self.hold_bytes):
+                    self._held[ref.chunk] = data  # (the LRU may drop it before the materializer takes it)
+                    self._held_size += len(data)
             if data is not None:
                 self.stats.hits_memory += 1
             else:
                 missing.append(ref)
             out.append(Ticket(ref, None, data))
-        pending = iter(self._want(missing, priority, Keep.ALL if keep is True else Keep(int(keep)), bridge))
+        pending = iter(self._want(missing, priority, Keep.ALL if keep is True else Keep(int(keep)), bridge, hold))
         for t in out:
             if t._data is None:
                 t._pending = next(pending)
         return out
 
     def set_memory_limit(self, limit: int) -> None:
-        """Resize the memory LRU (a replayed trace is held in memory until the materializer has written it)."""
+        """Resize the memory LRU."""
         self.memory_bytes = limit
         while self._mem_size > self.memory_bytes and self._mem:
             _, old = self._mem.popitem(last=False)
             self._mem_size -= len(old)
 
+    def hold(self, limit: int) -> None:
+        """Keep chunks requested with ``hold=True`` in memory, up to ``limit`` bytes, until taken.
+
+        A trace (or the hints) replayed before the materializer's tree exists
+        is held here, apart from the memory LRU: an application reading
+        gigabytes meanwhile neither evicts it nor makes the LRU grow with it.
+        Readers find held chunks like any in memory; the materializer takes
+        them (``request(..., take=True)``), which releases them.  What does not
+        fit goes to the LRU as before.  ``hold(0)`` releases everything.
+        """
+        self.hold_bytes = limit
+        if limit <= 0:
+            self._held.clear()
+            self._held_size = 0
+
+    @property
+    def held_size(self) -> int:
+        """Bytes held now (see :meth:`hold`)."""
+        return self._held_size
+
+    def held_chunks(self) -> frozenset[bytes]:
+        """The chunks held now (a copy: for a worker thread)."""
+        return frozenset(self._held)
+
     def is_cached_in_memory(self, chunk: bytes) -> bool:
-        return chunk in self._mem
+        return chunk in self._held or chunk in self._mem
 
     @property
     def in_flight(self) -> int:
@@ -390,16 +430,18 @@ class Fetcher:
     def snapshot_stats(self) -> dict[str, int]:
         out = asdict(self.stats)
         out.update(in_flight=self._fetching, queued=self._queued, active_requests=self._active,
-                   pending=len(self._pending), memory_bytes=self._mem_size)
+                   pending=len(self._pending), memory_bytes=self._mem_size, held_bytes=self._held_size)
         return out
 
     # -- single flight -------------------------------------------------------------------------
-    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2, bridge: bool = False) -> list[_Pending]:
+    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2, bridge: bool = False,
+              hold: bool = False) -> list[_Pending]:
         out, new = [], []
         for ref in refs:
             p = self._pending.get(ref.chunk)
             if p is not None:
                 p.keep = max(p.keep, keep)
+                p.hold = p.hold or hold
                 if priority < p.priority:
                     p.priority = priority
                     if p.state == "queued":
@@ -407,10 +449,12 @@ class Fetcher:
             else:
                 p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
                 p.bridge = bridge
+                p.hold = hold
                 new.append(p)
             out.append(p)
         if priority == Priority.READ and new:
             self._last_read_want = trio.current_time()
+            self.stats.read_missed_bytes += sum(p.ref.raw_len for p in new)
         if new:
             if self._nursery is None:
                 for p in new:
@@ -475,7 +519,10 @@ class Fetcher:
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data
         self._pending.pop(p.ref.chunk, None)
-        if p.keep >= Keep.MEMORY:
+        if p.hold and self._held_size + len(data) <= self.hold_bytes and p.ref.chunk not in self._held:
+            self._held[p.ref.chunk] = data
+            self._held_size += len(data)
+        elif p.keep >= Keep.MEMORY:
             self._mem_put(p.ref.chunk, data)
         p.done.set()
 
@@ -796,6 +843,9 @@ class Fetcher:
                     log.warning("chunk cache bookkeeping failed: %s", exc)
 
     def _mem_get(self, chunk: bytes) -> bytes | None:
+        data = self._held.get(chunk)
+        if data is not None:
+            return data
         data = self._mem.get(chunk)
         if data is not None:
             self._mem.move_to_end(chunk)

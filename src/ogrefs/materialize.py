@@ -22,8 +22,8 @@ slots for it):
 
 The link stays full: chunks are requested in pack-ordered groups (16 MiB)
 while less than ``window_bytes`` (96 MiB) are requested and not yet written.
-Chunks the memory LRU already holds (a trace or the hints, streamed before the
-tree existed) do not count against the window: they take no link time, and
+Chunks already in memory (a trace or the hints, streamed before the tree
+existed and held for the materializer, which takes them) do not count against the window: they take no link time, and
 counting them would leave the link idle while the writer works through them.
 
 Durability.  The state lives in ``<state_dir>/materialize.sqlite``:
@@ -363,15 +363,19 @@ class Materializer:
         return data
 
     def adopt(self, ref: ChunkRef, data: bytes) -> bool:
-        """Take a chunk the fetcher got from the store for someone else; True if it will be written to the tree.
+        """Take a chunk the fetcher got from the store for someone else; True if the tree will have it.
 
-        On the trio loop (the fetcher's ``adopter`` hook).  False when no pass
-        is running, the chunk is done or claimed already, or ``adopt_bytes``
-        are waiting: the caller keeps it (chunk cache) as before.
+        On the trio loop (the fetcher's ``adopter`` hook).  True also for a
+        chunk already done or claimed (the feeder asked for it too, and writes
+        it from its ticket): the chunk cache need not keep a copy.  False when
+        no pass is running or ``adopt_bytes`` are waiting: the caller keeps it
+        (chunk cache) as before.
         """
         chunk = ref.chunk
-        if not self._adopting or chunk in self._done or chunk in self._claimed:
+        if not self._adopting:
             return False
+        if chunk in self._done or chunk in self._claimed:
+            return True
         if self._adopted_size + len(data) > self.adopt_bytes:
             return False
         self._claimed.add(chunk)
@@ -782,7 +786,7 @@ class Materializer:
                     # run, e.g. the trace chunks among a venv's files); after a restart they never do,
                     # so no chunk already on disk is fetched again.
                     tickets = self.fetcher.request([i.ref for i in group], _PRIORITY[group[0].cls],
-                                                   keep=_KEEP[group[0].cls], bridge=self._fresh)
+                                                   keep=_KEEP[group[0].cls], bridge=self._fresh, take=True)
                     # (a chunk evicted from memory since the check above is fetched after all: charge it)
                     ready = sum(i.ref.raw_len for i, t in zip(group, tickets) if t.ready)
                     budget.settle(charged=sum(i.ref.raw_len for i in group) - ready, ready=ready, acquired=size)
@@ -918,6 +922,7 @@ class Materializer:
     def _write_batch(self, batch: list[tuple[_Item, bytes]]) -> list[int]:
         """Worker thread: write, fdatasync, then record done; returns the inodes that became complete."""
         fds: dict[int, int] = {}
+        written: list[tuple[int, int, int]] = []  # (fd, offset, length)
         try:
             for item, data in batch:
                 for ino, off, path in item.targets:
@@ -925,11 +930,19 @@ class Materializer:
                     if fd is None:
                         fd = fds[ino] = os.open(self._dest(path), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                     _pwrite_all(fd, data, off)
+                    written.append((fd, off, len(data)))
             if len(fds) > _SYNCFS_ABOVE:
                 _syncfs_fd(next(iter(fds.values())))  # many small files: one flush of the file system is cheaper
             else:
                 for fd in fds.values():
                     os.fdatasync(fd)
+            # Durable now: the written pages leave the page cache.  The application that reads them
+            # has them in the mount's own page cache already (adopted chunks) or reads them from disk
+            # later, as after a reboot; a copy of the whole snapshot in the page cache would only
+            # push out what the box is using (its training data) and, in a VM whose free memory is
+            # handed back to the host, make every new page cost a fault in the host.
+            for fd, off, n in written:
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -368,7 +368,8 @@ class Replayer:
 
     Used for a trace (``Priority.TRACE``) and, with :meth:`from_refs`, for
     catalog hints (``Priority.HINT``) when nothing is materialized: the
-    chunks land in the chunk cache (``keep=True``).  ``max_bytes`` bounds what
+    chunks land in the chunk cache (``keep=True``); before the materializer's
+    tree exists, held in memory for it (``hold=True``).  ``max_bytes`` bounds what
     is fetched at all (a trace or a hint set larger than the bounded cache
     would only evict itself).  Failures are counted, never raised.
     """
@@ -376,7 +377,7 @@ class Replayer:
     def __init__(self, catalog: Catalog, fetcher: Fetcher, entries: list[Entry] | None = None, *,
                  priority: Priority = Priority.TRACE, window_bytes: int = 64 * MiB,
                  group_bytes: int = 16 * MiB, max_bytes: int | None = None, keep: "Keep | bool" = True,
-                 bridge: bool = False) -> None:
+                 bridge: bool = False, hold: bool = False) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.entries = entries or []
@@ -386,6 +387,7 @@ class Replayer:
         self.max_bytes = max_bytes
         self.keep = keep
         self.bridge = bridge  # nothing of the snapshot is on local disk yet: GETs may bridge gaps
+        self.hold = hold  # held in the fetcher's memory until the materializer takes them (Fetcher.hold)
         self.stats = ReplayStats(entries=len(self.entries))
         self._refs: list[ChunkRef] | None = None
 
@@ -429,7 +431,8 @@ class Replayer:
                     group.append(refs[i])
                     size += refs[i].raw_len
                     i += 1
-                outstanding.extend(self.fetcher.request(group, self.priority, keep=self.keep, bridge=self.bridge))
+                outstanding.extend(self.fetcher.request(group, self.priority, keep=self.keep, bridge=self.bridge,
+                                                        hold=self.hold))
                 out_bytes += size
             t = outstanding.popleft()
             try:
