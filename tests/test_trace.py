@@ -242,3 +242,45 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
     assert load_trace(repo, m) == [(os.fsencode(src / "lib" / "f1.bin"), ext1[1].offset),
                                    (os.fsencode(src / "lib" / "f1.bin"), 0),
                                    (os.fsencode(src / "f4.bin"), 0), (os.fsencode(src / "f4.bin"), MiB)]
+
+
+def test_spare_cpu_waits_while_the_box_is_busy_and_goes_once_cores_are_idle(tmp_path):
+    """Background streaming paces itself by the box's idle CPU (/proc/stat: idle + iowait over all)."""
+    from ogrefs.prefetch import SpareCpu
+
+    stat = tmp_path / "stat"
+    counters = {"busy": 0, "idle": 0}
+
+    def write() -> None:  # cpu  user nice system idle iowait irq softirq steal
+        stat.write_text(f"cpu  {counters['busy']} 0 0 {counters['idle']} 0 0 0 0 0 0\ncpu0 0 0 0 0 0\n")
+
+    write()
+    spare = SpareCpu(min_cores=0.5, interval=0.02, path=str(stat))
+    spare.cores = 2
+    counters["busy"] += 90
+    counters["idle"] += 10
+    write()
+    assert spare.idle_cores() == pytest.approx(0.2)  # 10 % of 2 cores
+    assert SpareCpu(path=str(tmp_path / "missing")).idle_cores() is None
+    went: list[float] = []
+
+    async def main() -> None:
+        async def busy_then_idle() -> None:
+            for _ in range(10):  # 0.2 s of a busy box: 90 % busy
+                counters["busy"] += 90
+                counters["idle"] += 10
+                write()
+                await trio.sleep(0.02)
+            while not went:
+                counters["idle"] += 100
+                write()
+                await trio.sleep(0.02)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(busy_then_idle)
+            t0 = trio.current_time()
+            await spare.wait()
+            went.append(trio.current_time() - t0)
+
+    trio.run(main)
+    assert went[0] >= 0.18, went  # not while the box was busy

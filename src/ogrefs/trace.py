@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import trio
 
@@ -377,7 +377,8 @@ class Replayer:
     def __init__(self, catalog: Catalog, fetcher: Fetcher, entries: list[Entry] | None = None, *,
                  priority: Priority = Priority.TRACE, window_bytes: int = 64 * MiB,
                  group_bytes: int = 16 * MiB, max_bytes: int | None = None, keep: "Keep | bool" = True,
-                 bridge: bool = False, hold: bool = False) -> None:
+                 bridge: bool = False, hold: bool = False,
+                 pace: Callable[[], Awaitable[None]] | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.entries = entries or []
@@ -388,6 +389,7 @@ class Replayer:
         self.keep = keep
         self.bridge = bridge  # nothing of the snapshot is on local disk yet: GETs may bridge gaps
         self.hold = hold  # held in the fetcher's memory until the materializer takes them (Fetcher.hold)
+        self.pace = pace  # awaited before each group is requested (background work that yields)
         self.stats = ReplayStats(entries=len(self.entries))
         self._refs: list[ChunkRef] | None = None
 
@@ -426,6 +428,8 @@ class Replayer:
         while i < len(refs) or outstanding:
             # request more while the window has room: a group at a time, so neighbours share a GET
             while i < len(refs) and out_bytes + self.group_bytes <= max(self.window_bytes, self.group_bytes):
+                if self.pace is not None:
+                    await self.pace()
                 group, size = [], 0
                 while i < len(refs) and (not group or size + refs[i].raw_len <= self.group_bytes):
                     group.append(refs[i])
