@@ -23,8 +23,10 @@ slots for it):
 The link stays full: chunks are requested in pack-ordered groups (16 MiB)
 while less than ``window_bytes`` (96 MiB) are requested and not yet written.
 Chunks already in memory (a trace or the hints, streamed before the tree
-existed and held for the materializer, which takes them) do not count against the window: they take no link time, and
-counting them would leave the link idle while the writer works through them.
+existed and held for the materializer, which takes them) do not count
+against the window: they take no link time, and counting them would leave
+the link idle while the writer works through them.  Written chunks of 256 KiB
+or more leave the page cache once durable (see ``_write_batch``).
 
 Durability.  The state lives in ``<state_dir>/materialize.sqlite``:
 
