@@ -144,7 +144,10 @@ class SpareCpu:
 
 
 def rest_refs(catalog: Catalog, skip: frozenset[bytes], max_bytes: int) -> list[ChunkRef]:
-    """The snapshot's other chunks in pack order (the materializer's background order), up to ``max_bytes``.
+    """The snapshot's other chunks in pack order (the materializer's background order), about ``max_bytes``.
+
+    The last chunk may go past ``max_bytes`` (a first chunk larger than the
+    bound is still taken).
 
     Blocking (catalog queries): run it in a worker thread.
     """
@@ -153,7 +156,7 @@ def rest_refs(catalog: Catalog, skip: frozenset[bytes], max_bytes: int) -> list[
     for chunk, pack, offset, stored_len, raw_len in catalog.all_blobs():
         if chunk in skip:
             continue
-        if total + raw_len > max_bytes:
+        if total >= max_bytes:
             break
         out.append(ChunkRef(chunk, pack, offset, stored_len, raw_len))
         total += raw_len
