@@ -14,7 +14,15 @@ are fetched, into the bounded chunk cache, at most half of the cache's bound
 (more would only evict itself).  Readers (``Priority.READ``) always go first:
 the fetcher keeps request slots for them.
 
-Owned by the trio loop, like the fetcher.
+Before the materializer's tree exists, the trace (or the hints) and then up
+to ``REST_HOLD_BYTES`` of the rest stream into memory, held by the fetcher
+for the materializer (:meth:`Prefetch._stream_first`); the materializer
+starts once the application settles or reads past its trace
+(:meth:`Prefetch._settle`).
+
+Owned by the trio loop, like the fetcher: the replays, the settle wait and
+the status counters are touched by trio tasks only; worker threads get the
+catalog and immutable inputs (a frozenset of held chunks, a byte bound).
 """
 
 from __future__ import annotations
