@@ -60,6 +60,14 @@ def materialize(box: Box, state: Path, read_range=None, *, fetcher_kw=None, trac
     return m, fetcher
 
 
+def gated(box: Box, gate: threading.Event):
+    """The box's pack reads, each held until ``gate`` is set (at most 20 s)."""
+    def read_range(pack, off, n):
+        gate.wait(20)
+        return box.repo.read_pack_range(pack, off, n)
+    return read_range
+
+
 def done_chunks(state: Path) -> set[bytes]:
     with sqlite3.connect(state / "materialize.sqlite") as db:
         return {r[0] for r in db.execute("SELECT chunk FROM chunks WHERE done=1")}
@@ -719,12 +727,7 @@ def test_a_chunk_the_materializer_asked_for_that_a_reader_also_reads_skips_the_c
     """The feeder writes it from its own ticket (single flight): a copy in the chunk cache would be waste."""
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     gate = threading.Event()
-
-    def slow(pack, off, n):
-        gate.wait(20)
-        return box.repo.read_pack_range(pack, off, n)
-
-    fetcher = Fetcher(slow, cache)
+    fetcher = Fetcher(gated(box, gate), cache)
     m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=64 * MiB)
     fetcher.adopter = m.adopt
     ref = box.refs_of("data/shard1.bin")[0]
@@ -818,12 +821,7 @@ def test_adoption_stops_at_its_bound_and_the_cache_keeps_the_rest(box, tmp_path)
 def test_request_keep_false_stays_out_of_the_caches_unless_a_reader_wants_it(box, tmp_path):
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     gate = threading.Event()
-
-    def held(pack, off, n):
-        gate.wait(10)
-        return box.repo.read_pack_range(pack, off, n)
-
-    fetcher = Fetcher(held, cache)
+    fetcher = Fetcher(gated(box, gate), cache)
     a, b = box.refs_of("data/shard0.bin")[:2]
 
     async def body():

@@ -368,10 +368,8 @@ class Fetcher:
                 self._held_size -= len(data)
             else:
                 data = self._mem_get(ref.chunk)
-                if (data is not None and hold and ref.chunk not in self._held
-                        and self._held_size + len(data) <= self.hold_bytes):
-                    self._held[ref.chunk] = data  # (the LRU may drop it before the materializer takes it)
-                    self._held_size += len(data)
+                if data is not None and hold:
+                    self._hold_put(ref.chunk, data)  # (the LRU may drop it before the materializer takes it)
             if data is not None:
                 self.stats.hits_memory += 1
             else:
@@ -519,10 +517,7 @@ class Fetcher:
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data
         self._pending.pop(p.ref.chunk, None)
-        if p.hold and self._held_size + len(data) <= self.hold_bytes and p.ref.chunk not in self._held:
-            self._held[p.ref.chunk] = data
-            self._held_size += len(data)
-        elif p.keep >= Keep.MEMORY:
+        if not (p.hold and self._hold_put(p.ref.chunk, data)) and p.keep >= Keep.MEMORY:
             self._mem_put(p.ref.chunk, data)
         p.done.set()
 
@@ -841,6 +836,16 @@ class Fetcher:
                     await trio.to_thread.run_sync(self.cache.flush, limiter=self._cache_write_limiter)
                 except _CACHE_ERRORS as exc:
                     log.warning("chunk cache bookkeeping failed: %s", exc)
+
+    def _hold_put(self, chunk: bytes, data: bytes) -> bool:
+        """Hold ``chunk`` if there is room (see :meth:`hold`); True if it is held now."""
+        if chunk in self._held:
+            return True
+        if self._held_size + len(data) > self.hold_bytes:
+            return False
+        self._held[chunk] = data
+        self._held_size += len(data)
+        return True
 
     def _mem_get(self, chunk: bytes) -> bytes | None:
         data = self._held.get(chunk)

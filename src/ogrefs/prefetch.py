@@ -28,6 +28,7 @@ catalog and immutable inputs (a frozenset of held chunks, a byte bound).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -249,6 +250,7 @@ class Prefetch:
         try:
             start = trio.current_time()
             deadline = start + self.settle_max
+            poll = 0.1 if self.trace_entries else math.inf  # (a trace: watch for reads past it)
             while (now := trio.current_time()) < deadline:
                 idle = min(self.idle_for(), now - start)  # an application about to start gets its chance
                 if idle >= self.settle_quiet:
@@ -258,7 +260,7 @@ class Prefetch:
                         and self.fetcher.stats.read_missed_bytes - past_trace >= SETTLE_PAST_TRACE_BYTES):
                     log.info("materialization starts: the application reads past its trace")
                     return
-                await trio.sleep(min(self.settle_quiet - idle, deadline - now, 0.1))
+                await trio.sleep(min(self.settle_quiet - idle, deadline - now, poll))
             log.info("materialization starts while the application is still busy (%.0f s)", self.settle_max)
         finally:
             self.settling = False
