@@ -13,62 +13,23 @@ from typing import Any, Callable
 
 import click
 
-from .errors import OgrefsError, UsageError
+from .cli_base import EXIT_CODES_HELP, Context, add_global_options, emit_json, group_options, json_option, run_main
+from .errors import EXIT_PARTIAL, UsageError
 from .progress import ProgressLine, human_bytes
-from .store.base import StoreError
-
-EXIT_PARTIAL = 3
 
 
-class Context:
-    def __init__(self, repo_url: str | None, s3_endpoint: str | None, quiet: bool,
-                 password_file: str | None = None, key_file: str | None = None) -> None:
-        self.repo_url = repo_url
-        self.s3_endpoint = s3_endpoint
-        self.quiet = quiet
-        self.password_file = password_file
-        self.key_file = key_file
-
-    def secret(self, prompt: bool = True):
-        from .repo.keys import Secret
-
-        return Secret.from_sources(self.password_file, self.key_file, prompt)
-
-    def url(self) -> str:
-        if not self.repo_url:
-            raise UsageError("no repository given: use --repo URL or set OGREFS_REPO")
-        return self.repo_url
-
-    def open(self):
-        from .repo import Repository
-
-        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret)
-
-
-def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
-
-
-def json_option(f: Callable) -> Callable:
-    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--repo", "-r", envvar="OGREFS_REPO", help="Repository URL: a directory, file:///path or s3://bucket/prefix.")
-@click.option("--s3-endpoint", envvar="OGREFS_S3_ENDPOINT", help="Endpoint of an S3-compatible server.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-@click.option("--password-file", envvar="OGREFS_PASSWORD_FILE", help="File holding the repository passphrase.")
-@click.option("--key-file", envvar="OGREFS_KEY_FILE", help="Raw key file (>= 32 random bytes) instead of a passphrase.")
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+@group_options
 @click.version_option(package_name="ogrefs")
 @click.pass_context
-def cli(ctx: click.Context, repo: str | None, s3_endpoint: str | None, quiet: bool, password_file: str | None,
-        key_file: str | None) -> None:
+def cli(ctx: click.Context, **options: Any) -> None:
     """Snapshot a whole training box and bring it back, lazily.
 
-    Encrypted repositories take the passphrase from OGREFS_PASSWORD,
-    --password-file, a raw --key-file, or a prompt.
+    Global options may come before or after the command. Encrypted
+    repositories take the passphrase from --password-file,
+    --password-command, OGREFS_PASSWORD, a raw --key-file, or a prompt.
     """
-    ctx.obj = Context(repo, s3_endpoint, quiet, password_file, key_file)
+    ctx.obj = Context(**options)
 
 
 @cli.command()
@@ -83,8 +44,7 @@ def init(obj: Context, pack_size: int, compression_level: int, encrypt: bool, as
 
     secret = None
     if encrypt:
-        secret = obj.secret(prompt=False) if (obj.key_file or obj.password_file or os.environ.get("OGREFS_PASSWORD")) \
-            else _prompt_new_passphrase()
+        secret = obj.secret(prompt=False) if obj.has_secret_source() else _prompt_new_passphrase()
     repo = Repository.init(obj.url(), s3_endpoint=obj.s3_endpoint, pack_target_size=pack_size * 1024 * 1024,
                            compression_level=compression_level, secret=secret)
     if as_json:
@@ -133,8 +93,9 @@ def key_list(obj: Context, as_json: bool) -> None:
 @click.option("--new-password-file", help="File with the new passphrase (else OGREFS_NEW_PASSWORD or a prompt).")
 @click.option("--new-key-file", help="Add a raw key file instead of a passphrase.")
 @click.option("--label", default="", help="A note to tell keys apart.")
+@json_option
 @click.pass_obj
-def key_add(obj: Context, new_password_file, new_key_file, label) -> None:
+def key_add(obj: Context, new_password_file, new_key_file, label, as_json: bool) -> None:
     """Add a passphrase or key file that also opens the repository."""
     from .repo.keys import Secret
 
@@ -146,19 +107,23 @@ def key_add(obj: Context, new_password_file, new_key_file, label) -> None:
     else:
         new = _prompt_new_passphrase()
     params = repo.add_key(new, label)
-    click.echo(f"added key {params['id']}")
+    if as_json:
+        emit_json({"added": params["id"], "kdf": params.get("kdf"), "label": params.get("label", label)})
+    else:
+        click.echo(f"added key {params['id']}")
 
 
 @key.command(name="remove")
 @click.argument("key_id")
+@json_option
 @click.pass_obj
-def key_remove(obj: Context, key_id: str) -> None:
+def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
     """Remove key KEY_ID (never the last one, nor the one in use)."""
     from .repo.keys import remove_key
 
     repo = obj.open()
     remove_key(repo.store, key_id, repo.key_id or "")
-    click.echo(f"removed key {key_id}")
+    emit_json({"removed": key_id}) if as_json else click.echo(f"removed key {key_id}")
 
 
 @cli.command()
@@ -517,30 +482,9 @@ def unlock(obj: Context, everything: bool, as_json: bool) -> None:
 from .cli_mount import register as _register_mount  # noqa: E402
 
 _register_mount(cli)
+add_global_options(cli)  # after every command is registered: global options work after the subcommand too
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: map expected failures to one line and an exit code."""
-    try:
-        cli.main(args=argv, prog_name="ogrefs", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("ogrefs: interrupted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except OgrefsError as exc:
-        click.echo(f"ogrefs: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except StoreError as exc:
-        click.echo(f"ogrefs: {exc}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        click.echo("ogrefs: interrupted; the repository is unchanged apart from reusable packs", err=True)
-        sys.exit(130)
-    except PermissionError as exc:
-        click.echo(f"ogrefs: permission denied: {exc.filename or exc}", err=True)
-        sys.exit(1)
-    except OSError as exc:
-        click.echo(f"ogrefs: {exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", err=True)
-        sys.exit(1)
+    """Entry point: map expected failures to one line and an exit code (see cli_base.run_main)."""
+    run_main(cli, argv)

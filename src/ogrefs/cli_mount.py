@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from .cli_base import emit_json, json_option
 from .errors import UsageError
 from .progress import human_bytes as _human
 
@@ -58,10 +59,11 @@ def parse_size(text: str) -> int:
 @click.option("--max-requests", type=click.IntRange(3, 256), default=8, show_default=True,
               help="Concurrent store requests.")
 @click.option("--debug", is_flag=True, help="Verbose log.")
+@json_option
 @click.pass_obj
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
           encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
-          max_requests: int, debug: bool) -> None:
+          max_requests: int, debug: bool, as_json: bool) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
     At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
@@ -86,7 +88,10 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
         return repo
 
     do_mount(opts, open_repo=open_repo)
-    if not foreground and not getattr(obj, "quiet", False):
+    if as_json and not foreground:
+        emit_json({"snapshot": snap, "target": str(opts.target or opts.mountpoint), "read_only": read_only,
+                   "state_dir": None if read_only else str(opts.state_dir)})
+    elif not foreground and not getattr(obj, "quiet", False):
         where = opts.target or opts.mountpoint
         mode = "read-only" if read_only else f"writable, local state in {opts.state_dir}"
         click.echo(f"mounted {snap} at {where} ({mode})")
@@ -97,16 +102,19 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
 @click.option("--lazy", is_flag=True, help="Detach now even if busy; unmount when the last user leaves.")
 @click.option("--timeout", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
               help="Seconds to wait for the daemon to exit.")
-def unmount(mountpoint: Path, lazy: bool, timeout: float) -> None:
+@json_option
+def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None:
     """Unmount an ogrefs mount and wait for its daemon to exit."""
     from .mount import unmount as do_unmount
 
     do_unmount(mountpoint, lazy=lazy, timeout=timeout)
+    if as_json:
+        emit_json({"unmounted": str(mountpoint), "lazy": lazy})
 
 
 @click.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.option("--wait", is_flag=True,
               help="Wait until the background copy is complete (exit 0) or cannot complete (exit 1), "
                    "then report.")
@@ -192,11 +200,15 @@ def _prefetch_lines(m: dict, tty: bool) -> list[str]:
 
 @click.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
-def finalize(mountpoint: Path) -> None:
+@json_option
+def finalize(mountpoint: Path, as_json: bool) -> None:
     """Once everything is local, run MOUNTPOINT from local disk alone (no daemon, no store)."""
     from .mount import finalize as do_finalize
 
     targets = do_finalize(mountpoint)
+    if as_json:
+        emit_json({"finalized": str(mountpoint), "targets": list(targets)})
+        return
     click.echo(f"finalized {mountpoint}: {', '.join(targets)} now run from local disk; the daemon has exited")
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import OgrefsError, UsageError
+from ..errors import EXIT_WRONG_PASSWORD, OgrefsError, UsageError
 from ..store.base import NotFound, Store
 
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1
@@ -36,6 +36,8 @@ _AAD = b"ogrefs master key v1"
 
 class WrongPassword(OgrefsError):
     """No key object opens with the given passphrase or key file."""
+
+    exit_code = EXIT_WRONG_PASSWORD
 
 
 @dataclass(frozen=True)

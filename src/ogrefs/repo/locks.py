@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import codec
-from ..errors import CorruptObject, OgrefsError
+from ..errors import EXIT_LOCKED, CorruptObject, OgrefsError
 from ..store.base import NotFound, Store, StoreError
 
 REFRESH_S = 300.0
@@ -42,6 +42,8 @@ CLOCK_SKEW_S = 120.0
 
 class LockedError(OgrefsError):
     """Another process holds a lock that excludes this operation."""
+
+    exit_code = EXIT_LOCKED
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import codec
-from ..errors import CorruptObject, RepositoryError, SnapshotNotFound
+from ..errors import CorruptObject, NoRepository, RepositoryError, SnapshotNotFound
 from ..store import open_store
 from ..store.base import NotFound, RangeReader, Store, StoreError
 from .config import RepoConfig
@@ -114,7 +114,7 @@ class Repository:
         try:
             raw = store.get("config")
         except NotFound:
-            raise RepositoryError(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
+            raise NoRepository(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
         config = RepoConfig.from_bytes(raw, store.url)
         master = key_id = None
         if config.encryption:

@@ -12,8 +12,9 @@ Wrappers: RetryingStore (retries), FaultyStore (fault injection in tests).
 from __future__ import annotations
 
 import os
+import re
 
-from .base import (NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
+from .base import (InvalidStoreURL, NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
                    validate_key, validate_prefix)
 from .faults import FaultyStore
 from .file import FileStore
@@ -23,7 +24,7 @@ from .retry import RetryingStore
 __all__ = [
     "open_store", "Store", "StoreError", "NotFound", "TransientError", "PermissionDenied", "ShortRead",
     "validate_key", "validate_prefix", "FileStore", "MemoryStore", "RetryingStore", "FaultyStore",
-    "S3_ENDPOINT_ENV",
+    "S3_ENDPOINT_ENV", "InvalidStoreURL",
 ]
 
 #: Environment variable naming the S3 endpoint when ``s3_endpoint`` is not given.
@@ -35,33 +36,52 @@ def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True) 
 
     ``s3_endpoint`` (else ``$OGREFS_S3_ENDPOINT``) points s3:// URLs at an
     S3-compatible server; without either, boto3's own configuration applies
-    (AWS_* variables, profiles, AWS_ENDPOINT_URL).  Raises ValueError, with a
-    one-line message, for a URL no backend understands.
+    (AWS_* variables, profiles, AWS_ENDPOINT_URL).  Raises InvalidStoreURL (a
+    ValueError), with a one-line message, for a URL no backend understands.
     """
     backend = _open_backend(url, s3_endpoint)
     return RetryingStore(backend) if retry else backend
 
 
+#: Schemes people type (ours, and other tools' that a user of restic or rclone may try).
+_SCHEME_LIKE = re.compile(r"^(s3|file|memory|https?|sftp|rest|b2|gs|azure|swift|rclone):", re.IGNORECASE)
+
+
 def _open_backend(url: str, s3_endpoint: str | None) -> Store:
     if not isinstance(url, str) or not url:
-        raise ValueError("store URL must be a non-empty string")
+        raise InvalidStoreURL("store URL must be a non-empty string")
     scheme, sep, rest = url.partition("://")
     if not sep:
+        like = _SCHEME_LIKE.match(url)
+        if like:  # "s3:/bucket/x" is a typo, not a directory named "s3:" to create
+            raise InvalidStoreURL(f"{url!r} looks like a URL but lacks '://' (did you mean "
+                                  f"{like.group(1).lower()}://{url[like.end():].lstrip('/')}? for a directory "
+                                  f"of that name write ./{url})")
         return FileStore(url)  # a plain path, absolute or relative
     if scheme == "file":
         if rest.startswith("localhost/"):
             rest = rest[len("localhost"):]
         if not rest.startswith("/"):
-            raise ValueError(f"file URL must name an absolute path (file:///path): {url!r}")
+            raise InvalidStoreURL(f"file URL must name an absolute path (file:///path): {url!r}")
         return FileStore(rest)
     if scheme == "memory":
         if not rest:
-            raise ValueError(f"memory URL needs a name (memory://name): {url!r}")
+            raise InvalidStoreURL(f"memory URL needs a name (memory://name): {url!r}")
         return named_memory_store(rest)
     if scheme == "s3":
         from .s3 import S3Store, parse_s3_url  # boto3 is slow to import; only pay for it when used
 
         bucket, prefix = parse_s3_url(url)
         endpoint = s3_endpoint or os.environ.get(S3_ENDPOINT_ENV) or None
-        return S3Store(bucket, prefix, endpoint_url=endpoint)
-    raise ValueError(f"unknown store URL scheme {scheme!r} in {url!r} (use a path, file://, s3:// or memory://)")
+        return S3Store(bucket, prefix, endpoint_url=check_endpoint(endpoint) if endpoint else None)
+    raise InvalidStoreURL(f"unknown repository URL scheme {scheme!r} in {url!r} "
+                          "(use a path, file:///path, s3://bucket/prefix or memory://name)")
+
+
+def check_endpoint(endpoint: str) -> str:
+    """An S3 endpoint is an http(s) URL with a host (boto3 would raise a traceback-worthy ValueError)."""
+    m = re.fullmatch(r"(https?)://([^/\s]+)(/\S*)?", endpoint)
+    if not m:
+        raise InvalidStoreURL(f"S3 endpoint {endpoint!r} must be an http:// or https:// URL with a host "
+                              f"(e.g. http://{endpoint.split('://')[-1] or 'localhost:8333'})")
+    return endpoint

@@ -65,6 +65,10 @@ class StoreError(Exception):
     """Base class of every store failure; ``str(e)`` is a one-line human reason."""
 
 
+class InvalidStoreURL(ValueError):
+    """A repository URL or S3 endpoint no backend understands (the user's typo, not a store failure)."""
+
+
 class NotFound(StoreError):
     """The key does not exist."""
 

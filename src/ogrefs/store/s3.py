@@ -33,7 +33,7 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config
 
-from .base import (BytesRange, NotFound, PermissionDenied, RangeReader, ShortRead, Store, StoreError,
+from .base import (BytesRange, InvalidStoreURL, NotFound, PermissionDenied, RangeReader, ShortRead, Store, StoreError,
                    TransientError, check_range, validate_key, validate_prefix)
 
 __all__ = ["S3Store", "parse_s3_url"]
@@ -65,20 +65,20 @@ _CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 def parse_s3_url(url: str) -> tuple[str, str]:
     """Split ``s3://bucket/some/prefix`` into ("bucket", "some/prefix")."""
     if not url.startswith("s3://"):
-        raise ValueError(f"not an s3:// URL: {url!r}")
+        raise InvalidStoreURL(f"not an s3:// URL: {url!r}")
     rest = url[len("s3://"):]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
-        raise ValueError(f"s3 URL has no bucket: {url!r}")
+        raise InvalidStoreURL(f"s3 URL has no bucket: {url!r}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{2,254}", bucket):
-        raise ValueError(f"s3 URL has an invalid bucket name {bucket!r} "
+        raise InvalidStoreURL(f"s3 URL has an invalid bucket name {bucket!r} "
                          "(at least 3 characters of a-z, 0-9, '.', '-')")
     prefix = prefix.strip("/")
     if prefix:
         try:
             validate_key(prefix)
         except ValueError as exc:
-            raise ValueError(f"s3 URL has an invalid prefix: {exc}") from None
+            raise InvalidStoreURL(f"s3 URL has an invalid prefix: {exc}") from None
     return bucket, prefix
 
 
