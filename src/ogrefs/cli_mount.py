@@ -95,6 +95,13 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
         where = opts.target or opts.mountpoint
         mode = "read-only" if read_only else f"writable, local state in {opts.state_dir}"
         click.echo(f"mounted {snap} at {where} ({mode})")
+        if not read_only:
+            from .keeper import describe
+            from .mount import Registration
+
+            kept = describe(Registration.for_mountpoint(where).read() or {})
+            if kept:
+                click.echo(kept)
 
 
 @click.command()

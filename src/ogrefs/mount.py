@@ -25,6 +25,7 @@ hands them.  The registration files are written by the daemon alone.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import mountsys
 from .errors import OgrefsError, UsageError
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 120.0
+#: What the keeper of a writable mount adds to its registration (keeper.bring_up).
+KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", "keeper_pid")
 STATUS_INTERVAL = 0.5
 
 
@@ -83,6 +87,9 @@ class MountOptions:
     trace_entries: list | None = None  # the trace to replay, loaded before the fork
     replay_trace: bool = True  # prefetch in the order of the recorded access trace, if there is one
     encrypt_cache: bool = False  # seal chunk-cache files with a key derived from the repository key
+    host_paths: Any = None  # writable mounts at /: hostpaths.HostPaths (what stays this box's); None: defaults
+    skipped: list | None = None  # writable: {"path", "reason"} of each top-level directory not overlaid
+    state_lock: int | None = None  # writable: fd holding flock on <state>/mount.lock (one mount per state dir)
 
 
 # -- early checks -----------------------------------------------------------------------------
@@ -268,7 +275,8 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
             opts.trace_entries = None
         reg = Registration.for_mountpoint(opts.target or opts.mountpoint)
         if opts.foreground:
-            code = _serve(opts, repo, manifest, cat_path, reg, ready_fd=None)
+            code = (_keeper_main(opts, repo, manifest, cat_path, reg, None) if opts.overlays
+                    else _serve(opts, repo, manifest, cat_path, reg, ready_fd=None))
             if code:
                 raise MountError(f"the mount of {opts.mountpoint} ended with an error (see above)")
             return
@@ -307,17 +315,37 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
     state = Path(os.path.abspath(opts.state_dir or default_state_dir(manifest["id"], target)))
     roots = [os.fsdecode(r) for r in catalog.roots()]
     top = [os.fsdecode(name) for name, node in catalog.children(ROOT_INO) if node.is_dir]
-    plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top)
-    for old in overlay.load(state):
-        overlay.unmount_all([old], lazy=True)
-    if mounted_fstype(state / "lower") is not None:
-        subprocess.run(["umount", "-l", str(state / "lower")], capture_output=True)
+    opts.skipped = []
+    plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top,
+                         skipped=opts.skipped)
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    opts.state_lock = _lock_state_dir(state)
+    for old in reversed(overlay.load(state)):
+        overlay.unmount_one(old, lazy=True)
+    mountsys.umount(str(state / "lower"), lazy=True)
     (state / "lower").mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state, 0o700)
     opts.state_dir = state
     opts.target = target
     opts.mountpoint = check_mountpoint(state / "lower")
     opts.overlays = plans
+
+
+def _lock_state_dir(state: Path) -> int:
+    """Hold ``state/mount.lock`` (flock) for as long as a mount of this state directory lives.
+
+    The descriptor is inherited by the keeper and the daemon; the lock goes
+    with the last of them. A second mount of the same state directory is
+    refused here, before it touches anything of the live one.
+    """
+    fd = os.open(state / "mount.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"the state directory {state} is in use by a live mount; unmount it first, "
+                         "or give this mount another --state-dir") from None
+    return fd
 
 
 def _daemonize_and_wait(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
@@ -334,7 +362,8 @@ def _daemonize_and_wait(opts: MountOptions, repo: Repository, manifest: dict, ca
             os.close(r)
             os.setsid()
             if os.fork() == 0:
-                code = _daemon_main(opts, repo, manifest, cat_path, reg, w)
+                code = (_keeper_main(opts, repo, manifest, cat_path, reg, w) if opts.overlays
+                        else _daemon_main(opts, repo, manifest, cat_path, reg, w))
             else:
                 code = 0
         finally:
@@ -373,9 +402,7 @@ def _read_line(fd: int, timeout: float) -> str:
     return buf.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def _daemon_main(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path, reg: Registration,
-                 ready_fd: int) -> int:
-    """The daemon process: stdio detached, log to the registration's log file."""
+def _detach_stdio(reg: Registration) -> None:
     os.chdir("/")
     devnull = os.open(os.devnull, os.O_RDWR)
     logfd = os.open(reg.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -384,6 +411,43 @@ def _daemon_main(opts: MountOptions, repo: Repository, manifest: dict, cat_path:
     os.dup2(logfd, 2)
     os.close(devnull)
     os.close(logfd)
+
+
+def _keeper_main(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path, reg: Registration,
+                 ready_fd: int | None) -> int:
+    """A writable mount: fork the daemon, then keep the box (keeper.py); ``ready_fd`` None: foreground."""
+    from . import keeper
+
+    if ready_fd is not None:
+        _detach_stdio(reg)
+    logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    to_keeper_r, to_keeper_w = os.pipe()
+    to_daemon_r, to_daemon_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(to_keeper_r)
+            os.close(to_daemon_w)
+            if ready_fd is not None:
+                os.close(ready_fd)
+            code = _serve(opts, repo, manifest, cat_path, reg, None, keeper=(to_keeper_w, to_daemon_r))
+        except BaseException:  # noqa: BLE001 - the daemon must report, not crash silently
+            log.exception("mount daemon failed")
+            with contextlib.suppress(OSError):
+                os.write(to_keeper_w, b"error the mount daemon failed (see its log)\n")
+        finally:
+            os._exit(code)
+    os.close(to_keeper_w)
+    os.close(to_daemon_r)
+    return keeper.keep(opts, reg, pid, to_keeper_r, to_daemon_w, ready_fd)
+
+
+def _daemon_main(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path, reg: Registration,
+                 ready_fd: int) -> int:
+    """The daemon process: stdio detached, log to the registration's log file."""
+    _detach_stdio(reg)
     try:
         return _serve(opts, repo, manifest, cat_path, reg, ready_fd)
     except BaseException as exc:  # noqa: BLE001 - the daemon must report, not crash silently
@@ -394,8 +458,15 @@ def _daemon_main(opts: MountOptions, repo: Repository, manifest: dict, cat_path:
 
 
 def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path, reg: Registration,
-           ready_fd: int | None) -> int:
-    """Build the stack, mount, serve until unmounted or signalled.  Returns an exit code."""
+           ready_fd: int | None, keeper: tuple[int, int] | None = None) -> int:
+    """Build the stack, mount, serve until unmounted or signalled.  Returns an exit code.
+
+    ``keeper``: (write fd to the keeper, read fd from it) for a writable
+    mount. Then, right after the FUSE mount and before any thread starts,
+    this process moves to a mount namespace of its own and drops its copy of
+    the FUSE mount: the overlays the keeper mounts in the box afterwards are
+    invisible here, so nothing this daemon opens resolves through them.
+    """
     import trio
 
     from . import fuse_ops
@@ -407,8 +478,6 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
-    if opts.lock is not None:
-        opts.lock.start_refresher()  # in a forked daemon the parent's heartbeat thread did not survive
     catalog = Catalog(cat_path)
     chunk_dir = opts.chunk_cache or (opts.cache_root or default_cache_dir()) / "chunks"
     from .chunkcache import CacheCipher
@@ -464,6 +533,11 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
 
     ops = fuse_ops.FuseOps(fs, on_init=on_init)
     fuse_ops.fuse_mount(ops, str(opts.mountpoint), fuse_ops.mount_options(allow_other=opts.allow_other))
+    if keeper is not None:
+        info["skipped"] = opts.skipped or []
+        _own_namespace(opts.mountpoint)
+    if opts.lock is not None:
+        opts.lock.start_refresher()  # in a forked daemon the parent's heartbeat thread did not survive
     reg.write(info)
     log.info("mounted snapshot %s of %s at %s", manifest["id"][:12], repo.store.url, opts.mountpoint)
 
@@ -477,13 +551,22 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 log.info("signal %d: unmounting", signum)
+                if keeper is not None:  # the keeper detaches the overlays while this still answers
+                    with contextlib.suppress(OSError):
+                        os.write(keeper[0], b"teardown\n")
+                        from .keeper import TEARDOWN_TIMEOUT, read_line
+
+                        await trio.to_thread.run_sync(read_line, keeper[1], TEARDOWN_TIMEOUT)
                 fuse_ops.terminate()
                 return
 
     async def announce() -> None:
         await initialized[0].wait()
-        await trio.to_thread.run_sync(_tune_readahead, opts.mountpoint, opts.readahead_kb)
-        if opts.overlays:
+        if keeper is not None:  # the keeper brings the box up; this process only serves
+            os.write(keeper[0], b"fuse-ready\n")
+        else:
+            await trio.to_thread.run_sync(_tune_readahead, opts.mountpoint, opts.readahead_kb)
+        if opts.overlays and keeper is None:
             from . import overlay
 
             try:
@@ -542,7 +625,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             except Exception as exc:  # noqa: BLE001 - a lost trace costs the next mount its head start only
                 log.warning("could not save the access trace: %s", exc)
         finalized = bool((reg.read() or {}).get("finalized"))
-        if opts.overlays and not finalized:
+        if opts.overlays and not finalized and keeper is None:
             from . import overlay
 
             # Overlays first: the FUSE lower cannot go while they stand on it.  Not after `finalize`:
@@ -550,7 +633,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             for err in overlay.unmount_all(opts.overlays, lazy=True):
                 log.warning("overlay unmount: %s", err)
         with contextlib.suppress(Exception):
-            fuse_ops.fuse_close(unmount=True)
+            fuse_ops.fuse_close(unmount=keeper is None)  # with a keeper, this namespace has no mount
         with contextlib.suppress(Exception):
             cache.close()
         if opts.lock is not None:
@@ -559,6 +642,20 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             reg.remove()
         log.info("unmounted %s", opts.mountpoint)
     return code
+
+
+def _own_namespace(mountpoint: Path) -> None:
+    """Leave the box's mount namespace (keeping its current view) and drop this copy of the FUSE mount.
+
+    Must run before any thread starts (the kernel refuses CLONE_NEWNS to a
+    multi-threaded process). Dropping the copy keeps the box's unmount of the
+    lower the one thing that ends the FUSE session, as without a namespace.
+    """
+    mountsys.private_namespace()
+    err = mountsys.umount(str(mountpoint), lazy=True)
+    if err:
+        raise MountError(f"cannot detach the daemon's copy of {mountpoint}: {err}")
+    log.info("daemon in its own mount namespace; the overlays are invisible to it")
 
 
 def _tune_readahead(mountpoint: Path, kb: int) -> None:
@@ -604,17 +701,19 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
     from . import overlay
 
     state = Path(info["state_dir"])
-    errors = overlay.unmount_all(overlay.load(state), lazy=lazy)
+    errors = overlay.unmount_all(overlay.load(state), lazy=lazy, keep=info.get("own_directories") or [])
     if errors:
         busy = any("busy" in e.lower() for e in errors)
-        raise MountError(f"cannot unmount {errors[0]}" + ("; close what uses it or use --lazy" if busy else ""))
+        raise MountError(f"cannot unmount {'; '.join(errors)}: nothing was unmounted"
+                         + ("; close what uses it or use --lazy" if busy else ""))
     pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
-        if mounted_fstype(state / "lower") is not None:
-            subprocess.run(["umount", "-l", str(state / "lower")], capture_output=True)
+        mountsys.umount(str(state / "lower"), lazy=True)
         reg.remove()
         return
-    unmount(state / "lower", lazy=lazy, timeout=timeout)
+    err = mountsys.umount(str(state / "lower"), lazy=lazy)
+    if err:
+        raise MountError(f"cannot unmount {state / 'lower'}: {err} (the overlays are down; use --lazy)")
     _wait_exit(pid, timeout, mp)
 
 
@@ -644,22 +743,27 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
         raise UsageError(f"{mp} is not fully local yet ({why}); wait for `ogrefs status {mp}` to say complete")
     state = Path(info["state_dir"])
     old = overlay.load(state)
-    writers = overlay.open_for_writing([o.target for o in old])
+    ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
+    writers = overlay.open_for_writing([o.target for o in old], exclude_pids=ours)
     if writers:
         raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
     lower_root, tree_root = str(state / "lower"), str(state / "tree")
-    new = [overlay.Overlay(o.target, tree_root + o.lower[len(lower_root):], o.upper, o.work, o.keep_existing)
-           for o in old]
-    for o_old, o_new in zip(old, new):
+    keep = info.get("own_directories") or []
+    swapped: list[overlay.Overlay] = []
+    for o_old in old:  # one by one: each target shows the same tree before and after its swap
+        o_new = overlay.replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
         errors = overlay.unmount_all([o_old])
         if errors:
-            raise MountError(f"cannot finalize: {errors[0]} (close what uses it and try again)")
-        overlay.mount_one(o_new)
+            overlay.save(swapped + old[len(swapped):], state)
+            raise MountError(f"cannot finalize: {errors[0]} ({len(swapped)} of {len(old)} overlays already run "
+                             "from local disk; close what uses it and run finalize again)")
+        swapped.append(overlay.mount_one(o_new, keep))
+    new = swapped
     overlay.save(new, state)
     info.update(finalized=True, pid=None, lower=None)
     reg.write(info)
     pid = status.get("pid")
-    subprocess.run(["umount", str(state / "lower")], capture_output=True)
+    mountsys.umount(str(state / "lower"), lazy=True)
     if pid and pid_alive(pid):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
@@ -691,6 +795,9 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         raise MountError(f"the status of {mp} is not readable yet; try again") from None
     status["age"] = max(0.0, time.time() - status.get("time", time.time()))
+    for key in KEEPER_KEYS:  # what the keeper did (writable mounts): the registration has it
+        if key in info:
+            status[key] = info[key]
     return status
 
 

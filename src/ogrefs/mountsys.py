@@ -1,0 +1,81 @@
+"""mount(2), umount2(2) and unshare(2) by system call, never by spawning a program.
+
+Why: once an overlay covers ``/usr``, running ``mount`` or ``umount`` means
+resolving ``/usr/bin/mount`` through that overlay, i.e. through the FUSE
+lower the daemon serves; a process that must answer that lookup itself (or
+that holds the GIL in a vfork child, CPython gh-104372 on Debian's 3.11.2)
+hangs the box. A system call resolves only the paths it is given.
+
+Everything here is loaded when the module is imported (libc through ctypes),
+so no call needs a file under a covered path. No state, no locks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_MOVE = 8192
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MNT_DETACH = 2
+CLONE_NEWNS = 0x00020000
+
+
+def _enc(value: str | bytes | None) -> bytes | None:
+    return None if value is None else os.fsencode(value)
+
+
+def _check(res: int, what: str) -> None:
+    if res != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    _check(_libc.mount(_enc(source), _enc(target), _enc(fstype), flags, _enc(data)), f"mount {target}")
+
+
+def overlay(target: str, options: str) -> None:
+    mount("ogrefs", target, "overlay", 0, options)
+
+
+def bind(source: str, target: str, recursive: bool = True, read_only: bool = False) -> None:
+    """Bind ``source`` (a path, or ``/proc/self/fd/N`` of a directory opened before it was covered)."""
+    mount(source, target, None, MS_BIND | (MS_REC if recursive else 0))
+    if read_only:
+        mount("none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
+def umount(target: str, lazy: bool = False) -> str | None:
+    """Unmount; None when done or nothing was mounted there, else the reason (e.g. "busy")."""
+    if _libc.umount2(_enc(target), MNT_DETACH if lazy else 0) == 0:
+        return None
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
+        return None
+    if err == errno.EBUSY:
+        return "target is busy"
+    return os.strerror(err)
+
+
+def private_namespace() -> None:
+    """Move this process into a mount namespace of its own, a copy of the current view.
+
+    Propagation is made private, so nothing mounted afterwards in the box's
+    namespace (overlays, new disks) reaches this one and nothing mounted here
+    leaks out. The kernel refuses this in a multi-threaded process
+    (CLONE_NEWNS implies CLONE_FS): call it before any thread starts.
+    """
+    _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    mount("none", "/", None, MS_REC | MS_PRIVATE)

@@ -1,0 +1,167 @@
+"""A writable mount at / of a box: the daemon never depends on what it serves (tier 5).
+
+Real FUSE and overlayfs at real paths, inside ``unshare --mount
+--propagation private``: a snapshot of a ``usr``-like and a ``var``-like
+directory is mounted over those same directories, with ogrefs' state
+directory and chunk cache *below* the overlaid ``var`` (as /var/lib/ogrefs
+and /var/cache are on a real box). Each shell step has a timeout, so a hang
+fails the test instead of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here"),
+    pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("nsenter") is None,
+                       reason="util-linux unshare/nsenter missing"),
+]
+
+OGREFS = f"timeout 90 {sys.executable} -m ogrefs"
+PY = f"timeout 30 {sys.executable}"
+
+
+@pytest.fixture
+def whole(tmp_path):
+    """A snapshot of box/usr, box/var and box/mnt; then this box's own versions differ from it."""
+    box = tmp_path / "box"
+    for d in ("usr/bin", "usr/lib/pkg", "var/lib/app", "mnt/scratch"):
+        (box / d).mkdir(parents=True)
+    (box / "usr/marker").write_text("snap\n")
+    (box / "usr/bin/tool").write_text("#!/bin/sh\necho tool from the snapshot\n")
+    (box / "usr/lib/pkg/big.bin").write_bytes(os.urandom(2 * 1024 * 1024 + 5))
+    shutil.copy(box / "usr/lib/pkg/big.bin", tmp_path / "expected-big.bin")
+    (box / "var/lib/app/data").write_text("app data\n")
+    (box / "mnt/from-snapshot").write_text("snap mnt\n")
+    snap_env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "snapcache"))
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=snap_env, check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(box / "usr"),
+                          str(box / "var"), str(box / "mnt")], env=snap_env, check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    (box / "usr/marker").write_text("host\n")  # from here on this is the other box
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"),
+               OGREFS_CACHE_DIR=str(box / "var/cache/ogrefs"),
+               OGREFS_STATE_DIR=str(box / "var/lib/ogrefs/mounts"),
+               OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    yield {"env": env, "box": box, "snap": json.loads(out)["id"], "tmp": tmp_path}
+    _kill_leftovers(tmp_path / "run" / "mounts")
+
+
+def _kill_leftovers(mounts: Path) -> None:
+    for reg in mounts.glob("*.json") if mounts.exists() else []:
+        try:
+            info = json.loads(reg.read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("pid", "keeper_pid"):
+            try:
+                if info.get(key):
+                    os.kill(info[key], signal.SIGKILL)
+            except (OSError, AttributeError):
+                pass
+
+
+def in_namespace(env: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
+    body = "set -euo pipefail\n" + textwrap.dedent(script)
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", body], env=env,
+                          capture_output=True, text=True, timeout=200)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _pid(tmp: Path, key: str = "pid") -> str:
+    return (f"$({PY} -c \"import json,glob; print(json.load(open(glob.glob('{tmp}/run/mounts/*[0-9a-f].json')[0]))"
+            f"['{key}'])\")")
+
+
+def test_daemon_sees_the_box_as_it_was_while_the_overlays_are_up(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} /
+        test "$(cat {box}/usr/marker)" = "snap"                 # the box sees the snapshot
+        pid={_pid(tmp)}
+        test "$(readlink /proc/$pid/ns/mnt)" != "$(readlink /proc/self/ns/mnt)"
+        ! grep -q " - overlay " /proc/$pid/mountinfo            # no overlay in the daemon's view
+        test "$(timeout 10 nsenter -t $pid -m cat {box}/usr/marker)" = "host"   # its own files as they were
+        timeout 10 nsenter -t $pid -m stat {sys.executable} > /dev/null
+        # the local copy and its database live below the overlaid var: the daemon reads and writes
+        # them there (in its own view) while serving that very overlay's lower
+        {OGREFS} status / --wait > {tmp}/wait.txt
+        cmp {box}/usr/lib/pkg/big.bin {tmp}/expected-big.bin
+        test "$(cat {box}/var/lib/app/data)" = "app data"
+        test "$({box}/usr/bin/tool 2>/dev/null || sh {box}/usr/bin/tool)" = "tool from the snapshot"
+        ls {box}/var/lib/ogrefs/mounts/*/materialize.sqlite > /dev/null   # ogrefs' state is not covered
+        echo written > {box}/var/lib/app/new
+        {OGREFS} unmount /
+        ! grep -q " - overlay " /proc/self/mountinfo
+        test "$(cat {box}/usr/marker)" = "host"
+        {OGREFS} mount {snap} /                                  # remount resumes
+        test "$(cat {box}/var/lib/app/new)" = "written"
+        {OGREFS} unmount /
+    """)
+    assert "complete" in (tmp / "wait.txt").read_text()
+
+
+def test_hard_kill_of_the_daemon_leaves_a_box_that_unmounts_and_remounts(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} / --no-materialize
+        echo kept > {box}/var/lib/app/written
+        pid={_pid(tmp)}
+        keeper={_pid(tmp, 'keeper_pid')}
+        kill -9 "$pid"
+        for i in $(seq 300); do kill -0 "$keeper" 2>/dev/null || break; sleep 0.1; done
+        ! kill -0 "$keeper" 2>/dev/null                          # the keeper saw it and cleaned up
+        ! grep -q " - overlay " /proc/self/mountinfo             # no dead overlay left ...
+        test "$(cat {box}/usr/marker)" = "host"                  # ... the box shows its own tree again
+        ! {OGREFS} status / 2> {tmp}/status.err
+        {OGREFS} mount {snap} /  --no-materialize                # and a remount recovers every write
+        test "$(cat {box}/var/lib/app/written)" = "kept"
+        test "$(cat {box}/usr/marker)" = "snap"
+        {OGREFS} unmount /
+        {OGREFS} mount {snap} /  --no-materialize
+        {OGREFS} unmount /
+    """)
+    assert "gone" in (tmp / "status.err").read_text()
+
+
+def test_submounts_and_ogrefs_directories_stay_visible(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    repo = box / "var" / "srv-repo"  # a file:// repository below an overlaid directory
+    shutil.move(str(tmp / "repo"), str(repo))
+    env = dict(whole["env"], OGREFS_REPO=str(repo))
+    in_namespace(env, f"""
+        mount -t tmpfs scratch-disk {box}/mnt/scratch               # this box's own disk
+        echo "on the disk" > {box}/mnt/scratch/disk-file
+        {OGREFS} mount {snap} / > {tmp}/mount.out
+        test "$(cat {box}/mnt/from-snapshot)" = "snap mnt"           # the snapshot's /mnt ...
+        test "$(cat {box}/mnt/scratch/disk-file)" = "on the disk"    # ... and the disk below it
+        echo more > {box}/mnt/scratch/second                         # writes go to the disk itself
+        {OGREFS} snapshots > /dev/null                                # the repository is reachable
+        test -d {repo}/snapshots
+        {OGREFS} status / --json > {tmp}/status.json
+        {OGREFS} status / --wait > /dev/null
+        {OGREFS} unmount /                                            # not busy: the bind-backs go first
+        test "$(cat {box}/mnt/scratch/second)" = "more"
+        grep -q " {box}/mnt/scratch " /proc/self/mountinfo           # the disk itself stays mounted
+        {OGREFS} mount {snap} /
+        test "$(cat {box}/mnt/scratch/disk-file)" = "on the disk"
+        {OGREFS} unmount /
+    """)
+    st = json.loads((tmp / "status.json").read_text())
+    assert f"{box}/mnt/scratch" in st["binds"]
+    assert any(b.startswith(str(box / "var")) for b in st["binds"])  # state, cache and repository
+    assert "still visible" in (tmp / "mount.out").read_text()
