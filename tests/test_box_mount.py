@@ -165,3 +165,19 @@ def test_submounts_and_ogrefs_directories_stay_visible(whole):
     assert f"{box}/mnt/scratch" in st["binds"]
     assert any(b.startswith(str(box / "var")) for b in st["binds"])  # state, cache and repository
     assert "still visible" in (tmp / "mount.out").read_text()
+
+
+def test_a_second_mount_of_the_same_state_directory_is_refused_and_the_first_lives_on(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    other = tmp / "elsewhere"
+    other.mkdir()
+    proc = in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} / --state-dir {tmp}/shared-state
+        ! {OGREFS} mount {snap} {other} --state-dir {tmp}/shared-state 2> {tmp}/second.err
+        test "$(cat {box}/usr/marker)" = "snap"                  # the first one still serves
+        grep -q " {box}/usr " /proc/self/mountinfo
+        ! grep -q " {other} " /proc/self/mountinfo
+        {OGREFS} unmount /
+    """)
+    err = (tmp / "second.err").read_text()
+    assert "in use by a live mount" in err and "Traceback" not in err, proc.stderr
