@@ -181,3 +181,29 @@ def test_a_second_mount_of_the_same_state_directory_is_refused_and_the_first_liv
     """)
     err = (tmp / "second.err").read_text()
     assert "in use by a live mount" in err and "Traceback" not in err, proc.stderr
+
+
+def test_a_file_with_overlayfs_metadata_reads_through_the_writable_mount(tmp_path):
+    src = tmp_path / "src" / "data"
+    src.mkdir(parents=True)
+    (src / "copied-up").write_text("real bytes\n")
+    os.setxattr(src / "copied-up", "trusted.overlay.metacopy", b"")   # as in an overlay's upper dir
+    os.setxattr(src / "copied-up", "trusted.overlay.origin", b"\x00\xfb\x21")
+    os.setxattr(src / "copied-up", "user.kept", b"yes")
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=env, check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(src)], env=env,
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    snap = json.loads(out)["id"]
+    try:
+        in_namespace(env, f"""
+            mount -t tmpfs fresh {src.parent}
+            {OGREFS} mount {snap} /
+            test "$(cat {src}/copied-up)" = "real bytes"
+            test "$(getfattr --only-values -n user.kept {src}/copied-up)" = "yes"
+            echo more >> {src}/copied-up
+            {OGREFS} unmount /
+        """)
+    finally:
+        _kill_leftovers(tmp_path / "run" / "mounts")

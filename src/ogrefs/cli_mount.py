@@ -125,14 +125,16 @@ def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None
 @click.option("--wait", is_flag=True,
               help="Wait until the background copy is complete (exit 0) or cannot complete (exit 1), "
                    "then report.")
-def status(mountpoint: Path, as_json: bool, wait: bool) -> None:
+@click.option("--timeout", type=click.FloatRange(0), default=None,
+              help="With --wait: give up (exit 1) after this many seconds.")
+def status(mountpoint: Path, as_json: bool, wait: bool, timeout: float | None) -> None:
     """What a mount has fetched, served and failed."""
 
     from .mount import read_status, wait_background
 
     if wait:
-        st, problem = wait_background(mountpoint, progress=None if as_json or not sys.stderr.isatty()
-                                      else _progress_line)
+        st, problem = wait_background(mountpoint, timeout=timeout,
+                                      progress=None if as_json or not sys.stderr.isatty() else _progress_line)
     else:
         st, problem = read_status(mountpoint), None
     if wait and not as_json and sys.stderr.isatty():

@@ -53,6 +53,8 @@ READY_TIMEOUT = 120.0
 #: What the keeper of a writable mount adds to its registration (keeper.bring_up).
 KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", "keeper_pid")
 STATUS_INTERVAL = 0.5
+#: A status file older than this means the daemon stopped answering (it is rewritten every STATUS_INTERVAL).
+STALE_AFTER = 30.0
 
 
 class MountError(OgrefsError):
@@ -805,14 +807,19 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
 _ENDED = {"done", "stopped", "incomplete", "not materializing"}
 
 
-def wait_background(mountpoint: Path, *, poll: float = 0.2,
+def wait_background(mountpoint: Path, *, poll: float = 0.2, timeout: float | None = None,
+                    stale_after: float = STALE_AFTER,
                     progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], str | None]:
     """Wait until the mount's background copy is complete; (last status, why it cannot complete or None).
 
     Materializing mounts end "done" (everything local); a mount that only warms
     its cache (read-only, ``--no-materialize``) ends when its prefetch is done.
-    A daemon that goes away while waiting raises MountError.
+    A mount that was to materialize but was refused (no room) and fell back to
+    warming the cache did not complete: its reason is returned. A daemon that
+    goes away, or stops rewriting its status for ``stale_after`` seconds (it
+    rewrites it every 0.5 s), raises MountError, and so does ``timeout``.
     """
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         st = read_status(mountpoint)
         m = st.get("materialize") or {}
@@ -821,10 +828,14 @@ def wait_background(mountpoint: Path, *, poll: float = 0.2,
         if m.get("complete"):
             return st, None
         state = m.get("state")
+        where = st.get("mountpoint", mountpoint)
         if m.get("mode") == "cache" and state == "done":
-            return st, None
+            return st, (f"{where} will not become fully local: {m['reason']}" if m.get("reason") else None)
         if state in _ENDED:
-            return st, f"{st.get('mountpoint', mountpoint)} will not become fully local: " + (
-                m.get("reason") or state)
+            return st, f"{where} will not become fully local: " + (m.get("reason") or state)
+        if st.get("age", 0.0) > stale_after:
+            raise MountError(f"the daemon of {where} (pid {st.get('pid')}) has not answered for "
+                             f"{st['age']:.0f} s (stopped or hung?); see its log {st.get('log')}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise MountError(f"{where} is not fully local after {timeout:.0f} s (still {state})")
         time.sleep(poll)
-

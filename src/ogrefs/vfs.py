@@ -87,6 +87,12 @@ PUSH_DIR_MAX = 16 * MiB
 PUSH_BATCH = 64  # files opened and read ahead at once
 
 
+#: Extended attributes overlayfs interprets on its lower layers (metacopy, redirect, opaque, origin):
+#: a snapshot of an overlay's upper directory carries them, and served as they are they make
+#: overlayfs read a file as a metadata-only copy (EPERM) or follow a redirect. The mount never
+#: serves them (restore still writes them); docs/mount.md.
+OVERLAY_XATTRS = (b"trusted.overlay.", b"user.overlay.")
+
 class FsError(Exception):
     """A file-system answer that is an errno (ENOENT, EIO, ...)."""
 
@@ -419,15 +425,16 @@ class SnapshotFS:
             # overlayfs asks every lower file it looks up for trusted.overlay.metacopy, one
             # round trip each, for a snapshot that holds no extended attribute at all.
             raise FsError(errno.ENOSYS)
-        for n, value in self.catalog.xattrs(ino):
-            if n == name:
-                return value
+        if not name.startswith(OVERLAY_XATTRS):
+            for n, value in self.catalog.xattrs(ino):
+                if n == name:
+                    return value
         self._node(ino)
         raise FsError(errno.ENODATA)
 
     async def listxattr(self, ino: int) -> list[bytes]:
         self._node(ino)
-        return [n for n, _ in self.catalog.xattrs(ino)]
+        return [n for n, _ in self.catalog.xattrs(ino) if not n.startswith(OVERLAY_XATTRS)]
 
     async def statfs(self) -> StatFs:
         return StatFs(bsize=BLOCK_SIZE, blocks=(self._data_bytes + BLOCK_SIZE - 1) // BLOCK_SIZE,
