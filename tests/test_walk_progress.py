@@ -6,7 +6,7 @@ import io
 
 from ogrefs.progress import ProgressLine, human_bytes
 from ogrefs.snapshot import Stats, normalize_roots
-from ogrefs.walk import WHOLE_BOX_SKIP, WalkRules, _unescape_mountinfo, mounts
+from ogrefs.walk import WHOLE_BOX_SKIP, MountPoint, WalkRules, _unescape_mountinfo, mounts
 
 
 def test_whole_box_skips_pseudo_and_volatile_but_records_mountpoints():
@@ -14,13 +14,42 @@ def test_whole_box_skips_pseudo_and_volatile_but_records_mountpoints():
     for p in (b"/proc", b"/sys", b"/dev", b"/run", b"/tmp"):
         assert not rules.descend(p) and not rules.excluded(p)
     assert rules.descend(b"/usr") and rules.descend(b"/etc")
-    # every other mount point is not descended into unless asked
+    # --one-file-system: every other mount point is not descended into
     for point, _fstype in mounts():
         if point != b"/":
             assert not rules.descend(point)
     crossing = WalkRules.for_whole_box([], [], cross_mounts=True)
     assert not crossing.descend(b"/proc")
     assert set(WHOLE_BOX_SKIP) <= crossing.skip_paths
+
+
+def test_whole_box_takes_local_disks_and_own_overlays_and_says_why_it_skips_the_rest():
+    table = {m.path: m for m in (
+        MountPoint(b"/data", "xfs", "/dev/nvme1n1"), MountPoint(b"/workspace", "ext4", "/dev/nvme2n1p1"),
+        MountPoint(b"/scratch", "btrfs", "/dev/sdb"), MountPoint(b"/odd", "weirdfs", "/dev/sdc"),
+        MountPoint(b"/nfs", "nfs4", "srv:/x"), MountPoint(b"/s3", "fuse.s3fs", "s3fs"),
+        MountPoint(b"/fz", "fuse.other", "x"), MountPoint(b"/shm", "tmpfs", "tmpfs"),
+        MountPoint(b"/var/lib/docker/m", "overlay", "overlay"), MountPoint(b"/home", "overlay", "ogrefs"),
+        MountPoint(b"/ro", "fuse.ogrefs", "ogrefs"), MountPoint(b"/virt", "unknownfs", "none"))}
+    rules = WalkRules(whole_box=True, table=table, own_layers=frozenset({b"/home"}))
+    got = {p: rules.not_descended(p, is_root=False, dev=1, root_dev=1) for p in table}
+    for p in (b"/data", b"/workspace", b"/scratch", b"/odd", b"/home"):
+        assert got[p] is None, p
+    reasons = {p: v["reason"] for p, v in got.items() if v}
+    assert "network" in reasons[b"/nfs"] and "network" in reasons[b"/s3"]
+    assert "FUSE" in reasons[b"/fz"] and "memory" in reasons[b"/shm"]
+    assert "not made by ogrefs" in reasons[b"/var/lib/docker/m"] and "ogrefs mount" in reasons[b"/ro"]
+    assert "not known" in reasons[b"/virt"] and got[b"/nfs"]["type"] == "nfs4"
+    # named paths: everything below them but kernel views and ogrefs' lazy lowers
+    paths = WalkRules(table=table)
+    assert paths.not_descended(b"/nfs", is_root=False, dev=1, root_dev=1) is None
+    assert paths.not_descended(b"/ro", is_root=False, dev=1, root_dev=1) is not None
+    # a root is always walked; --one-file-system stops at a mount point and at a change of device
+    one = WalkRules(table=table, cross_mounts=False)
+    assert one.not_descended(b"/data", is_root=True, dev=5, root_dev=5) is None
+    assert one.not_descended(b"/data", is_root=False, dev=1, root_dev=1)["reason"].startswith("another")
+    assert one.not_descended(b"/plain/dir", is_root=False, dev=2, root_dev=1) is not None
+    assert one.not_descended(b"/plain/dir", is_root=False, dev=1, root_dev=1) is None
 
 
 def test_excludes_match_full_paths_and_basenames():

@@ -130,19 +130,24 @@ def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
 @click.argument("paths", nargs=-1, type=click.Path(path_type=bytes))
 @click.option("--tag", "tags", multiple=True, help="Tag the snapshot (repeatable).")
 @click.option("--exclude", "excludes", multiple=True, help="Skip paths matching this glob (repeatable).")
-@click.option("--whole-box", is_flag=True, help="Snapshot / without pseudo and volatile file systems.")
-@click.option("--cross-mounts/--one-file-system", default=None,
-              help="Descend into other mounted file systems (default: yes for paths, no for --whole-box).")
+@click.option("--whole-box", is_flag=True,
+              help="Snapshot / with every local disk file system (not pseudo, network or foreign FUSE ones).")
+@click.option("--cross-mounts/--one-file-system", default=True,
+              help="Descend into other mounted file systems (default) or stay on each path's own; "
+                   "every mount point not descended into is listed.")
 @click.option("--parent", help="Compare against this snapshot instead of the newest of the same paths.")
 @click.option("--force", is_flag=True, help="Read every file, ignoring any parent snapshot.")
 @click.option("--host", default=None, help="Host name to record (default: this machine's).")
+@click.option("--box", envvar="OGREFS_BOX", default=None,
+              help="The box this snapshot belongs to (default: that of the snapshot this box runs from, "
+                   "else the host name); `latest` means this box's newest.")
 @json_option
 @click.pass_obj
 def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, cross_mounts, parent, force, host,
-             as_json) -> None:
+             box, as_json) -> None:
     """Snapshot PATHS (or the whole box) into the repository."""
-    from .repo import default_cache_dir
-    from .snapshot import SnapshotOptions, take_snapshot
+    from .snapshot import take_snapshot
+    from .snapshot_setup import snapshot_options
 
     if whole_box:
         paths = paths or (b"/",)
@@ -151,19 +156,8 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, 
     if not paths:
         raise UsageError("nothing to snapshot: give paths or --whole-box")
     repo = obj.open()
-    # ogrefs' own cache and state never go into a snapshot (mount state holds whole local copies)
-    skip = [os.fsencode(default_cache_dir()), os.fsencode(repo.cache_dir),
-            os.fsencode(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs"),
-            os.fsencode(os.environ.get("OGREFS_RUNTIME_DIR") or "/run/ogrefs")]
-    if repo.store.url.startswith("file://"):
-        skip.append(os.fsencode(repo.store.url[len("file://"):]))
-    opts = SnapshotOptions(paths=list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
-                           cross_mounts=(not whole_box) if cross_mounts is None else cross_mounts,
-                           parent=parent, no_parent=force, skip_paths=skip)
-    if host:
-        opts.host = host
-    observers = _environment_observers()
-    opts.observers.extend(observers)
+    opts = snapshot_options(repo, list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
+                            cross_mounts=cross_mounts, parent=parent, no_parent=force, host=host, box=box)
     line = ProgressLine(enabled=not (as_json or obj.quiet))
     manifest = take_snapshot(repo, opts, progress=line.snapshot)
     line.done()
@@ -178,26 +172,21 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, 
         click.echo(f"warning: {item} kept changing while it was read; stored as last read and flagged", err=True)
     for item in manifest["skipped"]:
         click.echo(f"note: skipped {item['path']} ({item['reason']})", err=True)
+    for item in manifest.get("skipped_mounts", []):
+        click.echo(f"note: not descended into {item['path']} ({item['type']}: {item['reason']})", err=True)
     for item in manifest["unreadable"]:
         click.echo(f"error: could not read {item['path']}: {item['error']}", err=True)
     if manifest["unreadable"]:
         sys.exit(EXIT_PARTIAL)
 
 
-def _environment_observers() -> list:
-    try:
-        from .inspect import EnvironmentProbe
-    except ImportError:
-        return []
-    return [EnvironmentProbe()]
-
-
 @cli.command()
 @click.option("--tag", "tags", multiple=True, help="Only snapshots with this tag.")
 @click.option("--host", default=None, help="Only snapshots of this host.")
+@click.option("--box", default=None, help="Only snapshots of this box.")
 @json_option
 @click.pass_obj
-def snapshots(obj: Context, tags, host, as_json) -> None:
+def snapshots(obj: Context, tags, host, box, as_json) -> None:
     """List snapshots, oldest first."""
     repo = obj.open()
     unreadable: list[str] = []
@@ -208,29 +197,43 @@ def snapshots(obj: Context, tags, host, as_json) -> None:
 
     items = repo.list_snapshots(on_error=skip)
     try:
-        _print_snapshots(items, tags, host, as_json)
+        _print_snapshots(items, tags, host, box, as_json)
     finally:
         if unreadable:
             sys.exit(1)  # the listing above is complete but for these; scripts must notice
 
 
-def _print_snapshots(items: list, tags, host, as_json: bool) -> None:
+def _print_snapshots(items: list, tags, host, box, as_json: bool) -> None:
+    from .selection import box_of, checkpoint_of
+
     if tags:
         items = [m for m in items if set(tags) <= set(m.get("tags", []))]
     if host:
         items = [m for m in items if m.get("host") == host]
+    if box:
+        items = [m for m in items if box_of(m) == box]
     if as_json:
-        emit_json([{k: m.get(k) for k in ("id", "time", "host", "paths", "tags", "parent", "totals")} for m in items])
+        emit_json([{k: m.get(k) for k in ("id", "time", "host", "paths", "tags", "parent", "totals")}
+                   | {"box": box_of(m), "checkpoint": checkpoint_of(m)} for m in items])
         return
     if not items:
         click.echo("no snapshots")
         return
-    click.echo(f"{'ID':12}  {'TIME':19}  {'HOST':16}  {'SIZE':>9}  PATHS")
+    click.echo(f"{'ID':12}  {'TIME':19}  {'BOX':16}  {'SIZE':>9}  {'CHECKPOINT':24}  PATHS")
     for m in items:
         size = human_bytes(m.get("totals", {}).get("bytes", 0))
         tags_s = f"  [{', '.join(m['tags'])}]" if m.get("tags") else ""
-        click.echo(f"{m['id'][:12]}  {m['time'][:19].replace('T', ' ')}  {m['host'][:16]:16}  {size:>9}  "
-                   f"{' '.join(m['paths'])}{tags_s}")
+        click.echo(f"{m['id'][:12]}  {m['time'][:19].replace('T', ' ')}  {box_of(m)[:16]:16}  {size:>9}  "
+                   f"{_checkpoint_label(checkpoint_of(m)):24}  {' '.join(m['paths'])}{tags_s}")
+
+
+def _checkpoint_label(ck: dict | None) -> str:
+    """``run@step 300`` for the coherent checkpoint a snapshot holds, ``-`` for none."""
+    if ck is None:
+        return "-"
+    where = f"step {ck['step']}" if ck["step"] is not None else (
+        f"epoch {ck['epoch']:g}" if ck["epoch"] is not None else "weights")
+    return f"{os.path.basename(str(ck['run'] or '').rstrip('/')) or '/'}@{where}"
 
 
 @cli.command()
@@ -239,8 +242,10 @@ def _print_snapshots(items: list, tags, host, as_json: bool) -> None:
 @click.pass_obj
 def show(obj: Context, snap: str, as_json: bool) -> None:
     """Show what snapshot SNAP holds."""
+    from .selection import box_of, checkpoint_of, resolve_snapshot
+
     repo = obj.open()
-    m = repo.resolve(snap)
+    m = resolve_snapshot(repo, snap)
     if as_json:
         emit_json(m)
         return
@@ -248,6 +253,9 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
     click.echo(f"snapshot {m['id']}")
     click.echo(f"  time     {m['time']}")
     click.echo(f"  host     {m['host']}")
+    click.echo(f"  box      {box_of(m)}")
+    if checkpoint_of(m):
+        click.echo(f"  checkpoint {_checkpoint_label(checkpoint_of(m))} ({checkpoint_of(m)['path']})")
     click.echo(f"  paths    {' '.join(m['paths'])}")
     if m.get("tags"):
         click.echo(f"  tags     {', '.join(m['tags'])}")
@@ -266,6 +274,8 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
     for key, label in (("changed_during_snapshot", "changed while read"), ("unreadable", "unreadable")):
         if m.get(key):
             click.echo(f"  {label}: {len(m[key])}")
+    for item in m.get("skipped_mounts", []):
+        click.echo(f"  not descended into {item['path']} ({item['type']}: {item['reason']})")
 
 
 @cli.command()
@@ -283,8 +293,10 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, a
     from .compat import environment_warning
     from .restore import Restorer
 
+    from .selection import resolve_snapshot
+
     repo = obj.open()
-    m = repo.resolve(snap)
+    m = resolve_snapshot(repo, snap)
     warning = environment_warning(m, strict)
     if warning:
         click.echo(f"warning: {warning}", err=True)
@@ -323,7 +335,9 @@ def diff(obj: Context, snap_a: str, snap_b: str, limit: int, as_json: bool) -> N
     from .diff import diff_catalogs
 
     repo = obj.open()
-    ma, mb = repo.resolve(snap_a), repo.resolve(snap_b)
+    from .selection import resolve_snapshot
+
+    ma, mb = resolve_snapshot(repo, snap_a), resolve_snapshot(repo, snap_b)
     files = diff_catalogs(Catalog(repo.catalog_path(ma["id"])), Catalog(repo.catalog_path(mb["id"])))
     env_changes: dict = {}
     if ma.get("environment") and mb.get("environment"):

@@ -81,8 +81,12 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache)
 
     def open_repo():
+        from .selection import resolve_snapshot
+
         repo = obj.open()
-        warning = environment_warning(repo.resolve(snap), strict)
+        manifest = resolve_snapshot(repo, snap)  # `latest` is this box's: the mount then names it by id
+        opts.snapshot = manifest["id"]
+        warning = environment_warning(manifest, strict)
         if warning:
             click.echo(f"warning: {warning}", err=True)
         return repo

@@ -210,6 +210,26 @@ class Registration:
                 p.unlink()
 
 
+def registered_mounts() -> list[dict[str, Any]]:
+    """Every mount registered on this box (each registration's info, as the daemon or finalize wrote it).
+
+    For readers outside the mount (``ogrefs snapshot`` recognising the box's own
+    mounts: see mounted.py); entries may be stale, so callers check what they rely on.
+    """
+    try:
+        paths = sorted((runtime_dir() / "mounts").glob("*.json"))
+    except MountError:
+        return []
+    out = []
+    for p in paths:
+        if p.name.endswith(".status.json"):
+            continue
+        info = Registration(p, p.with_suffix(".status.json"), p.with_suffix(".log")).read()
+        if isinstance(info, dict):
+            out.append(info)
+    return out
+
+
 def _atomic_json(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:

@@ -22,6 +22,7 @@ packs with their index objects, which the next run finds and reuses.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
@@ -66,9 +67,12 @@ class SnapshotOptions:
     excludes: list[str] = field(default_factory=list)
     whole_box: bool = False
     cross_mounts: bool = True
-    parent: str | None = None  # snapshot name; None = newest of the same host and paths
+    parent: str | None = None  # snapshot name; None = newest of the same box and paths
     no_parent: bool = False
     host: str = field(default_factory=socket.gethostname)
+    box: str | None = None  # None: the box of the snapshot this box runs from, else the host name
+    own_mounts: Any = None  # mounted.OwnMounts; None: look for ogrefs' own writable mounts (detect_mounts)
+    detect_mounts: bool = True
     workers: int = max(2, os.cpu_count() or 2)
     upload_workers: int = 4
     skip_paths: list[bytes] = field(default_factory=list)
@@ -83,6 +87,8 @@ class Stats:
     bytes: int = 0  # apparent size of regular files seen
     read_bytes: int = 0
     reused_files: int = 0
+    mount_reused_files: int = 0  # taken from the mounted snapshot's catalog: nothing in the upper directory
+    local_copy_bytes: int = 0  # read from a mount's local copy (into another repository)
     chunks: int = 0
     new_chunks: int = 0
     new_raw_bytes: int = 0
@@ -183,6 +189,15 @@ class Snapshotter:
         self._parent_cat: Catalog | None = None
         self._parent_manifest: dict | None = None
         self._ancestors: dict[bytes, int] = {}  # directories above a root, recorded once
+        self.skipped_mounts: list[dict[str, str]] = []
+        self._own = None  # mounted.OwnMounts, set in run()
+        self._from: Any = None  # the own mount the box runs from (mounted.OwnMount), if any
+        self._from_manifest: dict | None = None
+        self._mcats: dict[str, Catalog | None] = {}  # mounted snapshot id -> its catalog (None: other repository)
+        self._mdirs: dict[tuple[str, bytes], int | None] = {}  # (snapshot, catalog dir) -> inode
+        self._mount_paths: set[str] = set()  # files taken from a mounted snapshot unchanged
+        self._roots: set[bytes] = set()
+        self._root_dev = 0
 
     # -- worker side ------------------------------------------------------------
     def _claim(self, cid: bytes) -> bool:
@@ -260,8 +275,12 @@ class Snapshotter:
         rec.extents.sort()
         self.cat.add_extents(rec.ino, rec.extents)
 
-    def _read_file(self, path: bytes, lst: os.stat_result, ino: int) -> None:
-        """Chunk a regular file, re-reading it if it changes underneath us."""
+    def _read_file(self, path: bytes, lst: os.stat_result, ino: int, record_st: os.stat_result | None = None) -> None:
+        """Chunk a regular file, re-reading it if it changes underneath us.
+
+        ``record_st``: the attributes to record when ``path`` is a copy of the
+        file (a mount's local copy) rather than the file itself.
+        """
         user, group = self._names.user(lst.st_uid), self._names.group(lst.st_gid)
         for attempt in range(MAX_REREADS):
             try:
@@ -273,7 +292,7 @@ class Snapshotter:
                 st0 = os.fstat(fd)
                 if not stat.S_ISREG(st0.st_mode):
                     raise OSError(0, "replaced by a non-regular file while snapshotting")
-                rec = _FileRec(ino, path, st0, user, group)
+                rec = _FileRec(ino, path, record_st or st0, user, group)
                 for off, data in self._chunker.chunks(fd, data_extents(fd, st0.st_size)):
                     rec.remaining += 1
                     self.stats.read_bytes += len(data)
@@ -307,18 +326,112 @@ class Snapshotter:
         if (old.size, old.mtime_ns, old.ctime_ns, old.src_ino, old.src_dev) != (
                 lst.st_size, lst.st_mtime_ns, lst.st_ctime_ns, lst.st_ino, lst.st_dev):
             return False
-        rows = []
-        for off, length, cid, loc in self._parent_cat.located_extents(old.ino):
-            if loc is None or loc.pack not in self._live_packs:
-                loc = self.repo.index.lookup(cid, self._live_packs)
-                if loc is None:
-                    return False  # the data it pointed to is gone: read the file again
-            rows.append((off, length, cid, loc))
+        rows = self._live_rows(self._parent_cat, old.ino)
+        if rows is None:
+            return False
         self.cat.add_inode(ino, lst, self._names.user(lst.st_uid), self._names.group(lst.st_gid))
         self.cat.add_located_extents(ino, rows)
         self.stats.reused_files += 1
         self.stats.chunks += len(rows)
         return True
+
+    def _live_rows(self, cat: Catalog, old_ino: int) -> list | None:
+        """A file's extents in ``cat`` with locations in live packs; None if some data is gone."""
+        rows = []
+        for off, length, cid, loc in cat.located_extents(old_ino):
+            if loc is None or loc.pack not in self._live_packs:
+                loc = self.repo.index.lookup(cid, self._live_packs)
+                if loc is None:
+                    return None  # the data it pointed to is gone: read the file again
+            rows.append((off, length, cid, loc))
+        return rows
+
+    def _mounted_catalog(self, snap_id: str) -> Catalog | None:
+        """The catalog of a mounted snapshot if it is in this repository (its chunks are ours), else None."""
+        if snap_id not in self._mcats:
+            from .errors import SnapshotNotFound
+
+            try:
+                self.repo.load_manifest(snap_id)
+                self._mcats[snap_id] = Catalog(self.repo.catalog_path(snap_id))
+            except SnapshotNotFound:
+                self._mcats[snap_id] = None
+        return self._mcats[snap_id]
+
+    def _mounted_entry(self, cat: Catalog, snap_id: str, cat_path: bytes) -> Inode | None:
+        parent, name = os.path.split(cat_path)
+        key = (snap_id, parent)
+        if key not in self._mdirs:
+            if len(self._mdirs) > 10_000:
+                self._mdirs.clear()
+            node = cat.resolve(parent)
+            self._mdirs[key] = node.ino if node is not None and node.is_dir else None
+        dino = self._mdirs[key]
+        return cat.lookup(dino, name) if dino is not None and name else None
+
+    def _reuse_from_mount(self, path: bytes, lst: os.stat_result, ino: int) -> bool:
+        """A file of the mounted snapshot that nothing has changed: its entry, unread (mounted.py says how)."""
+        origin = self._own.origin(path) if self._own is not None else None
+        if origin is None or (origin.in_upper and not origin.metacopy):
+            return False  # new or copied up: read as usual
+        mount = origin.layer.mount
+        cat = self._mounted_catalog(mount.snapshot)
+        if cat is None:  # another repository: its chunk ids mean nothing here; read locally where we can
+            if not mount.local_complete(origin.cat_path):
+                return False
+            local = mount.tree_path(origin.cat_path)
+            try:
+                if os.lstat(local).st_size != lst.st_size:
+                    return False
+            except OSError:
+                return False
+            before = self.stats.read_bytes
+            self._read_file(local, lst, ino, record_st=lst)
+            self.stats.local_copy_bytes += self.stats.read_bytes - before
+            return True
+        old = self._mounted_entry(cat, mount.snapshot, origin.cat_path)
+        if old is None or not old.is_reg or old.flags & FLAG_CHANGED or old.size != lst.st_size:
+            return False
+        if not origin.metacopy and old.mtime_ns != lst.st_mtime_ns:
+            return False  # not the snapshot's file (the box's own content below the snapshot's)
+        rows = self._live_rows(cat, old.ino)
+        if rows is None:
+            return False
+        self.cat.add_inode(ino, lst, old.user if old.uid == lst.st_uid else self._names.user(lst.st_uid),
+                           old.grp if old.gid == lst.st_gid else self._names.group(lst.st_gid))
+        self.cat.add_located_extents(ino, rows)
+        self.stats.reused_files += 1
+        self.stats.mount_reused_files += 1
+        self.stats.chunks += len(rows)
+        self._mount_paths.add(os.fsdecode(path))
+        return True
+
+    def _known_check(self, path: str):
+        """The mounted snapshot's verdict on a checkpoint file taken from it unchanged (not read again)."""
+        if path not in self._mount_paths or not self._from_manifest:
+            return None
+        index = getattr(self, "_check_index", None)
+        if index is None:
+            index = self._check_index = {}
+            env = self._from_manifest.get("environment") or {}
+            for run in (env.get("checkpoints") or {}).get("runs", []) or []:
+                for ck in run.get("checkpoints", []) or []:
+                    for f in ck.get("files", []) or []:
+                        if isinstance(f, dict) and isinstance(f.get("path"), str):
+                            index[f["path"]] = f
+        from .inspect.ckptfiles import FileCheck
+
+        found = index.get(path)
+        if found:
+            return FileCheck.from_json(found)
+        # unchanged, and the mounted snapshot's probe did not count it as part of a checkpoint
+        # (e.g. a data shard named *.bin): the same verdict, without reading it through the mount
+        fc = FileCheck(path=path, kind="unknown", ok=None)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            fc.size, fc.mtime = st.st_size, st.st_mtime
+        fc.evidence.append("unchanged since the mounted snapshot, which found no checkpoint in it")
+        return fc
 
     def _old_children(self, old_parent: int | None) -> dict[bytes, Inode] | None:
         if self._parent_cat is None or old_parent is None:
@@ -362,7 +475,7 @@ class Snapshotter:
         elif stat.S_ISREG(mode):
             self.stats.files += 1
             self.stats.bytes += lst.st_size
-            if not self._reuse_from_parent(path, lst, ino, old):
+            if not (self._reuse_from_mount(path, lst, ino) or self._reuse_from_parent(path, lst, ino, old)):
                 self._read_file(path, lst, ino)
         elif stat.S_ISLNK(mode):
             self.stats.others += 1
@@ -379,9 +492,11 @@ class Snapshotter:
         self._tick()
 
     def _walk_dir(self, ino: int, path: bytes, lst: os.stat_result, old_ino: int | None) -> None:
-        if not self.rules.descend(path):
-            return
-        if not self.rules.cross_mounts and lst.st_dev != self._root_dev.get(path, lst.st_dev):
+        skipped = self.rules.not_descended(path, is_root=path in self._roots, dev=lst.st_dev,
+                                           root_dev=self._root_dev)
+        if skipped is not None:
+            if skipped["type"] != "directory":  # a mount point: listed; volatile plain dirs are the rules' own
+                self.skipped_mounts.append(skipped)
             return
         try:
             names = sorted(os.listdir(path))
@@ -397,19 +512,48 @@ class Snapshotter:
 
     # -- orchestration ------------------------------------------------------------
     def _find_parent(self, roots: list[bytes]) -> None:
+        """The parent: --parent, else the newest snapshot of this box and paths, else the one the box runs from."""
         if self.opts.no_parent:
             return
+        from .selection import box_of
+
         want = sorted(os.fsdecode(r) for r in roots)
         if self.opts.parent:
-            manifest = self.repo.resolve(self.opts.parent)
+            from .selection import resolve_snapshot
+
+            manifest = resolve_snapshot(self.repo, self.opts.parent, box=self.box)
         else:
             candidates = [m for m in self.repo.list_snapshots()
-                          if sorted(m.get("paths", [])) == want and m.get("host") == self.opts.host]
-            if not candidates:
+                          if sorted(m.get("paths", [])) == want and box_of(m) == self.box]
+            if candidates:
+                manifest = candidates[-1]
+            elif self._from_manifest is not None:
+                manifest = self._from_manifest
+            else:
                 return
-            manifest = candidates[-1]
         self._parent_manifest = manifest
         self._parent_cat = Catalog(self.repo.catalog_path(manifest["id"]))
+
+    def _find_own_mounts(self, roots: list[bytes]) -> None:
+        """ogrefs' own writable mounts (mounted.py), the one this box runs from, and the box name."""
+        own = self.opts.own_mounts
+        if own is None and self.opts.detect_mounts:
+            from .mounted import OwnMounts, own_mounts
+
+            own = OwnMounts(own_mounts())
+        self._own = own if own is not None and own.mounts else None
+        self._from = self._own.covering(roots) if self._own is not None else None
+        if self._from is not None and self._mounted_catalog(self._from.snapshot) is not None:
+            self._from_manifest = self.repo.load_manifest(self._from.snapshot)
+        from .selection import box_of
+
+        self.box = self.opts.box or (box_of(self._from_manifest) if self._from_manifest else self.opts.host)
+        for obs in self.opts.observers:
+            if self._own is not None and hasattr(obs, "known_checks"):
+                obs.known_checks = self._known_check
+                # `git status` would read every tracked file through the lazy mount to compare it
+                if hasattr(obs, "check_git_dirty"):
+                    obs.check_git_dirty = False
 
     def run(self) -> dict[str, Any]:
         roots = normalize_roots(self.opts.paths)
@@ -418,12 +562,16 @@ class Snapshotter:
         for r in roots:
             if not os.path.lexists(r):
                 raise UsageError(f"{os.fsdecode(r)}: no such file or directory")
+        self._find_own_mounts(roots)
+        layers = self._own.targets if self._own is not None else frozenset()
         if self.opts.whole_box:
-            self.rules = WalkRules.for_whole_box(self.opts.excludes, [], self.opts.cross_mounts)
+            self.rules = WalkRules.for_whole_box(self.opts.excludes, [], self.opts.cross_mounts, layers)
         else:
-            self.rules = WalkRules(excludes=self.opts.excludes, cross_mounts=self.opts.cross_mounts)
+            self.rules = WalkRules.for_paths(self.opts.excludes, self.opts.cross_mounts, layers)
         self._skip_entirely = {os.path.normpath(p) for p in self.opts.skip_paths}
-        self._root_dev = {r: os.lstat(r).st_dev for r in roots if os.path.isdir(r)}
+        if self._own is not None:
+            self._skip_entirely |= {os.path.normpath(p) for p in self._own.state_dirs}
+        self._roots = set(roots)
 
         # The shared lock is taken before looking at packs: prune then knows that
         # anything it marks as trash after this moment may still be referenced by us.
@@ -457,6 +605,7 @@ class Snapshotter:
         self.cat.add_inode(ROOT_INO, os.lstat(b"/"), self._names.user(0), self._names.group(0))
         for root in roots:
             self.cat.add_root(root)
+            self._root_dev = os.lstat(root).st_dev
             if root == b"/":
                 self._walk_dir(ROOT_INO, b"/", os.lstat(b"/"), ROOT_INO if self._parent_cat else None)
                 continue
@@ -534,6 +683,7 @@ class Snapshotter:
             "id": snap_id,
             "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
             "host": self.opts.host,
+            "box": self.box,
             "paths": [os.fsdecode(r) for r in roots],
             "tags": sorted(set(self.opts.tags)),
             "parent": self._parent_manifest["id"] if self._parent_manifest else None,
@@ -542,6 +692,7 @@ class Snapshotter:
             "totals": {
                 "files": s.files, "dirs": s.dirs, "others": s.others, "bytes": s.bytes,
                 "read_bytes": s.read_bytes, "reused_files": s.reused_files, "chunks": s.chunks,
+                "mount_reused_files": s.mount_reused_files, "local_copy_bytes": s.local_copy_bytes,
                 "new_chunks": s.new_chunks, "new_raw_bytes": s.new_raw_bytes, "new_stored_bytes": s.stored_bytes,
                 "packs": s.packs, "catalog_bytes": catalog_size,
                 "seconds": round(time.monotonic() - s.started, 3),
@@ -549,7 +700,11 @@ class Snapshotter:
             "changed_during_snapshot": self.changed,
             "unreadable": self.unreadable,
             "skipped": self.skipped,
+            "skipped_mounts": self.skipped_mounts,
         }
+        if self._from is not None:
+            manifest["resumed_from"] = {"snapshot": self._from.snapshot, "same_repository": self._from_manifest
+                                        is not None, "finalized": self._from.finalized}
         if environment is not None:
             manifest["environment"] = environment
         self.repo.put_manifest(manifest)

@@ -40,6 +40,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ogrefs.inspect._deadline import Deadline
 from ogrefs.inspect.ckptfiles import (
@@ -202,9 +203,15 @@ def _read_pointer(path: str) -> tuple[str, str] | None:
 
 
 def analyze_checkpoints(
-    candidates: dict[str, list[str]], deadline: Deadline
+    candidates: dict[str, list[str]], deadline: Deadline,
+    known: "Callable[[str], FileCheck | None] | None" = None,
 ) -> tuple[dict, list[str], list[str]]:
-    """Return (checkpoints section, files of the latest coherent one, notes)."""
+    """Return (checkpoints section, files of the latest coherent one, notes).
+
+    ``known(path)`` may give the verdict on a file already judged and known
+    unchanged (a snapshot of a box running from an ogrefs mount), so that it is
+    not read again.
+    """
     notes: list[str] = []
     pointers: dict[str, list[tuple[str, str, str]]] = {}  # dir -> (path, kind, target)
     files_by_dir: dict[str, list[str]] = {}
@@ -241,7 +248,8 @@ def analyze_checkpoints(
                 fc.problems.append("not examined: deadline reached")
                 u.checks.append(fc)
                 continue
-            u.checks.append(check_file(fpath, deadline))
+            prior = known(fpath) if known is not None else None
+            u.checks.append(prior if prior is not None else check_file(fpath, deadline))
         _evaluate(u)
     # A lone file that is neither a known checkpoint format nor named like
     # one ("notes.bin", "data.pt" holding something else) is not a checkpoint.

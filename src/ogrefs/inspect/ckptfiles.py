@@ -106,7 +106,26 @@ class FileCheck:
             out["problems"] = list(self.problems)
         if self.unusual_globals:
             out["unusual_globals"] = list(self.unusual_globals)
+        # the rest lets a later snapshot reuse this verdict for a file it knows unchanged
+        # (a box running from an ogrefs mount: reading it again would fetch it)
+        out["verdict"] = {"mtime": self.mtime, "evidence": list(self.evidence),
+                          "components": sorted(self.components), "step": self.step, "epoch": self.epoch,
+                          "facts": self.facts}
         return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FileCheck | None":
+        """The verdict recorded by :meth:`to_json`, or None if it was recorded without one (older manifests)."""
+        v = d.get("verdict")
+        if not isinstance(v, dict):
+            return None
+        try:
+            return cls(path=d["path"], size=int(d["size"]), mtime=float(v["mtime"]), kind=str(d["kind"]),
+                       ok=d["ok"], problems=list(d.get("problems", [])), evidence=list(v["evidence"]),
+                       components=set(v["components"]), step=v["step"], epoch=v["epoch"], facts=dict(v["facts"]),
+                       unusual_globals=list(d.get("unusual_globals", [])))
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 _TOKEN_SPLIT = re.compile(r"[^a-z0-9]+")

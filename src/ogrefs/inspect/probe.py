@@ -76,6 +76,8 @@ class EnvironmentProbe:
         self._cuda_libs: list[tuple[str, bytes]] = []
         self._ckpt: dict[bytes, list[bytes]] = {}
         self._dropped: dict[str, int] = {}
+        #: Set by the snapshot: the verdict on a checkpoint file it knows unchanged (None: read it).
+        self.known_checks = None
 
     # -- during the walk -------------------------------------------------
     def observe_dir(self, path: bytes, names: list[bytes]) -> None:
@@ -151,7 +153,7 @@ class EnvironmentProbe:
         ckpt_candidates = {
             os.fsdecode(d): [os.fsdecode(n) for n in names] for d, names in self._ckpt.items()
         }
-        checkpoints, ckpt_hints, ckpt_notes = analyze_checkpoints(ckpt_candidates, deadline)
+        checkpoints, ckpt_hints, ckpt_notes = analyze_checkpoints(ckpt_candidates, deadline, self.known_checks)
         notes += ckpt_notes
         repos = []
         for wt in sorted(self._git):
