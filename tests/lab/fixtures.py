@@ -1,0 +1,96 @@
+"""Lab fixtures shared by tests/test_lab_*.py: cached roots, box A's snapshot, box B copies.
+
+Prerequisites that may truly be absent (root, debootstrap with a reachable
+Debian mirror when the roots are not cached yet, systemd-nspawn) skip the lab
+with the reason; with CI=true they fail instead, since CI must run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from . import roots
+from .box import Box
+from .providers import PROVIDERS
+
+PROJECT_SUMS = "cd /opt/project && find . -type f -print0 | sort -z | xargs -0 sha256sum"
+# What box B's own files are, read before anything is mounted (one command, compared after the mount).
+IDENTITY_FILES = (
+    "/etc/hostname", "/etc/machine-id", "/etc/hosts", "/etc/resolv.conf", "/etc/fstab",
+    "/etc/network/interfaces", "/etc/systemd/network/10-cloud.network", "/etc/netplan/50-cloud-init.yaml",
+    "/var/lib/cloud/instance/instance-id", "/var/lib/cloud/data/instance-id",
+    "/etc/ssh/ssh_host_ed25519_key", "/etc/ssh/ssh_host_ed25519_key.pub", "/etc/ssh/ssh_host_ecdsa_key",
+    "/etc/ssh/ssh_host_ecdsa_key.pub", "/etc/passwd", "/etc/group", "/etc/shadow",
+    "/etc/sudoers.d/90-cloud-init-users", "/home/admin/.ssh/authorized_keys",
+)
+
+
+def skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"lab prerequisite missing in CI: {reason}")
+    pytest.skip(reason)
+
+
+def _mirror_reachable() -> str | None:
+    try:
+        with urllib.request.urlopen(f"{roots.MIRROR}/dists/{roots.SUITE}/Release", timeout=15) as resp:
+            resp.read(64)
+    except OSError as exc:
+        return f"the Debian mirror {roots.MIRROR} is unreachable ({exc}); the lab roots cannot be built"
+    return None
+
+
+def lab_roots() -> dict[str, Path]:
+    reason = roots.check_prerequisites()
+    if reason:
+        skip_or_fail(reason)
+    if not (roots.cache_root() / f"base-{roots.base_recipe_hash()}").is_dir():
+        roots.ensure_host_tools()
+        if shutil.which("debootstrap") is None:
+            skip_or_fail("debootstrap is not installed and could not be installed")
+        reason = _mirror_reachable()
+        if reason:
+            skip_or_fail(reason)
+    return roots.box_roots(lambda m: print(f"lab: {m}"))
+
+
+def file_sums(box: Box, paths: tuple[str, ...] = IDENTITY_FILES) -> dict[str, str]:
+    """sha256 (or "absent") of each path, as the box sees it."""
+    script = "; ".join(f"if [ -e {p} ]; then sha256sum {p}; else echo absent {p}; fi" for p in paths)
+    out = {}
+    for line in box.out(script).splitlines():
+        digest, path = line.split(None, 1)
+        out[path] = digest
+    return out
+
+
+@dataclass
+class SnapshotA:
+    repo_dir: Path
+    manifest: dict
+    project_sums: str
+    box_sums: dict[str, str]
+
+
+def snapshot_box_a(root: Path, repo_dir: Path) -> SnapshotA:
+    """Box A snapshots itself as a whole box from inside, with its own ogrefs on Debian's Python."""
+    box = Box(root, PROVIDERS["a"], repo_dir, scratch_file="A's scratch disk\n").start()
+    try:
+        box.sh("ogrefs -q init")
+        manifest = json.loads(box.out("ogrefs -q snapshot --whole-box --json", timeout=300))
+        return SnapshotA(repo_dir, manifest, box.out(PROJECT_SUMS), file_sums(box))
+    finally:
+        box.close()
+
+
+def prepared_box(cached: Path, dest: Path) -> Path:
+    root = roots.copy_box(cached, dest)
+    roots.install_ogrefs(root)
+    return root
