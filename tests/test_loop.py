@@ -190,3 +190,83 @@ PY
     """)
     c = json.loads((tmp / "c.json").read_text())
     assert c["snapshot"] == b["id"]
+
+
+@pytest.fixture
+def encrypted_loop(tmp_path):
+    """The loop on an encrypted file repository, and a second (plain) repository to snapshot B into."""
+    env = dict(os.environ, OGREFS_REPO=f"file://{tmp_path}/store", OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"),
+               OGREFS_BOX="trainer", OGREFS_PASSWORD="correct horse")
+    (tmp_path / "train.py").write_text(TRAIN)
+    subprocess.run([PY, "-m", "ogrefs", "-q", "init", "--encrypt"], env=env, check=True, timeout=60)
+    subprocess.run([PY, "-m", "ogrefs", "-q", "--repo", f"file://{tmp_path}/other", "init"], env=env, check=True,
+                   timeout=60)
+    yield {"env": env, "tmp": tmp_path}
+    mounts = tmp_path / "run" / "mounts"
+    for reg in mounts.glob("*.json") if mounts.exists() else []:
+        try:
+            pid = json.loads(reg.read_text()).get("pid")
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def test_after_finalize_and_into_another_repository(encrypted_loop):
+    """Finalized (the lower is the local copy): untouched files are still known, never re-read; into another
+    repository (no shared chunks) their data is read from the local copy."""
+    loop = encrypted_loop
+    tmp = loop["tmp"]
+    a = _box_a(loop)
+    box(loop, f"""
+        {OGREFS} -q mount latest /
+        {OGREFS} status / --wait --json > /dev/null
+        {_train_on_b(tmp)}
+        {OGREFS} finalize /
+        {OGREFS} -q snapshot --whole-box {_excludes()} --json > {tmp}/b.json
+        {OGREFS} -q --repo file://{tmp}/other snapshot --whole-box {_excludes()} --json > {tmp}/other.json
+        cp -a {BOX} {tmp}/b-view
+        {OGREFS} unmount /
+    """)
+    b, other = json.loads((tmp / "b.json").read_text()), json.loads((tmp / "other.json").read_text())
+    assert b["parent"] == a["id"] and b["resumed_from"] == {"snapshot": a["id"], "same_repository": True,
+                                                             "finalized": True}
+    untouched = [tmp / "b-view" / p for p in ("data/shard-1.bin", "data/shard-2.bin", "run/checkpoint-100/model.pt",
+                                              "run/checkpoint-100/optimizer.pt")]
+    assert b["totals"]["mount_reused_files"] == 4 and b["totals"]["local_copy_bytes"] == 0
+    assert b["totals"]["read_bytes"] < b["totals"]["bytes"] - sum(p.stat().st_size for p in untouched) + 1
+    # another repository: nothing reused from the mount, the untouched files' data came from the local copy
+    t = other["totals"]
+    assert t["mount_reused_files"] == 0 and other["resumed_from"]["same_repository"] is False
+    assert t["local_copy_bytes"] == sum(p.stat().st_size for p in untouched)
+    assert t["read_bytes"] == t["bytes"]
+    subprocess.run([PY, "-m", "ogrefs", "-q", "--repo", f"file://{tmp}/other", "restore", other["id"],
+                    str(tmp / "restored")], env=loop["env"], check=True, timeout=120)
+    assert compare_trees(tmp / "b-view", Path(f"{tmp}/restored{BOX}")) == []
+
+
+def test_nothing_is_skipped_in_silence(loop):
+    """Whole-box: a second disk is taken, a tmpfs is listed with its type and reason (manifest, summary,
+    `show`); by path with --one-file-system: the walk stays on the path's own file system (issue 14 item 8)."""
+    tmp = loop["tmp"]
+    disk, second = tmp / "disk-a", tmp / "disk-2"
+    disk.mkdir()
+    second.mkdir()
+    out = box(loop, f"""
+        mkdir -p {BOX}/data {BOX}/scratch {BOX}/workspace
+        echo kept > {BOX}/data/a.txt
+        mount --bind {second} {BOX}/workspace && echo "second disk" > {BOX}/workspace/w.txt
+        mount -t tmpfs scratch {BOX}/scratch && echo gone > {BOX}/scratch/s.txt
+        {OGREFS} -q snapshot --whole-box {_excludes()} --json > {tmp}/whole.json 2> {tmp}/whole.err
+        {OGREFS} -q snapshot --one-file-system {BOX} --json > {tmp}/one.json 2> {tmp}/one.err
+        {OGREFS} show latest
+    """, disk=disk)
+    whole, one = json.loads((tmp / "whole.json").read_text()), json.loads((tmp / "one.json").read_text())
+    assert [(m["path"], m["type"]) for m in whole["skipped_mounts"]] == [(f"{BOX}/scratch", "tmpfs")]
+    assert "memory" in whole["skipped_mounts"][0]["reason"]
+    assert whole["totals"]["files"] == 2  # a.txt and the second disk's w.txt
+    assert f"not descended into {BOX}/scratch (tmpfs" in (tmp / "whole.err").read_text()
+    assert sorted(m["path"] for m in one["skipped_mounts"]) == [f"{BOX}/scratch", f"{BOX}/workspace"]
+    assert one["totals"]["files"] == 1 and all("--one-file-system" in m["reason"] for m in one["skipped_mounts"])
+    assert f"not descended into {BOX}/workspace" in out  # `show` of the last one lists them

@@ -11,7 +11,8 @@ This module is the one place that depends on the mount's state; what it reads:
 
 * the mount registry (:func:`ogrefs.mount.registered_mounts`): ``snapshot``,
   ``repo``, ``state_dir``, ``finalized``, ``writable``;
-* ``overlay.load(state_dir)``: each overlay's ``target``, ``lower``, ``upper``;
+* ``overlay.load(state_dir)``: each overlay's ``target``, ``lower``, ``upper``
+  and ``merged`` (host files shown above the snapshot: never the snapshot's);
   the lower is ``<state>/lower<catalog path>`` (``<state>/tree<catalog path>``
   after finalize), so the catalog path shown at the target is the lower's tail;
 * ``<state>/tree<catalog path>``: the local copy, and
@@ -97,6 +98,7 @@ class Layer:
     upper: bytes
     prefix: bytes  # b"" for the catalog's root
     mount: OwnMount
+    merged: bytes | None = None  # host files synthesized above the snapshot (hostpaths.py)
     _redirected: dict[bytes, bool] = field(default_factory=dict)
 
     def origin(self, path: bytes) -> Origin | None:
@@ -107,6 +109,8 @@ class Layer:
         if self._below_redirect(os.path.dirname(rel) if rel else b""):
             return None
         cat_path = (self.prefix + rel) or b"/"
+        if self.merged is not None and os.path.lexists(self.merged + rel):
+            return None  # a host file shown above the snapshot's: not the snapshot's entry
         try:
             ust = os.lstat(self.upper + rel)
         except OSError as exc:
@@ -166,7 +170,8 @@ def own_mounts() -> list[OwnMount]:
             lower = os.fsencode(o.lower)
             for root in (m.state_dir + b"/lower", m.state_dir + b"/tree"):
                 if lower == root or lower.startswith(root + b"/"):
-                    m.layers.append(Layer(target, os.fsencode(o.upper), lower[len(root):], m))
+                    merged = os.fsencode(o.merged) if getattr(o, "merged", None) else None
+                    m.layers.append(Layer(target, os.fsencode(o.upper), lower[len(root):], m, merged))
                     break
         if m.layers:
             out.append(m)
