@@ -556,3 +556,48 @@ class Catalog:
             if row[4] is not None:
                 _check_location(row[3], row[4], row[5], row[6], self.path.name)
             yield row
+
+
+# -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------
+def file_chunks(cat: Catalog, ino: int) -> list[tuple[Extent, int]]:
+    """A regular file's extents in file order, each with its chunk's plaintext length (to decode it)."""
+    rows = cat._rows("SELECT e.offset, b.raw_len FROM extents e JOIN blobs b ON b.id = e.blob "
+                     "WHERE e.ino=? ORDER BY e.offset", (ino,))
+    raw = {off: rlen for off, rlen in rows}
+    out = []
+    for ext in cat.extents(ino):
+        rlen = raw.get(ext.offset)
+        if not _int_in(rlen, 0, _U32):
+            raise CorruptObject(f"catalog {cat.path.name}: a blob length is malformed")
+        out.append((ext, rlen))
+    return out
+
+
+def rewrite_blobs(src: Path, dst: Path, moves: dict[bytes, tuple[bytes, BlobLocation]]) -> None:
+    """Write to ``dst`` a copy of catalog ``src`` whose chunks are renamed and relocated by ``moves``.
+
+    ``moves`` maps every chunk id of ``src`` to (new chunk id, new location):
+    ``ogrefs copy`` uses it for a catalog that moves into another repository,
+    whose packs (and, keyed, chunk ids) differ.  The result is checked as a readable catalog.
+    """
+    import shutil
+
+    shutil.copyfile(src, dst)
+    db = sqlite3.connect(dst, isolation_level=None)
+    try:
+        db.execute("BEGIN")
+        rows = db.execute("SELECT id, chunk FROM blobs").fetchall()
+        names = sorted({loc.pack for _cid, loc in moves.values()})
+        db.execute("DELETE FROM packs")
+        db.executemany("INSERT INTO packs (id, name) VALUES (?, ?)", list(enumerate(names, 1)))
+        pack_id = {name: i for i, name in enumerate(names, 1)}
+        db.execute("UPDATE blobs SET chunk = -id")  # frees every chunk id: renames may swap two
+        for bid, chunk in rows:
+            cid, loc = moves[chunk]
+            db.execute("UPDATE blobs SET chunk=?, pack=?, offset=?, stored_len=?, raw_len=? WHERE id=?",
+                       (cid, pack_id[loc.pack], loc.offset, loc.stored_len, loc.raw_len, bid))
+        db.execute("COMMIT")
+        db.execute("VACUUM")
+    finally:
+        db.close()
+    Catalog(dst)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import click
 
-from .cli_base import EXIT_CODES_HELP, Context, add_global_options, emit_json, group_options, json_option, run_main
+from .cli_base import (EXIT_CODES_HELP, Context, add_global_options, emit_json, group_options, json_option,
+                       local_time, run_main)
 from .errors import EXIT_PARTIAL, UsageError
 from .progress import ProgressLine, human_bytes
 
@@ -219,11 +220,11 @@ def _print_snapshots(items: list, tags, host, box, as_json: bool) -> None:
     if not items:
         click.echo("no snapshots")
         return
-    click.echo(f"{'ID':12}  {'TIME':19}  {'BOX':16}  {'SIZE':>9}  {'CHECKPOINT':24}  PATHS")
+    click.echo(f"{'ID':12}  {'TIME (local)':23}  {'BOX':16}  {'SIZE':>9}  {'CHECKPOINT':24}  PATHS")
     for m in items:
         size = human_bytes(m.get("totals", {}).get("bytes", 0))
         tags_s = f"  [{', '.join(m['tags'])}]" if m.get("tags") else ""
-        click.echo(f"{m['id'][:12]}  {m['time'][:19].replace('T', ' ')}  {box_of(m)[:16]:16}  {size:>9}  "
+        click.echo(f"{m['id'][:12]}  {local_time(m['time']):23}  {box_of(m)[:16]:16}  {size:>9}  "
                    f"{_checkpoint_label(checkpoint_of(m)):24}  {' '.join(m['paths'])}{tags_s}")
 
 
@@ -251,7 +252,7 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
         return
     t = m["totals"]
     click.echo(f"snapshot {m['id']}")
-    click.echo(f"  time     {m['time']}")
+    click.echo(f"  time     {local_time(m['time'])} ({m['time']})")
     click.echo(f"  host     {m['host']}")
     click.echo(f"  box      {box_of(m)}")
     if checkpoint_of(m):
@@ -439,9 +440,9 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
                    "kept": [{"id": m["id"], "reasons": r} for m, r in kept]})
     else:
         for m, reasons in kept:
-            click.echo(f"keep   {m['id'][:12]}  {m['time'][:19]}  {', '.join(reasons)}")
+            click.echo(f"keep   {m['id'][:12]}  {local_time(m['time'])}  {', '.join(reasons)}")
         for m in removed:
-            click.echo(f"{'would forget' if dry_run else 'forget'} {m['id'][:12]}  {m['time'][:19]}")
+            click.echo(f"{'would forget' if dry_run else 'forget'} {m['id'][:12]}  {local_time(m['time'])}")
     if and_prune and not dry_run:
         _run_prune(obj, repo, False, as_json)
 
@@ -493,9 +494,11 @@ def unlock(obj: Context, everything: bool, as_json: bool) -> None:
         click.echo(f"{len(removed)} locks removed")
 
 
+from .cli_browse import register as _register_browse  # noqa: E402
 from .cli_mount import register as _register_mount  # noqa: E402
 
 _register_mount(cli)
+_register_browse(cli)
 add_global_options(cli)  # after every command is registered: global options work after the subcommand too
 
 

@@ -81,6 +81,14 @@ def run_password_command(command: str) -> bytes:
     return value
 
 
+def local_time(when: float | str) -> str:
+    """A time for people: local time with its zone (``2026-12-01 11:32:05 CET``); manifests keep UTC ISO."""
+    from datetime import datetime
+
+    t = datetime.fromisoformat(when) if isinstance(when, str) else datetime.fromtimestamp(when).astimezone()
+    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
