@@ -153,7 +153,7 @@ def test_copy_sends_only_missing_chunks(box, tmp_path, src_enc, dst_enc):
     source.pop("OGREFS_S3_ENDPOINT", None)
     ogrefs(["init", *(["--encrypt"] if src_enc else [])], source)
     first = json.loads(ogrefs(["snapshot", "--json", str(src)], source).stdout)
-    (src / "more.bin").write_bytes(os.urandom(700_000))
+    (src / "more.bin").write_bytes(os.urandom(200_000))  # below the minimum chunk size: one chunk
     second = json.loads(ogrefs(["snapshot", "--json", str(src)], source).stdout)
     args = ["copy", "--json", "--from-repo", str(tmp_path / "source")]
     copy_env = dict(env, OGREFS_FROM_PASSWORD="src pw")
