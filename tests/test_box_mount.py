@@ -207,3 +207,77 @@ def test_a_file_with_overlayfs_metadata_reads_through_the_writable_mount(tmp_pat
         """)
     finally:
         _kill_leftovers(tmp_path / "run" / "mounts")
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, mode)
+
+
+def test_host_owned_paths_keep_this_box_identity_logins_and_driver(tmp_path):
+    """Rules under a test box (the defaults name the real /etc, /usr/lib...): what each kind keeps."""
+    box = tmp_path / "box"
+    a = {"etc/hostname": "box-a\n", "etc/passwd": "root:x:0:0::/root:/bin/bash\nalice:x:1000:1000::/home/alice:/bin/bash\n",
+         "etc/group": "root:x:0:\nsudo:x:27:alice\nalice:x:1000:\n", "etc/sudoers.d/common": "A\n",
+         "etc/sudoers.d/from-a": "A only\n", "root/.ssh/authorized_keys": "ssh-ed25519 KEY-A a@a\n",
+         "usr/lib/libcuda.so.1": "cuda 535\n", "usr/lib/libnvidia-ml.so.1": "nvml 535\n",
+         "usr/lib/libcudart.so.12": "toolkit from A\n", "usr/bin/nvidia-smi": "smi 535\n", "usr/bin/app": "A app\n"}
+    for rel, text in a.items():
+        _write(box / rel, text)
+    os.chmod(box / "root/.ssh", 0o700)
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=env, check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(box / "etc"),
+                          str(box / "root"), str(box / "usr")], env=env, check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    snap = json.loads(out)["id"]
+    # box B: another provider's image
+    (box / "usr/lib/libnvidia-ml.so.1").unlink()
+    (box / "usr/lib/libcudart.so.12").unlink()
+    for rel, text in {"etc/hostname": "box-b\n", "etc/passwd": "root:x:0:0::/root:/bin/sh\ndebian:x:1000:1000::/home/debian:/bin/bash\n",
+                      "etc/group": "root:x:0:\nsudo:x:27:debian\ndebian:x:1000:\n", "etc/sudoers.d/common": "B\n",
+                      "etc/sudoers.d/from-b": "B only\n", "root/.ssh/authorized_keys": "ssh-ed25519 KEY-B provider\n",
+                      "usr/lib/libcuda.so.1": "cuda 550\n", "usr/bin/nvidia-smi": "smi 550\n"}.items():
+        _write(box / rel, text)
+    (box / "etc/sudoers.d/from-a").unlink()
+    rules = tmp_path / "host-paths"
+    rules.write_text(f"""# the defaults, re-rooted at the test box
+host {box}/etc/hostname
+accounts {box}/etc/passwd
+accounts {box}/etc/group
+prefer-host {box}/etc/sudoers.d
+merge {box}/root/.ssh/authorized_keys
+host {box}/usr/lib/libcuda.so*
+host {box}/usr/lib/libnvidia-*.so*
+host {box}/usr/bin/nvidia-smi
+""")
+    try:
+        in_namespace(env, f"""
+            {OGREFS} mount {snap} / --no-host-paths --host-paths-file {rules} > {tmp_path}/mount.out
+            test "$(cat {box}/etc/hostname)" = "box-b"                       # identity: this box's
+            test "$(cat {box}/usr/lib/libcuda.so.1)" = "cuda 550"            # driver: this box's
+            test "$(cat {box}/usr/bin/nvidia-smi)" = "smi 550"
+            test ! -e {box}/usr/lib/libnvidia-ml.so.1                        # A's driver library: not here
+            test "$(cat {box}/usr/lib/libcudart.so.12)" = "toolkit from A"   # the toolkit: the snapshot's
+            test "$(cat {box}/usr/bin/app)" = "A app"
+            grep -qx "alice:x:1000:1000::/home/alice:/bin/bash" {box}/etc/passwd   # A's users stay ...
+            grep -qx "debian:x:1000:1000::/home/debian:/bin/bash" {box}/etc/passwd # ... B's login is added
+            grep -qx "root:x:0:0::/root:/bin/bash" {box}/etc/passwd                # system accounts: A's
+            grep -qx "sudo:x:27:alice,debian" {box}/etc/group                     # B's user keeps sudo
+            grep -qx "ssh-ed25519 KEY-A a@a" {box}/root/.ssh/authorized_keys       # keys: both sides
+            grep -qx "ssh-ed25519 KEY-B provider" {box}/root/.ssh/authorized_keys
+            test "$(stat -c %a {box}/root/.ssh)" = "700"
+            test "$(cat {box}/etc/sudoers.d/common)" = "B"                   # sudoers.d: B's files win ...
+            test "$(cat {box}/etc/sudoers.d/from-b)" = "B only"
+            test "$(cat {box}/etc/sudoers.d/from-a)" = "A only"              # ... A's others stay
+            echo "edited" > {box}/etc/motd                                    # still writable
+            {OGREFS} unmount /
+            test "$(cat {box}/etc/hostname)" = "box-b"
+            test "$(cat {box}/root/.ssh/authorized_keys)" = "ssh-ed25519 KEY-B provider"
+        """)
+    finally:
+        _kill_leftovers(tmp_path / "run" / "mounts")
+    said = (tmp_path / "mount.out").read_text()
+    assert f"{box}/etc/hostname" in said and f"{box}/etc/passwd (merged)" in said and "libcuda.so.1" in said

@@ -48,6 +48,15 @@ def parse_size(text: str) -> int:
 @click.option("--replay-trace/--no-replay-trace", default=True, show_default=True,
               help="Prefetch in the order of the recorded access trace of this snapshot's paths, if there is one "
                    "(off: hints only, e.g. when the workload has changed).")
+@click.option("--host-path", "host_path", multiple=True, metavar="[KIND:]PATH",
+              help="Mounting at /: also keep PATH (a glob) from this box; KIND is host, prefer-host, accounts "
+                   "or merge (docs/mount.md). Repeatable.")
+@click.option("--no-host-path", "no_host_path", multiple=True, metavar="PATH",
+              help="Mounting at /: take PATH from the snapshot after all (drops a default rule). Repeatable.")
+@click.option("--no-host-paths", is_flag=True,
+              help="Mounting at /: keep nothing of this box; the snapshot covers identity, network, logins, driver.")
+@click.option("--host-paths-file", multiple=True, type=click.Path(dir_okay=False),
+              help="More host-path rules, one `[KIND] /pattern` or `-/pattern` a line (besides /etc/ogrefs/host-paths).")
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
@@ -63,7 +72,8 @@ def parse_size(text: str) -> int:
 @click.pass_obj
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
           encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
-          max_requests: int, debug: bool, as_json: bool) -> None:
+          max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
+          no_host_paths: bool = False, host_paths_file: tuple = ()) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
     At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
@@ -79,6 +89,11 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache)
+    if not read_only:
+        from .hostpaths import load_rules
+
+        opts.host_rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path,
+                                     drop=no_host_path)
 
     def open_repo():
         from .selection import resolve_snapshot

@@ -89,7 +89,8 @@ class MountOptions:
     trace_entries: list | None = None  # the trace to replay, loaded before the fork
     replay_trace: bool = True  # prefetch in the order of the recorded access trace, if there is one
     encrypt_cache: bool = False  # seal chunk-cache files with a key derived from the repository key
-    host_paths: Any = None  # writable mounts at /: hostpaths.HostPaths (what stays this box's); None: defaults
+    host_rules: list | None = None  # writable mounts at /: hostpaths.Rule list (None: the defaults)
+    host_paths: Any = None  # hostpaths.HostPlan computed from host_rules before the fork
     skipped: list | None = None  # writable: {"path", "reason"} of each top-level directory not overlaid
     state_lock: int | None = None  # writable: fd holding flock on <state>/mount.lock (one mount per state dir)
 
@@ -346,6 +347,11 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
         overlay.unmount_one(old, lazy=True)
     mountsys.umount(str(state / "lower"), lazy=True)
     (state / "lower").mkdir(parents=True, exist_ok=True, mode=0o700)
+    if str(target) == "/":  # read this box's own tree now: nothing of an earlier mount covers it any more
+        from . import hostpaths
+
+        rules = opts.host_rules if opts.host_rules is not None else hostpaths.load_rules()
+        opts.host_paths = hostpaths.plan(catalog, rules)
     os.chmod(state, 0o700)
     opts.state_dir = state
     opts.target = target
@@ -518,7 +524,12 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                     if (opts.state_dir is not None and opts.materialize) else None)
     if materializer is not None:
         fetcher.adopter = materializer.adopt  # what readers fetch goes to the tree at once, not via the cache
-    fs = SnapshotFS(catalog, fetcher, recorder=recorder, local=materializer,
+    view = catalog
+    if opts.host_paths is not None and opts.host_paths.hidden:
+        from .hostpaths import HostView
+
+        view = HostView(catalog, opts.host_paths.hidden)  # host-owned entries: this box's show through
+    fs = SnapshotFS(view, fetcher, recorder=recorder, local=materializer,
                     page_cache=fuse_ops.store_in_page_cache if materializer is not None else None)
     prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer,
                         idle_for=fs.idle_for)
@@ -771,6 +782,8 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
         raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
     lower_root, tree_root = str(state / "lower"), str(state / "tree")
     keep = info.get("own_directories") or []
+    _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
+                                  if not p.endswith(" (merged)")])
     swapped: list[overlay.Overlay] = []
     for o_old in old:  # one by one: each target shows the same tree before and after its swap
         o_new = overlay.replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
@@ -792,6 +805,22 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
         _wait_exit(pid, timeout, mp)
     reg.write(info)  # the daemon removed its registration on the way out; the finalized mount keeps one
     return [o.target for o in new]
+
+
+def _set_aside_host_owned(state: Path, paths: list[str]) -> None:
+    """Move the host-owned paths out of the local copy before it becomes the lower layer.
+
+    The FUSE view hid them so this box's own showed through; the local copy
+    has the snapshot's, which would cover them after ``finalize``. They are
+    moved to ``state/host-owned/`` (kept, never deleted).
+    """
+    tree, aside = state / "tree", state / "host-owned"
+    for p in paths:
+        src = tree / p.lstrip("/")
+        if os.path.lexists(src):
+            dest = aside / p.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.replace(src, dest)
 
 
 def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
