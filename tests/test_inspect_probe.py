@@ -272,3 +272,11 @@ def test_format_puts_latest_checkpoint_first(tmp_path, monkeypatch):
     empty = copy.deepcopy(env)
     empty["checkpoints"] = {"latest_coherent": None, "runs": [], "incomplete": [], "count": 0}
     assert format_environment(empty)[0] == "Checkpoints: none found"
+
+
+def test_a_snapshot_toolkit_newer_than_this_driver_is_warned_about_before_mounting():
+    snap = manifest(torch_cuda=None)
+    snap["cuda"] = {"toolkits": [{"path": "/usr/local/cuda-12.4", "version": "12.4.1"}]}
+    [w] = compatibility_warnings(snap, manifest(gpus=h100(8, cuda="12.2", driver="535.104.05")))
+    assert "CUDA toolkit 12.4.1 at /usr/local/cuda-12.4 needs a newer driver than this machine's 535.104.05" in w
+    assert compatibility_warnings(snap, manifest(gpus=h100(8, cuda="12.4"))) == []

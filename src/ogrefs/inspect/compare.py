@@ -208,6 +208,14 @@ def compatibility_warnings(snapshot_env: dict, here: dict) -> list[str]:
         return warnings
     driver_cuda = version_key(hg.get("cuda_driver_version"))
     if driver_cuda is not None:
+        for tk in (snapshot_env.get("cuda") or {}).get("toolkits") or []:
+            need = version_key(tk.get("version"))
+            if need is not None and need[:2] > driver_cuda[:2]:
+                warnings.append(
+                    f"The snapshot's CUDA toolkit {tk.get('version')} at {tk.get('path')} needs a newer driver "
+                    f"than this machine's {hg.get('driver_version')} (CUDA up to {hg.get('cuda_driver_version')}); "
+                    "its programs will fail with CUDA_ERROR_UNSUPPORTED_PTX_VERSION or 'driver too old'."
+                )
         for env in snapshot_env.get("python_envs") or []:
             torch = env.get("torch") or {}
             built = version_key(torch.get("cuda"))
