@@ -281,3 +281,25 @@ host {box}/usr/bin/nvidia-smi
         _kill_leftovers(tmp_path / "run" / "mounts")
     said = (tmp_path / "mount.out").read_text()
     assert f"{box}/etc/hostname" in said and f"{box}/etc/passwd (merged)" in said and "libcuda.so.1" in said
+
+
+def test_run_enters_the_snapshot_box_in_a_private_namespace_and_passes_the_exit_code(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    env = dict(whole["env"], OGREFS_RUN_DIR=str(tmp / "runs"))
+    rules = tmp / "host-paths"
+    rules.write_text(f"host {box}/usr/bin/tool\n")  # a host-owned path that this box lacks: hidden
+    base = [sys.executable, "-m", "ogrefs", "run", snap, "--no-host-paths", "--host-paths-file", str(rules), "--"]
+    script = (f"test \"$(cat {box}/usr/marker)\" = snap && test ! -e {box}/usr/bin/tool && "
+              f"test -e /proc/self/status && test -c /dev/null && ! grep -q ' {box}/usr ' /proc/self/mountinfo && "
+              f"echo inside > {box}/var/lib/app/from-run && exit 7")
+    (box / "usr/bin/tool").unlink()
+    proc = subprocess.run(base + ["sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert not (box / "var/lib/app/from-run").exists()      # writes stayed in the snapshot's box ...
+    proc = subprocess.run(base + ["cat", f"{box}/var/lib/app/from-run"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "inside\n", proc.stderr   # ... and are there next time
+    assert (box / "usr/marker").read_text() == "host\n"
+    with open("/proc/self/mountinfo") as fh:
+        assert str(tmp / "runs") not in fh.read()           # nothing of it reached this namespace
+    assert not list((tmp / "run" / "mounts").glob("*[0-9a-f].json"))   # and every daemon is gone

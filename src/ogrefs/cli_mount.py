@@ -243,6 +243,9 @@ def finalize(mountpoint: Path, as_json: bool) -> None:
 def register(group: click.Group) -> None:
     for cmd in (mount, unmount, status, finalize):
         group.add_command(cmd)
+    from .cli_run import register as register_run
+
+    register_run(group)
 
 
 if __name__ == "__main__":  # until cli.py registers the commands: python -m ogrefs.cli_mount ...

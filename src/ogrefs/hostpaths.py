@@ -274,6 +274,7 @@ class HostLayer:
     overlays: list
     kept: list[str] = field(default_factory=list)
     ldconfig_fd: int | None = None
+    root: str | None = None  # a run root: ldconfig -r ROOT
 
     def run_ldconfig(self, timeout: float = 120.0) -> str:
         """Run this box's ldconfig (opened before the overlays) so /etc/ld.so.cache matches the merged view."""
@@ -285,7 +286,8 @@ class HostLayer:
         pid = os.fork()
         if pid == 0:  # single-threaded keeper: a plain fork, then exec through the descriptor
             try:
-                os.execve(self.ldconfig_fd, ["ldconfig"], {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+                args = ["ldconfig"] + (["-r", self.root] if self.root else [])
+                os.execve(self.ldconfig_fd, args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
             finally:
                 os._exit(127)
         deadline = time.monotonic() + timeout
@@ -313,10 +315,11 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     for n, o in enumerate(overlays):
         layer = state_dir / "host" / str(n)
         wrote = False
+        shows = o.lower[len(str(state_dir / "lower")):] or "/"  # the snapshot path this overlay shows
         for kind, path in host.merges:
-            if not path.startswith(o.target.rstrip("/") + "/"):
+            if not path.startswith(shows.rstrip("/") + "/"):
                 continue
-            rel = path[len(o.target.rstrip("/")) + 1:]
+            rel = path[len(shows.rstrip("/")) + 1:]
             try:
                 _write_merged(kind, path, Path(o.lower) / rel, layer, rel, Path(o.lower))
             except OSError as exc:
@@ -326,14 +329,15 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
             kept.append(f"{path} (merged)")
         out.append(replace(o, merged=str(layer)) if wrote else o)
     fd = None
-    if any(o.target == "/etc" or o.target == "/usr" for o in overlays):
+    root = overlays[0].target if overlays and overlays[0].host_dir == "/" else None  # ogrefs run/shell
+    if root or any(o.target in ("/etc", "/usr") for o in overlays):
         for cand in ("/usr/sbin/ldconfig", "/sbin/ldconfig"):
             try:
                 fd = os.open(os.path.realpath(cand), os.O_RDONLY | os.O_CLOEXEC)
                 break
             except OSError:
                 continue
-    return HostLayer(out, sorted(set(kept)), fd)
+    return HostLayer(out, sorted(set(kept)), fd, root)
 
 
 def _write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, lower_root: Path) -> None:

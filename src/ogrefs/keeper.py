@@ -139,8 +139,8 @@ def keep(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int,
     info = reg.read() or {}
     info.update(done, keeper_pid=os.getpid())
     reg.write(info)
-    log.info("overlays up: %s; kept from the host: %s", ", ".join(done["overlays"]),
-             ", ".join(done["host_kept"]) or "nothing")
+    log.info("overlays up: %s; kept from the host: %s; ldconfig: %s", ", ".join(done["overlays"]),
+             ", ".join(done["host_kept"]) or "nothing", done["ldconfig"])
     _answer(ready_fd, "ready")
     return _watch(opts, reg, daemon_pid, from_daemon, to_daemon)
 

@@ -92,6 +92,7 @@ class MountOptions:
     host_rules: list | None = None  # writable mounts at /: hostpaths.Rule list (None: the defaults)
     host_paths: Any = None  # hostpaths.HostPlan computed from host_rules before the fork
     skipped: list | None = None  # writable: {"path", "reason"} of each top-level directory not overlaid
+    box_root: bool = False  # writable: assemble a whole root at the target (ogrefs run/shell), host paths on
     state_lock: int | None = None  # writable: fd holding flock on <state>/mount.lock (one mount per state dir)
 
 
@@ -339,15 +340,18 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
     roots = [os.fsdecode(r) for r in catalog.roots()]
     top = [os.fsdecode(name) for name, node in catalog.children(ROOT_INO) if node.is_dir]
     opts.skipped = []
-    plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top,
-                         skipped=opts.skipped)
+    if opts.box_root:
+        plans = overlay.plan_box_root(state / "lower", target, state)
+    else:
+        plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top,
+                             skipped=opts.skipped)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     opts.state_lock = _lock_state_dir(state)
     for old in reversed(overlay.load(state)):
         overlay.unmount_one(old, lazy=True)
     mountsys.umount(str(state / "lower"), lazy=True)
     (state / "lower").mkdir(parents=True, exist_ok=True, mode=0o700)
-    if str(target) == "/":  # read this box's own tree now: nothing of an earlier mount covers it any more
+    if str(target) == "/" or opts.box_root:  # read this box's own tree now: nothing of an earlier mount covers it any more
         from . import hostpaths
 
         rules = opts.host_rules if opts.host_rules is not None else hostpaths.load_rules()

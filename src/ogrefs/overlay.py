@@ -51,6 +51,7 @@ class Overlay:
     keep_existing: bool  # the target's previous content is the lowest layer
     merged: str | None = None  # a layer of host files synthesized for this box (hostpaths.py), topmost
     binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
+    host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
 
 
 def normalized(path: str) -> str:
@@ -67,6 +68,12 @@ def _protected(path: str) -> str | None:
         if path == p or path.startswith(p + "/"):
             return p
     return None
+
+
+def plan_box_root(lower_root: Path, target: Path, state_dir: Path) -> list[Overlay]:
+    """``ogrefs run``/``shell``: one overlay at ``target`` showing the snapshot's ``/`` over this box's ``/``."""
+    return [Overlay(normalized(os.path.abspath(str(target))), str(lower_root), str(state_dir / "upper" / "0"),
+                    str(state_dir / "work" / "0"), keep_existing=True, host_dir="/")]
 
 
 def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, force: bool = False,
@@ -160,8 +167,9 @@ def lowerdir(o: Overlay) -> str:
     """The overlay's lower layers, top first: synthesized host files, the snapshot, the box's own."""
     layers = [o.merged] if o.merged else []
     layers.append(o.lower)
-    if o.keep_existing and os.path.isdir(o.target) and os.listdir(o.target):
-        layers.append(o.target)  # the box's own content stays visible below the snapshot's
+    own = o.host_dir or o.target
+    if o.keep_existing and os.path.isdir(own) and os.listdir(own):
+        layers.append(own)  # the box's own content stays visible below the snapshot's
     return ":".join(layers)
 
 
