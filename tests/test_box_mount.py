@@ -303,3 +303,21 @@ def test_run_enters_the_snapshot_box_in_a_private_namespace_and_passes_the_exit_
     with open("/proc/self/mountinfo") as fh:
         assert str(tmp / "runs") not in fh.read()           # nothing of it reached this namespace
     assert not list((tmp / "run" / "mounts").glob("*[0-9a-f].json"))   # and every daemon is gone
+
+
+def test_writable_state_accessor_describes_a_live_mount(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} / --no-materialize
+        {PY} -c "
+import json; from ogrefs.mount import registered_mounts, writable_state
+print(json.dumps([writable_state(i) for i in registered_mounts()]))" > {tmp}/state.json
+        {OGREFS} unmount /
+    """)
+    [st] = json.loads((tmp / "state.json").read_text())
+    assert st["snapshot"] == snap and st["target"] == "/" and not st["finalized"] and st["pid"] and st["keeper_pid"]
+    assert sorted(o["target"] for o in st["overlays"]) == [str(box / d) for d in ("mnt", "usr", "var")]
+    assert all(o["lower"].startswith(st["state_dir"] + "/lower") for o in st["overlays"])
+    var = next(o for o in st["overlays"] if o["target"] == str(box / "var"))
+    assert str(box / "var/lib/ogrefs/mounts") in var["binds"] or any(
+        st["state_dir"].startswith(b) for b in var["binds"])

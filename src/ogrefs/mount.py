@@ -232,6 +232,35 @@ def registered_mounts() -> list[dict[str, Any]]:
     return out
 
 
+def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
+    """What a writable mount is made of, for readers outside it (``ogrefs snapshot`` of a box running
+    from a mount, ``ogrefs mounts``); ``info`` is one of :func:`registered_mounts`. None if not writable.
+
+    Keys: ``snapshot``, ``repo``, ``target``, ``state_dir``, ``tree`` (the local copy),
+    ``finalized``, ``pid`` (daemon), ``keeper_pid``, ``died`` (the daemon was killed; the keeper
+    detached the overlays), ``overlays`` (each: ``target``, ``lower``, ``upper``, ``work``,
+    ``merged`` — a layer of host files synthesized above the snapshot —, ``binds`` — this box's
+    directories bound back on top —, ``host_dir``), ``host_owned`` (snapshot paths the FUSE view
+    hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
+    """
+    from . import overlay
+
+    state = info.get("state_dir")
+    if not info.get("writable") or not isinstance(state, str):
+        return None
+    try:
+        overlays = overlay.load(Path(state))
+    except OgrefsError:
+        overlays = []
+    kept = info.get("host_kept") or []
+    return {"snapshot": info.get("snapshot"), "repo": info.get("repo"), "target": info.get("mountpoint"),
+            "state_dir": state, "tree": str(Path(state) / "tree"), "finalized": bool(info.get("finalized")),
+            "pid": info.get("pid"), "keeper_pid": info.get("keeper_pid"), "died": bool(info.get("died")),
+            "overlays": [{"target": o.target, "lower": o.lower, "upper": o.upper, "work": o.work,
+                          "merged": o.merged, "binds": list(o.binds), "host_dir": o.host_dir} for o in overlays],
+            "host_owned": [p for p in kept if not p.endswith(" (merged)")], "skipped": info.get("skipped") or []}
+
+
 def _atomic_json(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
