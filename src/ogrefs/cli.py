@@ -496,9 +496,11 @@ def unlock(obj: Context, everything: bool, as_json: bool) -> None:
 
 from .cli_browse import register as _register_browse  # noqa: E402
 from .cli_mount import register as _register_mount  # noqa: E402
+from .cli_mounts import register as _register_mounts  # noqa: E402
 
 _register_mount(cli)
 _register_browse(cli)
+_register_mounts(cli)
 add_global_options(cli)  # after every command is registered: global options work after the subcommand too
 
 

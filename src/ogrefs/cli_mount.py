@@ -57,6 +57,9 @@ def parse_size(text: str) -> int:
               help="Mounting at /: keep nothing of this box; the snapshot covers identity, network, logins, driver.")
 @click.option("--host-paths-file", multiple=True, type=click.Path(dir_okay=False),
               help="More host-path rules, one `[KIND] /pattern` or `-/pattern` a line (besides /etc/ogrefs/host-paths).")
+@click.option("--prefetch/--no-prefetch", default=None,
+              help="Fetch the prefetch hints (venv, newest checkpoint) and the trace in the background "
+                   "(default: on for writable mounts; a read-only mount fetches only what is read).")
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
@@ -73,12 +76,19 @@ def parse_size(text: str) -> int:
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
           encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
-          no_host_paths: bool = False, host_paths_file: tuple = ()) -> None:
+          no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
     At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
     its original place; at any other directory the snapshot's tree appears
     below it. Without --read-only, writes land on local disk.
+
+    MOUNTPOINT must exist: neither kind of mount creates it. Neither hides
+    what is there: a writable mount keeps a non-empty target's content
+    visible below the snapshot's (overlayfs); a read-only mount cannot merge,
+    so it refuses a non-empty MOUNTPOINT. A read-only mount fetches only what
+    is read (--prefetch to warm the cache from the hints and the trace).
+    `ogrefs mounts` lists mounts and the state they leave.
     """
     from .compat import environment_warning
     from .mount import MountOptions, mount as do_mount
@@ -88,7 +98,8 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
-                        save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache)
+                        save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
+                        prefetch=prefetch)
     if not read_only:
         from .hostpaths import load_rules
 
@@ -170,7 +181,7 @@ def _progress_line(st: dict) -> None:
     done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
     eta = m.get("eta_s")
     eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
-    sys.stderr.write(f"\r{_bar(done, total)} {_human(done)} / {_human(total)} at "
+    sys.stderr.write(f"\r{_bar(done, total)}{_human(done)} / {_human(total)} at "
                      f"{_human(m.get('rate_bps') or 0)}/s{eta_s} ({m.get('state', '?')})\x1b[K")
     sys.stderr.flush()
 
@@ -203,8 +214,11 @@ def _report(st: dict, as_json: bool) -> None:
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
-    filled = int(width * done / total) if total else width
-    return "[" + "#" * filled + "." * (width - filled) + "]"
+    """A progress bar; an empty class (nothing to fetch) has none, rather than a full one."""
+    if not total:
+        return ""
+    filled = int(width * done / total)
+    return "[" + "#" * filled + "." * (width - filled) + "] "
 
 
 def _prefetch_lines(m: dict, tty: bool) -> list[str]:
@@ -213,15 +227,18 @@ def _prefetch_lines(m: dict, tty: bool) -> list[str]:
         return []
     what = "materialized to local disk" if m.get("mode") == "materialize" else "prefetched into the cache"
     state = m.get("state", "?") + (f": {m['reason']}" if m.get("reason") else "")
-    out = [f"  {what:22}{'complete' if m.get('complete') else state}"]
+    out = [f"  {what:27} {'complete' if m.get('complete') else state}"]
     for name, c in (m.get("classes") or {}).items():
         done, total = c.get("bytes_done", 0), c.get("bytes_total", 0)
-        bar = f"{_bar(done, total)} " if tty else ""
+        if not total:
+            out.append(f"    {name:11}        -")
+            continue
+        bar = _bar(done, total) if tty else ""
         out.append(f"    {name:11}        {bar}{_human(done)} / {_human(total)}")
     rate, eta = m.get("rate_bps") or 0, m.get("eta_s")
     done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
     eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
-    bar = f"{_bar(done, total)} " if tty else ""
+    bar = _bar(done, total) if tty else ""
     out.append(f"    all                {bar}{_human(done)} / {_human(total)} at {_human(rate)}/s{eta_s}")
     return out
 

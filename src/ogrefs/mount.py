@@ -88,6 +88,7 @@ class MountOptions:
     save_trace: bool | None = None  # record and store the access trace (default: writable mounts do)
     trace_entries: list | None = None  # the trace to replay, loaded before the fork
     replay_trace: bool = True  # prefetch in the order of the recorded access trace, if there is one
+    prefetch: bool | None = None  # fetch hints/trace in the background (default: writable yes, read-only no)
     encrypt_cache: bool = False  # seal chunk-cache files with a key derived from the repository key
     host_rules: list | None = None  # writable mounts at /: hostpaths.Rule list (None: the defaults)
     host_paths: Any = None  # hostpaths.HostPlan computed from host_rules before the fork
@@ -319,6 +320,8 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
             _prepare_writable(opts, manifest, catalog)
         if opts.save_trace is None:
             opts.save_trace = not opts.read_only
+        if opts.prefetch is None:  # a browse mount fetches only what is read
+            opts.prefetch = not opts.read_only
         from .trace import load_trace
 
         try:
@@ -340,16 +343,22 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         raise
 
 
+def state_base() -> Path:
+    """Where writable mounts keep their state directories by default (``ogrefs mounts`` lists them)."""
+    return Path(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs/mounts")
+
+
 def default_state_dir(snapshot_id: str, target: Path) -> Path:
-    base = Path(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs/mounts")
-    return base / f"{snapshot_id[:16]}-{_key(target)[:12]}"
+    return state_base() / f"{snapshot_id[:16]}-{_key(target)[:12]}"
 
 
 def _check_target(target: Path) -> None:
     info = Registration.for_mountpoint(target).read() or {}
     if mounted_fstype(target) == "fuse.ogrefs" or pid_alive(info.get("pid") or 0):
         raise UsageError(f"{target} is already an ogrefs mount; `ogrefs unmount {target}` first")
-    if os.path.exists(target) and not os.path.isdir(target):
+    if not os.path.exists(target):  # as a read-only mount: a typo must not create a directory
+        raise UsageError(f"mountpoint {target} does not exist (create it first)")
+    if not os.path.isdir(target):
         raise UsageError(f"{target} is not a directory")
 
 
@@ -656,7 +665,10 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             # at once, not at the next tick: `ogrefs status --wait` is waiting for this
             await trio.to_thread.run_sync(_atomic_json, reg.status, status())
 
-        nursery_ref[0].start_soon(prefetch_then_report)
+        if opts.prefetch:
+            nursery_ref[0].start_soon(prefetch_then_report)
+        else:
+            prefetch.state, prefetch.reason = "off", "a read-only mount fetches only what is read (--prefetch warms it)"
         if recorder is not None:
             async def save_later() -> None:
                 trace_saved.append(await save_when_recorded(repo, manifest["id"], recorder, opts.trace_entries))
@@ -886,7 +898,7 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
 
 
 #: Background states after which nothing more will be copied.
-_ENDED = {"done", "stopped", "incomplete", "not materializing"}
+_ENDED = {"done", "stopped", "incomplete", "not materializing", "off"}
 
 
 def wait_background(mountpoint: Path, *, poll: float = 0.2, timeout: float | None = None,
