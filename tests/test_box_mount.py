@@ -321,3 +321,29 @@ print(json.dumps([writable_state(i) for i in registered_mounts()]))" > {tmp}/sta
     var = next(o for o in st["overlays"] if o["target"] == str(box / "var"))
     assert str(box / "var/lib/ogrefs/mounts") in var["binds"] or any(
         st["state_dir"].startswith(b) for b in var["binds"])
+
+
+def test_sigterm_to_the_whole_unit_takes_the_box_down_cleanly(whole):
+    """As systemd stops the unit after a busy unmount: SIGTERM to the keeper and the daemon at once."""
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} / --no-materialize
+        echo kept > {box}/var/lib/app/written
+        cd {box}/usr                                          # keeps the overlay busy ...
+        ! {OGREFS} unmount / 2> {tmp}/busy.err                # ... so unmount refuses, all or nothing
+        grep -q " {box}/usr " /proc/self/mountinfo && grep -q " {box}/var " /proc/self/mountinfo
+        pid={_pid(tmp)}
+        keeper={_pid(tmp, 'keeper_pid')}
+        kill -TERM "$pid" "$keeper"
+        for i in $(seq 300); do kill -0 "$keeper" 2>/dev/null || kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        ! kill -0 "$pid" 2>/dev/null && ! kill -0 "$keeper" 2>/dev/null
+        cd /
+        ! grep -q " - overlay " /proc/self/mountinfo
+        ! grep -q fuse.ogrefs /proc/self/mountinfo
+        test "$(cat {box}/usr/marker)" = "host"
+        {OGREFS} mount {snap} / --no-materialize
+        test "$(cat {box}/var/lib/app/written)" = "kept"
+        {OGREFS} unmount /
+    """)
+    err = (tmp / "busy.err").read_text()
+    assert "busy" in err and "nothing was unmounted" in err

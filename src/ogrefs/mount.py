@@ -623,17 +623,20 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             await trio.sleep(STATUS_INTERVAL)
 
     async def on_signals() -> None:
+        from .keeper import TEARDOWN_TIMEOUT, read_line
+
+        stopping = False
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
+                if stopping:  # more signals (systemd signals the whole cgroup, the keeper forwards): one stop
+                    continue
+                stopping = True
                 log.info("signal %d: unmounting", signum)
                 if keeper is not None:  # the keeper detaches the overlays while this still answers
                     with contextlib.suppress(OSError):
                         os.write(keeper[0], b"teardown\n")
-                        from .keeper import TEARDOWN_TIMEOUT, read_line
-
                         await trio.to_thread.run_sync(read_line, keeper[1], TEARDOWN_TIMEOUT)
                 fuse_ops.terminate()
-                return
 
     async def announce() -> None:
         await initialized[0].wait()
