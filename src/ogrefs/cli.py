@@ -501,6 +501,9 @@ from .cli_mounts import register as _register_mounts  # noqa: E402
 _register_mount(cli)
 _register_browse(cli)
 _register_mounts(cli)
+from .cli_agent import register as _register_agent  # noqa: E402
+
+_register_agent(cli)
 add_global_options(cli)  # after every command is registered: global options work after the subcommand too
 
 

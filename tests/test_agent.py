@@ -1,0 +1,237 @@
+"""``ogrefs agent``: preemption notices from fake metadata servers on loopback, new checkpoints, SIGTERM (tier 4).
+
+Every metadata server here is a real HTTP server on 127.0.0.1 speaking the
+provider's protocol; the agent is told its address.  Nothing ever contacts a
+real metadata address.  Every wait has a deadline: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+PY = sys.executable
+
+
+class _Metadata(http.server.ThreadingHTTPServer):
+    """AWS IMDSv2, GCP and Azure metadata, as far as preemption notices go."""
+
+    def __init__(self, provider: str) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.provider = provider
+        self.notice = False
+        self.token = "tok-" + os.urandom(4).hex()
+        self.requests: list[tuple[str, str, dict]] = []
+        self.deadline = time.time() + 120
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Metadata
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, code: int, body: bytes = b"") -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_PUT(self) -> None:
+        s = self.server
+        s.requests.append(("PUT", self.path, {k.lower(): v for k, v in self.headers.items()}))
+        if s.provider == "aws" and self.path == "/latest/api/token" and \
+                self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+            self._send(200, s.token.encode())
+        else:
+            self._send(400)
+
+    def do_GET(self) -> None:
+        s = self.server
+        s.requests.append(("GET", self.path, {k.lower(): v for k, v in self.headers.items()}))
+        if s.provider == "aws" and self.path == "/latest/meta-data/spot/instance-action":
+            if self.headers.get("X-aws-ec2-metadata-token") != s.token:
+                return self._send(401)
+            if not s.notice:
+                return self._send(404)
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.deadline))
+            return self._send(200, json.dumps({"action": "terminate", "time": when}).encode())
+        if s.provider == "gcp" and self.path == "/computeMetadata/v1/instance/preempted":
+            if self.headers.get("Metadata-Flavor") != "Google":
+                return self._send(403)
+            return self._send(200, b"TRUE" if s.notice else b"FALSE")
+        if s.provider == "azure" and self.path.startswith("/metadata/scheduledevents?api-version="):
+            if self.headers.get("Metadata") != "true":
+                return self._send(400)
+            events = [{"EventId": "e1", "EventType": "Preempt", "ResourceType": "VirtualMachine",
+                       "NotBefore": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(s.deadline))}] \
+                if s.notice else []
+            return self._send(200, json.dumps({"DocumentIncarnation": 1, "Events": events}).encode())
+        self._send(404)
+
+
+@pytest.fixture
+def metadata(request):
+    server = _Metadata(request.param)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+class _Agent:
+    def __init__(self, env: dict, args: list[str]) -> None:
+        self.proc = subprocess.Popen([PY, "-m", "ogrefs", "agent", "--json", *args], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.events: list[dict] = []
+        self._buf = ""
+
+    def next(self, want, timeout: float = 60.0, unwanted=None) -> dict:
+        """The next event for which ``want(ev)`` holds; fails on ``unwanted(ev)`` or when none comes in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while "\n" in self._buf:
+                line, self._buf = self._buf.split("\n", 1)
+                ev = json.loads(line)
+                self.events.append(ev)
+                if unwanted is not None and unwanted(ev):
+                    raise AssertionError(f"unexpected event {ev}")
+                if want(ev):
+                    return ev
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None and not select.select([self.proc.stdout], [], [], 0)[0]:
+                raise AssertionError(f"no such event within {timeout} s; got {self.events}; "
+                                     f"stderr {self.stderr_tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 65536).decode()
+                if not chunk and self.proc.poll() is not None:
+                    continue
+                self._buf += chunk
+
+    def stderr_tail(self) -> str:
+        if self.proc.poll() is None:
+            return "(running)"
+        return self.proc.stderr.read()[-2000:]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        ev = self.next(lambda e: e["event"] == "snapshot" and "sigterm" in e["reasons"])
+        assert ev["id"]
+        return self.proc.wait(timeout=60)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ, OGREFS_REPO=f"file://{tmp_path}/repo", OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+             OGREFS_RUNTIME_DIR=str(tmp_path / "run"), OGREFS_BOX="spot-box")
+    subprocess.run([PY, "-m", "ogrefs", "-q", "init"], env=e, check=True, timeout=60)
+    (tmp_path / "box").mkdir()
+    (tmp_path / "box" / "data.bin").write_bytes(os.urandom(200_000))
+    return e
+
+
+@pytest.mark.parametrize("metadata", ["aws", "gcp", "azure"], indirect=True)
+def test_preemption_notice_snapshots_at_once_and_sigterm_once_more(env, tmp_path, metadata):
+    agent = _Agent(env, ["--path", str(tmp_path / "box"), "--no-on-checkpoint", "--preemption", metadata.provider,
+                         "--metadata-endpoint", metadata.url, "--poll", "0.1"])
+    try:
+        agent.next(lambda e: e["event"] == "snapshot" and e["reasons"] == ["start"])
+        (tmp_path / "box" / "written-before-the-notice").write_text("new work")
+        metadata.notice = True
+        notice = agent.next(lambda e: e["event"] == "notice")
+        assert notice["provider"] == metadata.provider and notice["deadline"] is not None
+        snap = agent.next(lambda e: e["event"] == "snapshot" and "notice" in e["reasons"])
+        assert snap["files"] == 2 and snap["after_notice_s"] >= 0
+        assert snap["before_deadline_s"] == pytest.approx(notice["deadline"] - notice["seen"] - snap["after_notice_s"],
+                                                           abs=0.01)
+        status = json.loads(subprocess.run([PY, "-m", "ogrefs", "agent", "status", "--json"], env=env, check=True,
+                                           capture_output=True, text=True, timeout=60).stdout)
+        assert status["alive"] and status["snapshots"] == 2 and status["last"]["id"] == snap["id"]
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+    gets = [r for r in metadata.requests if r[0] == "GET"]
+    assert gets, "the agent never asked"
+    if metadata.provider == "aws":  # IMDSv2: a token first, then the token on every read
+        assert metadata.requests[0][:2] == ("PUT", "/latest/api/token")
+        assert all(r[2].get("x-aws-ec2-metadata-token") == metadata.token for r in gets)
+    elif metadata.provider == "gcp":
+        assert all(r[2].get("metadata-flavor") == "Google" for r in gets)
+    else:
+        assert all(r[2].get("metadata") == "true" for r in gets)
+    listed = json.loads(subprocess.run([PY, "-m", "ogrefs", "snapshots", "--json"], env=env, check=True,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    assert len(listed) == 3 and {m["box"] for m in listed} == {"spot-box"}
+    dead = subprocess.run([PY, "-m", "ogrefs", "agent", "status"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert dead.returncode == 1 and "not running" in dead.stdout
+
+
+def _torch_save(path: Path, step: int, what: str = "w") -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"step": step, what: torch.full((64, 64), float(step))}, buf)
+    return buf.getvalue()
+
+
+def test_new_coherent_checkpoint_triggers_a_torn_one_does_not(env, tmp_path):
+    run = tmp_path / "box" / "run"
+    for step in (100,):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "model.pt").write_bytes(_torch_save(run, step))
+        (run / f"checkpoint-{step}" / "optimizer.pt").write_bytes(_torch_save(run, step, "exp_avg"))
+    agent = _Agent(env, ["--path", str(tmp_path / "box"), "--scan", "0.1", "--quiet-for", "0.3", "--keep-last", "2"])
+    triggered = lambda e: e["event"] == "snapshot" and "checkpoint" in e["reasons"]  # noqa: E731
+    try:
+        start = agent.next(lambda e: e["event"] == "snapshot" and e["reasons"] == ["start"])
+        assert start["tags"] == ["agent"]
+        # torn: the model file of step 200 ends half-way (a writer killed mid-save)
+        (run / "checkpoint-200").mkdir()
+        (run / "checkpoint-200" / "optimizer.pt").write_bytes(_torch_save(run, 200, "exp_avg"))
+        whole = _torch_save(run, 200)
+        (run / "checkpoint-200" / "model.pt").write_bytes(whole[: len(whole) // 2])
+        seen = agent.next(lambda e: e["event"] == "checkpoints" and any("checkpoint-200" in p for p in e["incomplete"]),
+                          unwanted=triggered)
+        assert not any("checkpoint-100" in p for p in seen["incomplete"])
+        # the next one is complete: it triggers once it is quiet, tagged with its run and step
+        (run / "checkpoint-300").mkdir()
+        (run / "checkpoint-300" / "model.pt").write_bytes(_torch_save(run, 300))
+        (run / "checkpoint-300" / "optimizer.pt").write_bytes(_torch_save(run, 300, "exp_avg"))
+        snap = agent.next(triggered)
+        assert snap["checkpoint"]["step"] == 300 and "checkpoint:run@step-300" in snap["tags"]
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+    listed = json.loads(subprocess.run([PY, "-m", "ogrefs", "snapshots", "--json"], env=env, check=True,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    assert len(listed) == 2  # --keep-last 2: the start snapshot was forgotten
+    assert listed[0]["checkpoint"]["step"] == 300
+    # the box's most advanced coherent checkpoint is in the snapshot the trigger took
+    show = subprocess.run([PY, "-m", "ogrefs", "show", "--json", "latest-checkpoint"], env=env, check=True,
+                          capture_output=True, text=True, timeout=60)
+    assert json.loads(show.stdout)["id"] in {m["id"] for m in listed}
