@@ -1,7 +1,9 @@
 """A lab box: a Debian root entered with chroot inside its own private mount namespace.
 
 ``Box.start()`` runs a holder process (``unshare --mount --uts --propagation
-private``) that sets the box's host name and mounts what a booted box has — /proc, /sys, /dev, a tmpfs
+private``, and a PID namespace of its own so the box sees only its own
+processes, as a booted box does) that sets the box's host name, makes its root a mount point
+(as / is on a booted box) and mounts what a booted box has — /proc, /sys, /dev, a tmpfs
 /run holding the "loaded kernel module" version the fake NVIDIA userspace
 checks, a tmpfs /tmp, the provider's second disk at /mnt/scratch (a tmpfs)
 and the repository disk at /srv/ogrefs (a bind mount of a host directory,
@@ -30,6 +32,8 @@ from .providers import Provider
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
             "LANG": "C.UTF-8", "OGREFS_REPO": "file:///srv/ogrefs"}
 STEP_TIMEOUT_S = 120
+# PID 1 of the box's PID namespace: reaps orphans (a daemon that double-forked and exited) like init.
+REAPER = ("python3 -c 'import os, time\nwhile True:\n try: os.wait()\n except ChildProcessError: time.sleep(0.2)'")
 
 
 class StepFailed(AssertionError):
@@ -44,7 +48,9 @@ class Box:
     kmod: Provider | None = None  # whose kernel module is "loaded" (default: the box's own)
     scratch_file: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    binds: tuple[str, ...] = ()  # host paths bind-mounted read-only at the same path in the box
     holder: subprocess.Popen | None = None
+    init_pid: int | None = None  # the box's PID 1 (the reaper), as the host numbers it
 
     def _setup_script(self) -> str:
         r = shlex.quote(str(self.root))
@@ -52,6 +58,7 @@ class Box:
         return "\n".join([
             "set -e",
             f"hostname {shlex.quote(self.provider.hostname)}",
+            f"mount --bind {r} {r}",  # a box's / is a mount point (a chroot's directory is not)
             f"mount -t proc proc {r}/proc",
             f"mount -t sysfs sysfs {r}/sys",
             f"mount --rbind /dev {r}/dev",
@@ -61,17 +68,20 @@ class Box:
             f"mount -t tmpfs -o size=64m tmpfs {r}/mnt/scratch",
             f"printf %s {shlex.quote(self.scratch_file)} > {r}/mnt/scratch/{self.provider.hostname}.txt",
             f"mkdir -p {r}/srv/ogrefs && mount --bind {shlex.quote(str(self.repo_dir))} {r}/srv/ogrefs",
+            *(f"mkdir -p {r}{shlex.quote(b)} && mount --bind -o ro {shlex.quote(b)} {r}{shlex.quote(b)}"
+              for b in self.binds),
             "echo ready",
-            "exec sleep 1000000",
+            f"exec {REAPER}",
         ])
 
     def start(self) -> Box:
         self.repo_dir.mkdir(parents=True, exist_ok=True)
-        self.holder = subprocess.Popen(["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
+        self.holder = subprocess.Popen(["unshare", "--mount", "--uts", "--pid", "--fork", "--propagation", "private", "sh", "-c",
                                         self._setup_script()], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)
-        line = self.holder.stdout.readline()  # the holder prints one line, then sleeps or exits
-        if line.strip() != "ready":
+        line = self.holder.stdout.readline()  # the holder prints one line, then reaps or exits
+        self.init_pid = _first_child(self.holder.pid)
+        if line.strip() != "ready" or self.init_pid is None:
             err = self.holder.stderr.read() if self.holder.poll() is not None else ""
             self.close()
             raise RuntimeError(f"box {self.provider.hostname} did not start: {line!r} {err}")
@@ -81,7 +91,7 @@ class Box:
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run ``script`` with /bin/sh as root in the box; fails (StepFailed) past ``timeout`` seconds."""
         assert self.holder is not None
-        cmd = ["nsenter", "-t", str(self.holder.pid), "-m", "-u", "--", "timeout", "-s", "KILL", str(int(timeout)),
+        cmd = ["nsenter", "-t", str(self.init_pid), "-m", "-u", "-p", "--", "timeout", "-s", "KILL", str(int(timeout)),
                "chroot", str(self.root), "/bin/sh", "-c", script]
         full_env = {**BASE_ENV, **self.env, **(env or {})}
         try:
@@ -123,7 +133,7 @@ class Box:
         if self.holder is None:
             return []
         try:
-            lines = Path(f"/proc/{self.holder.pid}/mountinfo").read_text().splitlines()
+            lines = Path(f"/proc/{self.init_pid}/mountinfo").read_text().splitlines()
         except OSError:
             return []
         conns = []
@@ -153,3 +163,19 @@ class Box:
             except subprocess.TimeoutExpired:
                 pass
             self.holder = None
+
+
+def _first_child(pid: int, timeout: float = 10.0) -> int | None:
+    """The child that ``unshare --fork`` started (the box's PID 1)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return None
+        if kids:
+            return int(kids[0])
+        time.sleep(0.05)
+    return None

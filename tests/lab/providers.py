@@ -208,4 +208,5 @@ def _training_project(root: Path) -> None:
     _write(root, "opt/project/checkpoints/step-100.pt", "")
     (proj / "checkpoints/step-100.pt").write_bytes(bytes((i * 7 + 3) % 256 for i in range(5 << 20)))
     _write(root, "root/notes.txt", "box A's notes\n")
+    _write(root, "a-provider-top-level.txt", "a file at the top of box A\n")
     shutil.rmtree(root / "opt/project/.venv/include", ignore_errors=True)

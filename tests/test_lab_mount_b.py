@@ -1,0 +1,154 @@
+"""Issue 12's lab, part 2: box B (another provider's fresh box) runs ``ogrefs mount {SNAP} /``.
+
+Box A snapshots itself as a whole box from inside into a file:// repository
+under /srv (a disk both boxes see, bind-mounted at /srv/ogrefs); box B, a
+chroot in its own private mount namespace, mounts the snapshot at ``/`` and
+must stay box B: its identity, network, name resolution, disks, login and GPU
+driver, with A's project, venv and checkpoint back exactly.  Everything runs
+twice: with ogrefs on Debian's Python 3.11.2 (B's /usr/local/bin/ogrefs, a
+venv of /usr/bin/python3) and on the project's Python (the repository's
+.venv, bind-mounted into B at its own path).  Every step has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.lab import fixtures, roots
+from tests.lab.box import Box, StepFailed
+from tests.lab.providers import PROVIDERS
+
+pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
+
+A, B = PROVIDERS["a"], PROVIDERS["b"]
+MOUNT_TIMEOUT_S = 120
+SNAP = f"{A.hostname}:latest"  # box A's newest snapshot (a bare `latest` on B means B's own)
+B_OWN = tuple(p for p in fixtures.IDENTITY_FILES if p not in ("/etc/passwd", "/etc/group", "/etc/shadow"))
+PYTHONS = {
+    "debian-3.11.2": ("/usr/local/bin/ogrefs", ()),
+    "project": (f"{roots.REPO}/.venv/bin/ogrefs", (str(Path(sys.base_prefix).resolve()), str(roots.REPO))),
+}
+
+
+@pytest.fixture(scope="module")
+def lab():
+    return fixtures.lab_roots()
+
+
+@pytest.fixture(scope="module")
+def snap_a(lab, tmp_path_factory):
+    root = fixtures.prepared_box(lab["a"], tmp_path_factory.mktemp("lab-a") / "root")
+    return fixtures.snapshot_box_a(root, tmp_path_factory.mktemp("lab-srv") / "ogrefs")
+
+
+def start_b(lab, snap_a, python: str, dest: Path) -> tuple[Box, str]:
+    ogrefs, binds = PYTHONS[python]
+    root = fixtures.prepared_box(lab["b"], dest)
+    box = Box(root, B, snap_a.repo_dir, scratch_file="B's local NVMe\n", binds=binds).start()
+    return box, ogrefs
+
+
+def mount(box: Box, ogrefs: str):
+    """``ogrefs mount SNAP /`` in the box; a failure carries the daemon's log."""
+    try:
+        return box.sh(f"{ogrefs} mount {SNAP} /", timeout=MOUNT_TIMEOUT_S)
+    except StepFailed as exc:
+        log = box.sh("tail -n 40 /run/ogrefs/mounts/*.log", timeout=10, check=False).stdout
+        raise StepFailed(f"{exc}\ndaemon log:\n{log}") from None
+
+
+def mounts_of_kind(box: Box, *kinds: str) -> list[str]:
+    """Mount points of the given file-system types in the box's namespace (as the box sees them)."""
+    lines = Path(f"/proc/{box.init_pid}/mountinfo").read_text().splitlines()
+    found = []
+    for line in lines:
+        fields = line.split()
+        if fields[fields.index("-") + 1].split(".")[0] in kinds:
+            found.append(fields[4])
+    return found
+
+
+def assert_pure_b(box: Box, before: dict[str, str]) -> None:
+    """Nothing of A left: no overlay or FUSE mount, B's files, no A project."""
+    assert mounts_of_kind(box, "overlay", "fuse") == []
+    assert fixtures.file_sums(box, B_OWN) == {p: before[p] for p in B_OWN}
+    assert box.out("test -e /opt/project || echo gone").strip() == "gone"
+
+
+@pytest.fixture(scope="module", params=list(PYTHONS))
+def b_mounted(request, lab, snap_a, tmp_path_factory):
+    box, ogrefs = start_b(lab, snap_a, request.param, tmp_path_factory.mktemp("lab-b") / "root")
+    try:
+        before = fixtures.file_sums(box)
+        mounted = mount(box, ogrefs)
+        yield box, ogrefs, before, mounted
+        box.sh(f"{ogrefs} unmount /", timeout=MOUNT_TIMEOUT_S, check=False)
+    finally:
+        box.close()
+
+
+def test_mount_returns_and_the_box_answers(b_mounted, snap_a):
+    box, ogrefs, _, mounted = b_mounted
+    assert "Traceback" not in mounted.stderr
+    box.sh("ls /etc /usr/bin /var /opt >/dev/null && /usr/bin/python3 -c 'import json, ssl'", timeout=30)
+    status = json.loads(box.out(f"{ogrefs} status / --json", timeout=30))
+    assert (status["mountpoint"], status["snapshot"]) == ("/", snap_a.manifest["id"])
+    said = mounted.stdout + mounted.stderr  # mount says what it kept from the box and what stays visible
+    assert "kept from this box: " in said and "/etc/hostname" in said and "/mnt/scratch" in said
+
+
+def test_identity_network_disks_config_and_cloud_init_stay_b(b_mounted):
+    box, _, before, _ = b_mounted
+    after = fixtures.file_sums(box, B_OWN)
+    assert {p: d for p, d in after.items() if d != before[p]} == {}
+    assert box.out("getent hosts node-b-42").split()[0] == "127.0.1.1"
+    assert box.out("readlink /var/lib/cloud/instance").strip() == f"/var/lib/cloud/instances/{B.instance_id}"
+
+
+def test_gpu_driver_stays_b(b_mounted):
+    box, _, _, _ = b_mounted
+    smi = box.sh("nvidia-smi", timeout=30)
+    assert f"Driver Version: {B.driver}" in smi.stdout
+    assert box.out("/usr/bin/python3 -c 'import ctypes; print(ctypes.CDLL(\"libcuda.so.1\").cuInit(0), "
+                   "ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'").split() == ["0", "0"]
+    cache = box.out("ldconfig -p | grep -E 'libcuda.so.1|libnvidia-ml.so.1'")
+    resolved = box.out("readlink -f /usr/lib/x86_64-linux-gnu/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+    assert cache.count("=>") == 2 and resolved.split() == [
+        f"/usr/lib/x86_64-linux-gnu/libcuda.so.{B.driver}", f"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{B.driver}"]
+    box.sh(f"test -e /var/lib/dkms/nvidia/{B.driver}/source/dkms.conf && test -e /lib/modules/{B.kernel}/updates/dkms/nvidia.ko")
+    assert box.out(f"test -e /lib/modules/{A.kernel} || echo absent").strip() == "absent"
+
+
+def test_a_project_venv_and_checkpoint_exact_and_training_resumes(b_mounted, snap_a):
+    box, _, _, _ = b_mounted
+    assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap_a.project_sums
+    out = box.out("cd /opt/project && .venv/bin/python train.py 5", timeout=60).splitlines()
+    assert out[0] == "resumed from step 100 loss 0.4321" and out[1].startswith("saved step 105 loss ")
+    again = box.out("cd /opt/project && .venv/bin/python train.py 1", timeout=60).splitlines()
+    assert again[0] == out[1].replace("saved", "resumed from") and again[1].startswith("saved step 106 ")
+    assert box.out("cat /root/notes.txt") == "box A's notes\n"
+
+
+def test_b_disks_and_the_repository_under_srv_stay_visible(b_mounted, snap_a):
+    box, ogrefs, _, _ = b_mounted
+    assert box.out(f"cat /mnt/scratch/{B.hostname}.txt") == "B's local NVMe\n"
+    assert sorted(box.out("ls /srv/ogrefs").split()) == sorted(p.name for p in snap_a.repo_dir.iterdir())
+    assert snap_a.manifest["id"] in box.out(f"{ogrefs} snapshots --json", timeout=60)
+    # A file of the snapshot read through the mount fetches from the repository under /srv.
+    box.sh("sync; echo 3 > /proc/sys/vm/drop_caches")
+    assert box.out("sha256sum /opt/project/checkpoints/step-100.pt", timeout=60) in snap_a.project_sums.replace(
+        "./checkpoints", "/opt/project/checkpoints")
+
+
+def test_steps_that_hang_fail_instead_of_hanging(lab, tmp_path):
+    """The harness itself: a step past its timeout is a failure, not a hung run."""
+    box = Box(lab["b"], B, tmp_path / "repo").start()
+    try:
+        with pytest.raises(StepFailed, match="hung"):
+            box.sh("sleep 30", timeout=1)
+    finally:
+        box.close()

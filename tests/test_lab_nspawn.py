@@ -1,0 +1,70 @@
+"""Issue 12's lab, part 3: box B boots with systemd-nspawn and the shipped unit mounts box A's snapshot at /.
+
+B's root gets contrib/ogrefs-resume.service, enabled, with /etc/ogrefs/env
+naming the file:// repository under /srv (a bind mount, like the chroot lab)
+and box A.  The boot must finish (the unit must not hang PID 1), B must stay
+B (hostname, driver, disks) with A's project back and training resuming,
+and the box must power off (the unit's ExecStop unmounts) within a timeout.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.lab import fixtures, roots
+from tests.lab.nspawn import NspawnBox, nspawn_missing
+from tests.lab.providers import PROVIDERS
+
+pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
+
+A, B = PROVIDERS["a"], PROVIDERS["b"]
+
+
+@pytest.fixture(scope="module")
+def lab():
+    reason = nspawn_missing()
+    if reason:
+        fixtures.skip_or_fail(reason)
+    return fixtures.lab_roots()
+
+
+def install_unit(root, box_name: str) -> None:
+    unit = root / "etc/systemd/system/ogrefs-resume.service"
+    shutil.copy(roots.REPO / "contrib/ogrefs-resume.service", unit)
+    wants = root / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    (wants / unit.name).symlink_to("/etc/systemd/system/ogrefs-resume.service")
+    env = root / "etc/ogrefs/env"
+    env.parent.mkdir(parents=True, exist_ok=True)
+    env.write_text(f"OGREFS_REPO=file:///srv/ogrefs\nOGREFS_BOX={box_name}\n")
+    env.chmod(0o600)
+
+
+def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
+    snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv")
+    root = fixtures.prepared_box(lab["b"], tmp_path / "b")
+    install_unit(root, A.hostname)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / f"{B.hostname}.txt").write_text("B's local NVMe\n")
+    kmod = tmp_path / "kmod-version"
+    kmod.write_text(B.kmod_line())
+    box = NspawnBox(root, B, {str(snap.repo_dir): "/srv/ogrefs", str(scratch): "/mnt/scratch",
+                              str(kmod): "/run/nvidia-lab/version"}, tmp_path)
+    try:
+        box.boot()
+        unit = box.sh("systemctl is-active ogrefs-resume.service", check=False).stdout.strip()
+        journal = box.out("journalctl -b -u ogrefs-resume.service --no-pager | tail -n 30", check=False)
+        assert unit == "active", f"unit {unit}, boot {box.state}:\n{journal}"
+        assert box.out("cat /etc/hostname; hostname") == f"{B.hostname}\n{B.hostname}\n"
+        assert f"Driver Version: {B.driver}" in box.out("nvidia-smi")
+        assert box.out(f"cat /mnt/scratch/{B.hostname}.txt") == "B's local NVMe\n"
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        assert box.out("cd /opt/project && .venv/bin/python train.py 3").splitlines()[0] == (
+            "resumed from step 100 loss 0.4321")
+        assert box.out("journalctl -b --no-pager -n 5 >/dev/null && echo journal").strip() == "journal"
+        box.poweroff()
+    finally:
+        box.close()
