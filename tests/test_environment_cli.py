@@ -71,3 +71,21 @@ def test_strict_restore_refuses_on_a_box_without_the_gpus(tmp_path):
     assert_one_line_error(run(["restore", "--strict", snap["id"], str(tmp_path / "out2")], fresh, check=False),
                           "--strict")
     assert not (tmp_path / "out2").exists()
+
+
+def test_show_and_diff_report_the_driver_on_both_sides(tmp_path):
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    box = tmp_path / "box"
+    _box(box)
+    run(["init"], env)
+    snap = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
+    key = tmp_path / "repo" / "snapshots" / snap["id"]
+    m = json.loads(codec.unwrap(key.read_bytes()))
+    m["environment"]["gpus"] = h100(8, driver="535.104.05", cuda="12.2")  # taken on another provider's box
+    key.write_bytes(codec.wrap(json.dumps(m).encode()))
+    fresh = dict(env, OGREFS_CACHE_DIR=str(tmp_path / "cache2"))
+    shown = run(["show", snap["id"]], fresh).stdout
+    assert f"driver of snapshot {snap['id'][:12]}: 535.104.05 (CUDA up to 12.2)" in shown
+    assert "driver of this box: no NVIDIA driver" in shown  # this test box has none
+    diffed = run(["diff", snap["id"], snap["id"]], fresh).stdout
+    assert diffed.count("535.104.05") == 2 and "driver of this box:" in diffed

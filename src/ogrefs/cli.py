@@ -272,6 +272,10 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
                 click.echo(f"  {line}")
         except ImportError:
             pass
+    from .compat import driver_versions
+
+    for line in driver_versions(m):
+        click.echo(f"  {line}")
     for key, label in (("changed_during_snapshot", "changed while read"), ("unreadable", "unreadable")):
         if m.get(key):
             click.echo(f"  {label}: {len(m[key])}")
@@ -363,6 +367,10 @@ def diff(obj: Context, snap_a: str, snap_b: str, limit: int, as_json: bool) -> N
             click.echo(f"  {line}")
     else:
         click.echo("environment: unchanged")
+    from .compat import driver_versions
+
+    for line in driver_versions(ma, mb):
+        click.echo(line)
 
 
 def _format_env_changes(changes: dict, prefix: str = "") -> list[str]:

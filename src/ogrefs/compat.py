@@ -30,3 +30,29 @@ def environment_warning(manifest: dict[str, Any], strict: bool = False) -> str |
     if strict:
         raise IncompatibleBox(text + " (refusing because of --strict)")
     return text
+
+
+def _driver(gpus: dict | None) -> str:
+    g = gpus or {}
+    if not g.get("driver_version"):
+        return f"no NVIDIA driver ({g.get('reason') or 'none answered'})"
+    return f"{g['driver_version']} (CUDA up to {g.get('cuda_driver_version') or '?'})"
+
+
+def driver_versions(*manifests: dict[str, Any]) -> list[str]:
+    """One line per side for ``show``/``diff``: the NVIDIA driver each snapshot ran on, and this box's.
+
+    After ``mount SNAP /`` the driver is this box's (a host-owned path,
+    docs/mount.md), so these are the two versions that must agree with the
+    snapshot's CUDA.
+    """
+    from .inspect import probe_local_machine
+
+    lines = [f"driver of snapshot {m['id'][:12]}: {_driver((m.get('environment') or {}).get('gpus'))}"
+             for m in manifests]
+    try:
+        here = probe_local_machine().get("gpus")
+    except Exception as exc:  # noqa: BLE001 - a probe that fails is reported, never fatal
+        here = {"reason": str(exc)}
+    lines.append(f"driver of this box: {_driver(here)}")
+    return lines
