@@ -672,6 +672,25 @@ def test_written_chunks_leave_the_page_cache(box, tmp_path):
     assert int(out.split()[0]) < big.stat().st_size // 8, out  # (metadata reads may bring a page or two back)
 
 
+def test_the_traces_chunks_stay_in_the_page_cache(box, tmp_path):
+    """What the trace says the application reads next is not sent to the disk (on a busy box it queues there)."""
+    state = tmp_path / "state"
+    traced = box.refs_of("data/shard2.bin")[0]
+    assert traced.raw_len >= 256 * 1024  # (smaller chunks stay cached anyway)
+    m, _ = materialize(box, state, trace=[(box.path("data/shard2.bin"), 0)])
+    assert m.complete
+    tree = box.tree_of(state) / "data"
+
+    def resident(path: Path, length: int) -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[0])
+
+    assert resident(tree / "shard2.bin", traced.raw_len) >= traced.raw_len
+    big = tree / "shard0.bin"  # neither traced nor a hint: it left the page cache
+    assert resident(big, big.stat().st_size) < big.stat().st_size // 8
+
+
 def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path, monkeypatch):
     """Chunks streamed into memory before the tree existed are written while the link fetches what follows."""
     from ogrefs.fetcher import Keep

@@ -444,3 +444,28 @@ def test_a_snapshot_without_extended_attributes_answers_enosys(tmp_path):
         assert await fs.listxattr(a.node.ino) == []
 
     run_fs(repo, cat, body)
+
+
+def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
+    """pread_if_cached answers from the page cache only: a read that would go to the disk is left to a thread."""
+    path = tmp_path / "local-copy"
+    data = secrets.token_bytes(256 * 1024)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno == errno.EOPNOTSUPP:
+                pytest.skip("the test directory's file system has no RWF_NOWAIT (tmpfs)")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        probe = vfs_mod.pread_if_cached(fd, 65536, 65536)
+        assert probe is None, "dropped pages were read inline"
+        assert os.pread(fd, len(data), 0) == data  # a plain read brings them back ...
+        assert vfs_mod.pread_if_cached(fd, 65536, 65536) == data[65536:131072]  # ... and then it answers
+        assert vfs_mod.pread_if_cached(fd, 65536, len(data) - 100) is None  # short (end of file): the thread's job
+        got = trio.run(vfs_mod._pread, fd, 65536, 65536)
+        assert got == data[65536:131072]
+    finally:
+        os.close(fd)

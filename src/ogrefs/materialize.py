@@ -135,6 +135,7 @@ _ORDER = "cls, seq, pack, poff, id"
 _SYNCFS_ABOVE = 16
 #: Chunks at least this large leave the page cache once durable (bulk data; small files stay cached).
 _DROP_FROM_PAGE_CACHE = 256 * 1024
+_TRACE_CLASS = CLASSES.index("trace")  # its chunks stay in the page cache (see _write_batch)
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -934,7 +935,8 @@ class Materializer:
                     if fd is None:
                         fd = fds[ino] = os.open(self._dest(path), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                     _pwrite_all(fd, data, off)
-                    written.append((fd, off, len(data)))
+                    if item.cls != _TRACE_CLASS:
+                        written.append((fd, off, len(data)))
             if len(fds) > _SYNCFS_ABOVE:
                 _syncfs_fd(next(iter(fds.values())))  # many small files: one flush of the file system is cheaper
             else:
@@ -945,6 +947,9 @@ class Materializer:
             # later, as after a reboot; a copy of the whole snapshot in the page cache would only
             # push out what the box is using (its training data) and, in a VM whose free memory is
             # handed back to the host, make every new page cost a fault in the host.
+            # Not the trace's chunks: the trace is what the application reads next (its start-up,
+            # bounded by the replay's memory), and dropping them sent those reads to the disk, where
+            # on a busy box they queued behind another writer's fsyncs (issue 17).
             for fd, off, n in written:
                 if n >= _DROP_FROM_PAGE_CACHE:
                     os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)

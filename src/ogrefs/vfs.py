@@ -13,8 +13,9 @@ a worker thread would.  Queries that scale with the data (a page of a
 directory listing, the extent list of a file at open) run in a worker thread.
 The same rule holds for complete local copies: a read of up to
 ``LOCAL_INLINE_READ`` bytes is one ``pread`` inline (a thread hop costs more
-than the read when a crawl opens thousands of small files); larger reads go to
-a worker thread.
+than the read when a crawl opens thousands of small files) when the page cache
+holds it (``RWF_NOWAIT``: :func:`pread_if_cached`); a read that would wait for
+the disk, and every larger read, goes to a worker thread.
 
 Per-open-file state (:class:`_OpenFile`) holds the file's extents, their
 cumulative start offsets (bisect maps a read offset to its chunk) and the
@@ -309,10 +310,32 @@ def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list
     return done
 
 
+def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
+    """``size`` bytes at ``offset`` if the page cache holds them all; None if the read would wait for the disk.
+
+    ``preadv2(RWF_NOWAIT)``: on a busy box (another job writing with fsync)
+    a page-cache miss queues behind that writer's I/O for hundreds of
+    milliseconds, and an inline read would stop the whole loop meanwhile.
+    A file system without RWF_NOWAIT (tmpfs: memory anyway) is read plainly.
+    A short answer (part cached, or the end of the file) is None too: the
+    caller's thread read sorts it out.
+    """
+    buf = bytearray(size)
+    try:
+        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return os.pread(fd, size, offset)
+        raise
+    return bytes(buf) if n == size else None
+
+
 async def _pread(fd: int, size: int, offset: int) -> bytes:
-    """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes, else in a worker thread."""
-    if size <= LOCAL_INLINE_READ:
-        return os.pread(fd, size, offset)
+    """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes when cached, else in a worker thread."""
+    if size <= LOCAL_INLINE_READ and (data := pread_if_cached(fd, size, offset)) is not None:
+        return data
     return await trio.to_thread.run_sync(os.pread, fd, size, offset)
 
 
