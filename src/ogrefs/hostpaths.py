@@ -53,6 +53,8 @@ NVIDIA_BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-
                "nvidia-xconfig", "nvidia-powerd")
 
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
+    # boot and swap at the top level (shown from the snapshot only where this box has none: topfiles.py)
+    ("host", "/vmlinuz*"), ("host", "/initrd.img*"), ("host", "/swapfile"), ("host", "/swap.img"),
     # identity
     ("host", "/etc/hostname"), ("host", "/etc/hosts"), ("host", "/etc/machine-id"),
     ("host", "/var/lib/dbus/machine-id"), ("host", "/etc/mailname"),

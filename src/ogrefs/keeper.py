@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import hostpaths, mountsys, overlay
+from . import hostpaths, mountsys, overlay, topfiles
 from .errors import OgrefsError
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,14 @@ def bring_up(opts: Any, reg: Any) -> dict[str, Any]:
     keep = own_directories(opts, reg)
     host = hostpaths.prepare(opts.overlays, state, opts.host_paths)  # opens host files before they are covered
     up = overlay.mount_all(host.overlays, state, keep=keep)
+    owned = set(opts.host_paths.kept) if opts.host_paths is not None else set()
+    shown = topfiles.show([e for e in opts.top_files or [] if "/" + e["name"] not in owned], state / "lower", state)
     try:
         ldconfig = host.run_ldconfig()
     except OSError as exc:
         ldconfig = f"not run: {exc}"
     return {"overlays": [o.target for o in up], "binds": [b for o in up for b in o.binds],
-            "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep}
+            "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown}
 
 
 def teardown(state_dir: Path, reg: Any) -> list[str]:
@@ -108,6 +110,7 @@ def teardown(state_dir: Path, reg: Any) -> list[str]:
     info = reg.read() or {}
     if info.get("finalized"):
         return []
+    topfiles.hide(state_dir)
     errors = overlay.unmount_all(overlay.load(state_dir), lazy=True)
     err = mountsys.umount(str(state_dir / "lower"), lazy=True)
     return errors + ([f"{state_dir}/lower: {err}"] if err else [])

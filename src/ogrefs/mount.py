@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 120.0
 #: What the keeper of a writable mount adds to its registration (keeper.bring_up).
-KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", "keeper_pid")
+KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", "keeper_pid", "top_files")
 STATUS_INTERVAL = 0.5
 #: A status file older than this means the daemon stopped answering (it is rewritten every STATUS_INTERVAL).
 STALE_AFTER = 30.0
@@ -94,6 +94,7 @@ class MountOptions:
     host_paths: Any = None  # hostpaths.HostPlan computed from host_rules before the fork
     skipped: list | None = None  # writable: {"path", "reason"} of each top-level directory not overlaid
     box_root: bool = False  # writable: assemble a whole root at the target (ogrefs run/shell), host paths on
+    top_files: list | None = None  # writable at / of a whole-box snapshot: topfiles.planned(catalog)
     state_lock: int | None = None  # writable: fd holding flock on <state>/mount.lock (one mount per state dir)
 
 
@@ -383,8 +384,15 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
     else:
         plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top,
                              skipped=opts.skipped)
+        if str(target) == "/" and any(overlay.normalized(r) == "/" for r in roots):
+            from . import topfiles
+
+            opts.top_files = topfiles.planned(catalog)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     opts.state_lock = _lock_state_dir(state)
+    from . import topfiles
+
+    topfiles.hide(state)
     for old in reversed(overlay.load(state)):
         overlay.unmount_one(old, lazy=True)
     mountsys.umount(str(state / "lower"), lazy=True)
@@ -787,6 +795,9 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
         busy = any("busy" in e.lower() for e in errors)
         raise MountError(f"cannot unmount {'; '.join(errors)}: nothing was unmounted"
                          + ("; close what uses it or use --lazy" if busy else ""))
+    from . import topfiles
+
+    topfiles.hide(state)
     pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
         mountsys.umount(str(state / "lower"), lazy=True)
@@ -843,6 +854,9 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
         swapped.append(overlay.mount_one(o_new, keep))
     new = swapped
     overlay.save(new, state)
+    from . import topfiles
+
+    topfiles.rebind(state, state / "tree")
     info.update(finalized=True, pid=None, lower=None)
     reg.write(info)
     pid = status.get("pid")
