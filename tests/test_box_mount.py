@@ -347,3 +347,15 @@ def test_sigterm_to_the_whole_unit_takes_the_box_down_cleanly(whole):
     """)
     err = (tmp / "busy.err").read_text()
     assert "busy" in err and "nothing was unmounted" in err
+
+
+def test_run_shows_this_box_disks_inside_the_root(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    env = dict(whole["env"], OGREFS_RUN_DIR=str(tmp / "runs"))
+    (tmp / "disk").mkdir()
+    in_namespace(env, f"""
+        mount -t tmpfs data-disk {tmp}/disk
+        echo "on this box's disk" > {tmp}/disk/f
+        test "$({OGREFS} run {snap} --no-host-paths -- cat {tmp}/disk/f)" = "on this box's disk"
+        grep -q " {tmp}/disk " /proc/self/mountinfo                 # still mounted here afterwards
+    """)

@@ -5,7 +5,7 @@ seen by the rest of the box), mounts the snapshot writable at
 ``<run dir>/<snapshot>/root`` as one overlay — the snapshot's ``/`` over this
 box's ``/``, host-owned paths from this box (hostpaths.py) and a linker
 cache rebuilt there with this box's ldconfig — binds this box's ``/proc``,
-``/sys``, ``/dev`` (GPU device nodes included) and ``/run`` into it, and runs
+``/sys``, ``/dev`` (GPU device nodes included), ``/run`` and its other mounts (data disks) into it, and runs
 the command chrooted there (or under ``systemd-nspawn`` with ``--nspawn``).
 When the command ends everything is taken down; its exit code is passed
 through. Writes land in the state directory and are there on the next run
@@ -88,18 +88,31 @@ def _child(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snap
     mount(opts, open_repo=lambda: repo)
     bound: list[str] = []
     try:
-        if not nspawn:
-            for name in HOST_BINDS:
-                target = root / name
-                target.mkdir(exist_ok=True)
-                mountsys.bind(f"/{name}", str(target), recursive=True)
-                bound.append(str(target))
+        binds = ([f"/{name}" for name in HOST_BINDS] if not nspawn else []) + _host_disks(root)
+        for source in binds:
+            target = str(root) + source
+            os.makedirs(target, exist_ok=True)
+            mountsys.bind(source, target, recursive=True)
+            bound.append(target)
         return _enter(root, command, nspawn)
     finally:
         for target in reversed(bound):
             mountsys.umount(target, lazy=True)
         with contextlib.suppress(OgrefsError):
             unmount(root, lazy=True)
+
+
+def _host_disks(root: Path) -> list[str]:
+    """This box's other mounts (a data disk under /mnt, /srv, /home ...), outermost first, to show in the root."""
+    from .overlay import _mounts_below, _outermost
+
+    skip = ("/proc", "/sys", "/dev", "/run", str(run_dir()), os.path.dirname(os.path.dirname(str(root))))
+    from .mount import mounted_fstype
+
+    found = [m for m in _mounts_below("/")
+             if m != "/" and not any(m == s or m.startswith(s.rstrip("/") + "/") for s in skip) and os.path.isdir(m)
+             and mounted_fstype(Path(m)) not in ("overlay", "fuse.ogrefs")]
+    return _outermost(found)
 
 
 def _enter(root: Path, command: list[str], nspawn: bool) -> int:
