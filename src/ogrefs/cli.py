@@ -98,20 +98,43 @@ def key_list(obj: Context, as_json: bool) -> None:
 @click.pass_obj
 def key_add(obj: Context, new_password_file, new_key_file, label, as_json: bool) -> None:
     """Add a passphrase or key file that also opens the repository."""
-    from .repo.keys import Secret
 
     repo = obj.open()
-    if new_key_file or new_password_file:
-        new = Secret.from_sources(new_password_file, new_key_file, prompt=False)
-    elif os.environ.get("OGREFS_NEW_PASSWORD"):
-        new = Secret(os.environ["OGREFS_NEW_PASSWORD"].encode(), "scrypt")
-    else:
-        new = _prompt_new_passphrase()
-    params = repo.add_key(new, label)
+    params = repo.add_key(_new_secret(new_password_file, new_key_file), label)
     if as_json:
         emit_json({"added": params["id"], "kdf": params.get("kdf"), "label": params.get("label", label)})
     else:
         click.echo(f"added key {params['id']}")
+
+
+def _new_secret(new_password_file: str | None, new_key_file: str | None):
+    """The new passphrase or key file of ``key add`` / ``key passwd``."""
+    from .repo.keys import Secret
+
+    if new_key_file or new_password_file:
+        return Secret.from_sources(new_password_file, new_key_file, prompt=False)
+    if os.environ.get("OGREFS_NEW_PASSWORD"):
+        return Secret(os.environ["OGREFS_NEW_PASSWORD"].encode(), "scrypt")
+    return _prompt_new_passphrase()
+
+
+@key.command(name="passwd")
+@click.option("--new-password-file", help="File with the new passphrase (else OGREFS_NEW_PASSWORD or a prompt).")
+@click.option("--new-key-file", help="Change to a raw key file instead of a passphrase.")
+@json_option
+@click.pass_obj
+def key_passwd(obj: Context, new_password_file, new_key_file, as_json: bool) -> None:
+    """Change the passphrase that opened the repository (as restic: a new key replaces the one in use)."""
+    from .repo.keys import list_keys, remove_key
+
+    repo = obj.open()
+    old = next((k for k in list_keys(repo.store) if k["id"] == repo.key_id), {})
+    params = repo.add_key(_new_secret(new_password_file, new_key_file), old.get("label", ""))
+    remove_key(repo.store, repo.key_id or "", params["id"])
+    if as_json:
+        emit_json({"added": params["id"], "removed": repo.key_id})
+    else:
+        click.echo(f"changed: key {repo.key_id} replaced by {params['id']}")
 
 
 @key.command(name="remove")
@@ -418,17 +441,32 @@ def check(obj: Context, read_data: bool, as_json: bool) -> None:
 @click.option("--keep-daily", type=click.IntRange(0), default=0, help="Keep the newest of each of N days.")
 @click.option("--keep-weekly", type=click.IntRange(0), default=0, help="Keep the newest of each of N weeks.")
 @click.option("--keep-monthly", type=click.IntRange(0), default=0, help="Keep the newest of each of N months.")
+@click.option("--keep-yearly", type=click.IntRange(0), default=0, help="Keep the newest of each of N years.")
+@click.option("--keep-within", default=None, metavar="DURATION",
+              help="Keep every snapshot within DURATION (e.g. 1y2m3d4h) of the newest of its group.")
 @click.option("--keep-tag", "keep_tags", multiple=True, help="Keep every snapshot with this tag.")
+@click.option("--group-by", default="host,paths", show_default=True,
+              help="Judge snapshots in groups of these fields: host, paths, tags (comma-separated; '' for one group).")
+@click.option("--host", "hosts", multiple=True, help="Only consider snapshots of this host (repeatable).")
+@click.option("--path", "paths", multiple=True, help="Only consider snapshots of exactly these paths (repeatable).")
+@click.option("--tag", "tags", multiple=True, help="Only consider snapshots with this tag (repeatable).")
 @click.option("--dry-run", "-n", is_flag=True, help="Only say what would be forgotten.")
 @click.option("--prune", "and_prune", is_flag=True, help="Run prune afterwards.")
 @json_option
 @click.pass_obj
-def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_tags, dry_run,
-           and_prune, as_json) -> None:
-    """Forget snapshots SNAPS, or those a retention policy does not keep (grouped by host and paths)."""
-    from .forget import Policy, apply_policy
+def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly,
+           keep_within, keep_tags, group_by, hosts, paths, tags, dry_run, and_prune, as_json) -> None:
+    """Forget snapshots SNAPS, or those a retention policy does not keep (grouped by host and paths).
 
-    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, list(keep_tags))
+    Days, weeks, months and years are those of local time.
+    """
+    from .forget import Policy, apply_policy, parse_duration, parse_group_by
+
+    policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, list(keep_tags), keep_yearly,
+                    keep_within)
+    if keep_within:
+        parse_duration(keep_within)
+    grouping = parse_group_by(group_by)
     if snaps and not policy.empty():
         raise UsageError("give either snapshots to forget or a --keep-* policy, not both")
     if not snaps and policy.empty():
@@ -438,7 +476,10 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
         removed = [repo.resolve(s) for s in snaps]
         kept: list = []
     else:
-        kept, removed = apply_policy(repo.list_snapshots(), policy)
+        chosen = [m for m in repo.list_snapshots() if (not hosts or m["host"] in hosts)
+                  and (not paths or sorted(m["paths"]) == sorted(os.path.abspath(p) for p in paths))
+                  and set(tags) <= set(m.get("tags", []))]
+        kept, removed = apply_policy(chosen, policy, grouping)
     if not dry_run:
         for m in removed:
             repo.store.delete(f"snapshots/{m['id']}")

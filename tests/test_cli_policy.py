@@ -1,0 +1,65 @@
+"""forget's policy options, key passwd, packaging metadata: through the real entry point."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from .test_cli import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+
+
+def _snap(env: dict, src: Path, host: str, *tags: str) -> str:
+    args = ["snapshot", "--json", "--host", host, str(src)] + [a for t in tags for a in ("--tag", t)]
+    return json.loads(run(args, env).stdout)["id"]
+
+
+def test_forget_keep_yearly_within_group_by_host_and_path(tmp_path, env):
+    src, other = tmp_path / "src", tmp_path / "other"
+    src.mkdir()
+    other.mkdir()
+    (src / "f").write_text("x")
+    (other / "g").write_text("y")
+    run(["init"], env)
+    a1, a2 = _snap(env, src, "alpha"), _snap(env, src, "alpha")
+    b1 = _snap(env, src, "beta")
+    o1 = _snap(env, other, "alpha")
+
+    def forget(*args: str) -> dict:
+        return json.loads(run(["forget", "--dry-run", "--json", *args], env).stdout)
+
+    out = forget("--keep-yearly", "1")  # one per (host, paths) group: the newest
+    assert sorted(out["removed"]) == [a1] and {k["id"] for k in out["kept"]} == {a2, b1, o1}
+    assert "yearly" in [r for k in out["kept"] for r in k["reasons"]]
+    assert forget("--keep-within", "1d")["removed"] == []
+    out = forget("--keep-last", "1", "--group-by", "")  # one group: only the newest of all survives
+    assert sorted(out["removed"]) == sorted([a1, a2, b1])
+    out = forget("--keep-last", "1", "--group-by", "paths")
+    assert sorted(out["removed"]) == sorted([a1, a2])
+    out = forget("--keep-last", "1", "--host", "alpha")  # beta is not considered at all
+    assert out["removed"] == [a1] and b1 not in {k["id"] for k in out["kept"]}
+    out = forget("--keep-last", "1", "--path", str(src), "--host", "alpha")
+    assert out["removed"] == [a1] and {k["id"] for k in out["kept"]} == {a2}
+    assert_one_line_error(run(["forget", "--keep-within", "soon"], env, check=False), "not a duration")
+    assert_one_line_error(run(["forget", "--keep-last", "1", "--group-by", "box"], env, check=False),
+                          "not one of host, paths, tags")
+    run(["forget", "--keep-yearly", "1"], env)
+    assert {s["id"] for s in json.loads(run(["snapshots", "--json"], env).stdout)} == {a2, b1, o1}
+
+
+def test_key_passwd_changes_the_passphrase(tmp_path, env):
+    old = dict(env, OGREFS_PASSWORD="old secret")
+    run(["init", "--encrypt"], old)
+    changed = json.loads(run(["key", "passwd", "--json"], dict(old, OGREFS_NEW_PASSWORD="new secret")).stdout)
+    new = dict(env, OGREFS_PASSWORD="new secret")
+    keys = json.loads(run(["key", "list", "--json"], new).stdout)
+    assert [k["id"] for k in keys] == [changed["added"]] and keys[0]["current"]
+    proc = run(["snapshots"], old, check=False)
+    assert proc.returncode == 12 and "wrong passphrase" in proc.stderr
+
+
+def test_the_license_field_is_an_spdx_string():
+    """setuptools >= 77 warns (three 13-line warnings per install) about a table-form license."""
+    meta = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])
