@@ -359,3 +359,21 @@ def test_run_shows_this_box_disks_inside_the_root(whole):
         test "$({OGREFS} run {snap} --no-host-paths -- cat {tmp}/disk/f)" = "on this box's disk"
         grep -q " {tmp}/disk " /proc/self/mountinfo                 # still mounted here afterwards
     """)
+
+
+def test_daemon_stopped_after_its_keeper_was_killed_still_takes_the_box_down(whole):
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} / --no-materialize
+        pid={_pid(tmp)}
+        keeper={_pid(tmp, 'keeper_pid')}
+        kill -9 "$keeper"
+        kill -TERM "$pid"
+        for i in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        ! kill -0 "$pid" 2>/dev/null
+        ! grep -q " - overlay " /proc/self/mountinfo            # no overlay left on a dead lower
+        ! grep -q fuse.ogrefs /proc/self/mountinfo
+        test "$(cat {box}/usr/marker)" = "host"
+        {OGREFS} mount {snap} / --no-materialize
+        {OGREFS} unmount /
+    """)

@@ -616,8 +616,10 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
 
     ops = fuse_ops.FuseOps(fs, on_init=on_init)
     fuse_ops.fuse_mount(ops, str(opts.mountpoint), fuse_ops.mount_options(allow_other=opts.allow_other))
+    box_ns: list[int] = []
     if keeper is not None:
         info["skipped"] = opts.skipped or []
+        box_ns.append(os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))  # for a keeper that died
         _own_namespace(opts.mountpoint)
     if opts.lock is not None:
         opts.lock.start_refresher()  # in a forked daemon the parent's heartbeat thread did not survive
@@ -641,9 +643,13 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                 stopping = True
                 log.info("signal %d: unmounting", signum)
                 if keeper is not None:  # the keeper detaches the overlays while this still answers
+                    answer = ""
                     with contextlib.suppress(OSError):
                         os.write(keeper[0], b"teardown\n")
-                        await trio.to_thread.run_sync(read_line, keeper[1], TEARDOWN_TIMEOUT)
+                        answer = await trio.to_thread.run_sync(read_line, keeper[1], TEARDOWN_TIMEOUT)
+                    if answer != "done":  # the keeper is gone: detach from a child in the box's namespace
+                        log.warning("no keeper answered; detaching the overlays from the box's namespace")
+                        await trio.to_thread.run_sync(_teardown_in_box, box_ns[0], opts.state_dir, reg)
                 fuse_ops.terminate()
 
     async def announce() -> None:
@@ -731,6 +737,33 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             reg.remove()
         log.info("unmounted %s", opts.mountpoint)
     return code
+
+
+def _teardown_in_box(box_ns: int, state_dir: Path, reg: Registration, timeout: float = 30.0) -> None:
+    """Without a keeper: fork a child (single-threaded, so it may setns) that detaches everything in the box.
+
+    The daemon keeps answering FUSE meanwhile, so the child's path lookups through the overlays never wait
+    on a process that waits for them.
+    """
+    from . import keeper as keeper_mod
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            mountsys.enter_namespace(box_ns)
+            keeper_mod.teardown(Path(state_dir), reg)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            log.error("detaching the overlays did not finish within %.0f s", timeout)
+            return
+        time.sleep(0.05)
 
 
 def _own_namespace(mountpoint: Path) -> None:

@@ -20,6 +20,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.unshare.argtypes = [ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 
 MS_RDONLY = 1
 MS_REMOUNT = 32
@@ -79,3 +80,8 @@ def private_namespace() -> None:
     """
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     mount("none", "/", None, MS_REC | MS_PRIVATE)
+
+
+def enter_namespace(fd: int) -> None:
+    """Join the mount namespace of ``fd`` (an open ``/proc/<pid>/ns/mnt``); single-threaded callers only."""
+    _check(_libc.setns(fd, CLONE_NEWNS), "setns(CLONE_NEWNS)")
