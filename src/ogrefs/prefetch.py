@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -178,7 +178,8 @@ class Prefetch:
     def __init__(self, catalog: Catalog, fetcher: Fetcher, *, trace_entries: list[Entry] | None = None,
                  materializer: Materializer | None = None, cache_budget: int | None = None,
                  window_bytes: int = 64 * MiB, idle_for: Callable[[], float] | None = None,
-                 settle_quiet: float = SETTLE_QUIET_S, settle_max: float = SETTLE_MAX_S) -> None:
+                 settle_quiet: float = SETTLE_QUIET_S, settle_max: float = SETTLE_MAX_S,
+                 spare_cpu: Callable[[], Callable[[], Awaitable[None]]] | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         self.trace_entries = trace_entries or []
@@ -191,6 +192,9 @@ class Prefetch:
         self.idle_for = idle_for  # seconds since the application's last request to the mount
         self.settle_quiet = settle_quiet
         self.settle_max = settle_max
+        #: makes the pace of the streamed rest: by default the box's idle CPU (SpareCpu), which
+        #: depends on everything else running; a test of what streams, not of pacing, passes its own
+        self.spare_cpu = spare_cpu or (lambda: SpareCpu().wait)
         self.settling = False
         self.mode = "materialize" if materializer is not None else "cache"
         self.state = "idle"
@@ -307,7 +311,7 @@ class Prefetch:
                 refs = await trio.to_thread.run_sync(rest_refs, self.catalog, self.fetcher.held_chunks(), room)
                 rest = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.BACKGROUND,
                                           window_bytes=self.window_bytes, keep=Keep.MEMORY, bridge=True, hold=True,
-                                          pace=SpareCpu().wait)
+                                          pace=self.spare_cpu())
                 self._replays["background"] = rest
                 await rest.run()
         for name in ("trace", "hint", "background"):
