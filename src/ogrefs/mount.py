@@ -302,7 +302,6 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         _check_target(Path(os.path.abspath(opts.mountpoint)))
     from .catalog import Catalog
     from .repo import Repository
-    from .repo.locks import HeldLock
 
     if open_repo is None:
         repo = Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root)
@@ -310,11 +309,12 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         repo = open_repo()
     # A shared lock before the snapshot is resolved: prune never deletes a pack this mount
     # may read (it defers packs it marked after this lock's creation).  The daemon takes it over.
-    opts.lock = HeldLock(repo.store, "shared", "mount").acquire()
+    opts.lock = repo.lock("shared", "mount").acquire()
     try:
         if opts.encrypt_cache and repo.codec.cache_key() is None:
             raise UsageError("--encrypt-cache needs an encrypted repository (its key encrypts the cache)")
         manifest = repo.resolve(opts.snapshot)
+        opts.lock.set_snapshot(manifest["id"])  # from now on prune keeps only this snapshot's packs for us
         cat_path = repo.catalog_path(manifest["id"])
         catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
         if not opts.read_only:
@@ -637,6 +637,10 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
 
         stopping = False
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            if early_signals:
+                log.info("signal %d before serving: unmounting", early_signals[0])
+                fuse_ops.terminate()
+                return
             async for signum in signals:
                 if stopping:  # more signals (systemd signals the whole cgroup, the keeper forwards): one stop
                     continue
@@ -706,6 +710,11 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             await fuse_ops.serve()
             nursery.cancel_scope.cancel()
 
+    # Outside trio's receiver (before it opens, and after it closes on the way out) a signal is only
+    # remembered: the default action would kill the daemon before it releases its lock.
+    early_signals: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda num, _frame: early_signals.append(num))
     code = 0
     try:
         trio.run(main)
@@ -713,6 +722,8 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         log.exception("mount of %s failed", opts.mountpoint)
         code = 1
     finally:
+        if opts.lock is not None:
+            opts.lock.release()  # nothing is served any more: prune may delete what this mount read
         if recorder is not None and not trace_saved:
             recorder.stop()  # unmounted before the recording window ended: a short trace still helps
             try:
@@ -731,8 +742,6 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
             fuse_ops.fuse_close(unmount=keeper is None)  # with a keeper, this namespace has no mount
         with contextlib.suppress(Exception):
             cache.close()
-        if opts.lock is not None:
-            opts.lock.release()
         if not finalized:
             reg.remove()
         log.info("unmounted %s", opts.mountpoint)

@@ -1,15 +1,23 @@
 """``ogrefs prune``: delete packs no snapshot needs, safely next to live writers and mounts.
 
-Deletion takes two prune runs (docs/format.md, "Deleting data"):
+Deletion has two phases (docs/format.md, "Deleting data"):
 
 1. A pack that no catalog references is *marked*: listed in a ``trash/<id>``
-   record with the time of marking. New snapshots treat trashed packs as
-   absent and upload those chunks again rather than reference them.
-2. A later prune deletes a marked pack only if it is still unreferenced *and*
-   no live lock (snapshot or mount) is older than the marking plus the allowed
-   clock skew: such a holder may have looked at the pack before it was marked
-   (a snapshot about to reference it, a mount of a forgotten snapshot still
-   reading it). A marked pack that a catalog references again is unmarked.
+   record with the time of marking (and, for repacked packs, the snapshots
+   that read them then). New snapshots treat trashed packs as absent and
+   upload those chunks again rather than reference them.
+2. A marked pack is deleted once it is still unreferenced *and* no live lock
+   may read it: a lock older than the marking plus the allowed clock skew
+   may have looked at the pack before it was marked (a snapshot about to
+   reference it, a mount of a forgotten snapshot still reading it), except a
+   mount whose snapshot still exists and did not read the pack (the lock
+   names its snapshot). With no such lock the pack goes in the run that
+   marked it, after the marks are written and the locks read again; else a
+   later run deletes it. A marked pack that a catalog references again is
+   unmarked.
+
+A malformed trash record is reported and skipped (its packs are marked again
+with the current time); it never makes anything be deleted.
 
 Before marking, packs whose referenced blobs take less than half their bytes
 are repacked (repack.py): the live blobs move to new packs, the catalogs that
@@ -25,6 +33,9 @@ Runs under the prune lock; never waits for shared locks.
 from __future__ import annotations
 
 import json
+import logging
+import math
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -32,13 +43,16 @@ from typing import Callable
 
 from . import codec
 from .catalog import Catalog
-from .errors import OgrefsError
+from .errors import CorruptObject, OgrefsError
 from .repo import Repository
 from .repo.index import decode_index
-from .repo.locks import CLOCK_SKEW_S, HeldLock, read_locks
+from .repo.locks import CLOCK_SKEW_S, LockInfo, read_locks
 from .repo.pack import pack_key
 from .repack import plan_repack, repack
 from .store.base import NotFound
+
+logger = logging.getLogger(__name__)
+_PACK = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -63,19 +77,96 @@ class PruneReport:
                 "repacked": len(self.repack), "repack_bytes": self.repack_bytes, "repack_skipped": self.repack_skipped}
 
 
-def read_trash(repo: Repository) -> tuple[dict[str, float], list[str]]:
-    """{pack: time marked} from every trash record, and the record keys."""
-    marked: dict[str, float] = {}
-    keys = []
+#: Bound on a trash record's plaintext (a pack id and a time per pack: ~100 bytes each).
+MAX_TRASH_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Trash:
+    """What the trash records say: when each pack was marked and which snapshots could read it then."""
+
+    marked: dict[str, float] = field(default_factory=dict)
+    #: pack -> snapshots whose catalogs referenced it when it was marked (repack); None: unknown (old record)
+    readers: dict[str, set[str] | None] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)  # every record read, malformed ones included
+    malformed: list[str] = field(default_factory=list)
+
+
+def _parse_trash(plain: bytes, key: str) -> tuple[dict[str, float], dict[str, set[str] | None]]:
+    """The content of one record; CorruptObject if it is not exactly the shape prune writes."""
+    try:
+        body = json.loads(plain)
+    except (ValueError, RecursionError):
+        raise CorruptObject(f"{key}: trash record is not JSON") from None
+    packs = body.get("packs") if isinstance(body, dict) else None
+    if not isinstance(packs, dict) or not all(
+            isinstance(p, str) and _PACK.fullmatch(p) and type(t) in (int, float) and math.isfinite(t)
+            for p, t in packs.items()):
+        raise CorruptObject(f"{key}: trash record is malformed")
+    readers_raw = body.get("readers", {})  # a record of an older ogrefs has none: every reader unknown
+    if not (isinstance(readers_raw, dict) and all(
+            v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in readers_raw.values())):
+        raise CorruptObject(f"{key}: trash record is malformed (readers)")
+    readers = {p: (None if readers_raw.get(p) is None else set(readers_raw[p])) for p in packs}
+    return {p: float(t) for p, t in packs.items()}, readers
+
+
+def load_trash(repo: Repository, warn: Callable[[str], None] | None = None) -> Trash:
+    """Every trash record; a malformed one is reported (one line naming it) and contributes nothing."""
+    trash = Trash()
+    warn = warn or (lambda msg: logger.warning("warning: %s", msg))
     for key in repo.store.list("trash/"):
         try:
-            body = json.loads(codec.unwrap(repo.store.get(key), key))
+            obj = repo.store.get(key)
         except NotFound:
             continue
-        keys.append(key)
-        for pack, when in body.get("packs", {}).items():
-            marked[pack] = min(when, marked.get(pack, when))
-    return marked, keys
+        trash.keys.append(key)
+        try:
+            rc = repo.meta_codec
+            plain = (rc.open(key, obj, MAX_TRASH_BYTES) if rc is not None
+                     else codec.unwrap(obj, key, MAX_TRASH_BYTES))
+            marked, readers = _parse_trash(plain, key)
+        except CorruptObject as exc:
+            trash.malformed.append(key)
+            warn(f"skipped trash record {key}: {exc}")
+            continue
+        for pack, when in marked.items():
+            if pack not in trash.marked or when < trash.marked[pack]:
+                trash.marked[pack] = when
+            old, new = trash.readers.get(pack, set()), readers[pack]
+            trash.readers[pack] = None if (old is None or new is None) else old | new
+    return trash
+
+
+def read_trash(repo: Repository) -> tuple[dict[str, float], list[str]]:
+    """{pack: time marked} from every readable trash record, and the record keys."""
+    trash = load_trash(repo)
+    return trash.marked, trash.keys
+
+
+def _write_trash(repo: Repository, marked: dict[str, float], readers: dict[str, set[str] | None]) -> str:
+    key = f"trash/{secrets.token_hex(16)}"
+    body = {"packs": marked, "readers": {p: None if readers.get(p) is None else sorted(readers[p]) for p in marked}}
+    plain = json.dumps(body).encode()
+    rc = repo.meta_codec
+    repo.store.put(key, rc.seal(key, plain) if rc is not None else codec.wrap(plain))
+    return key
+
+
+def protected(pack_readers: set[str] | None, when: float, locks: list[LockInfo], snapshots: set[str]) -> bool:
+    """Whether a live lock may still read a pack marked at ``when``.
+
+    A lock created later saw the mark (its holder reads the trash after
+    taking it). An older one protects the pack unless it is a mount whose
+    snapshot still exists and did not reference the pack when it was marked:
+    such a mount reads only its own snapshot's packs.
+    """
+    for lk in locks:
+        if lk.created >= when + CLOCK_SKEW_S:
+            continue
+        if lk.snapshot is None or lk.snapshot not in snapshots or pack_readers is None or lk.snapshot in pack_readers:
+            return True
+    return False
 
 
 def referenced_packs(repo: Repository) -> set[str]:
@@ -99,67 +190,86 @@ def usage(repo: Repository) -> tuple[dict[str, dict[bytes, tuple[int, int, int]]
     return used, by_snapshot
 
 
+def _read_index(repo: Repository) -> tuple[list[str], dict[str, dict[bytes, tuple]], dict[str, int]]:
+    """Index keys, entries by pack, and pack sizes; an index object that does not decode is skipped."""
+    index_keys = list(repo.store.list("index/"))
+    entries_by_pack: dict[str, dict[bytes, tuple]] = {}
+    sizes: dict[str, int] = {}
+    for key in index_keys:
+        try:
+            entries = list(decode_index(repo.store.get(key), key, repo.codec))
+        except NotFound:
+            continue  # consolidated away by a finishing snapshot meanwhile
+        except CorruptObject as exc:
+            logger.warning("warning: skipped index object %s: %s", key, exc)
+            continue  # its packs are indexed again from their headers by the next snapshot
+        for cid, pack, off, slen, rlen in entries:
+            entries_by_pack.setdefault(pack, {})[cid] = (cid, pack, off, slen, rlen)
+            sizes[pack] = max(sizes.get(pack, 0), off + slen)
+    return index_keys, entries_by_pack, sizes
+
+
+def _live_locks(repo: Repository) -> list[LockInfo]:
+    now = time.time()
+    return [lk for lk in read_locks(repo.store, repo.meta_codec) if lk.kind == "shared" and not lk.stale(now)]
+
+
 def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | None = None,
           repack_below: float = 0.5) -> PruneReport:
     """Mark and delete unreferenced packs; first repack packs used below ``repack_below`` (0 = never)."""
     report = PruneReport()
-    with HeldLock(repo.store, "prune", "prune"):
+    with repo.lock("prune", "prune"):
         packs = {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
         report.packs_total = len(packs)
         used_blobs, by_snapshot = usage(repo)
-        used = set(used_blobs)
-        sizes: dict[str, int] = {}
-        index_keys = list(repo.store.list("index/"))
-        entries_by_pack: dict[str, dict[bytes, tuple]] = {}
-        for key in index_keys:
-            try:
-                obj = repo.store.get(key)
-            except NotFound:
-                continue  # consolidated away by a finishing snapshot meanwhile
-            for cid, pack, off, slen, rlen in decode_index(obj, key, repo.codec):
-                entries_by_pack.setdefault(pack, {})[cid] = (cid, pack, off, slen, rlen)
-                sizes[pack] = max(sizes.get(pack, 0), off + slen)
-        marked, trash_keys = read_trash(repo)
+        index_keys, entries_by_pack, sizes = _read_index(repo)
+        trash = load_trash(repo)
+        readers: dict[str, set[str] | None] = dict(trash.readers)
         if repack_below > 0:
-            report.repack = plan_repack(used_blobs, sizes, repack_below, exclude=set(marked) | (used - packs))
+            report.repack = plan_repack(used_blobs, sizes, repack_below, exclude=set(trash.marked) | (set(used_blobs) - packs))
             report.repack_bytes = sum(slen for p in report.repack for _o, slen, _r in used_blobs[p].values())
             if report.repack and not dry_run:
                 moved = repack(repo, report.repack, used_blobs, by_snapshot)
                 report.repack_skipped = moved.skipped
+                for pack in report.repack:  # mounts of these snapshots may still read the old packs
+                    readers[pack] = {sid for sid, ps in by_snapshot.items() if pack in ps}
                 used_blobs, by_snapshot = usage(repo)  # the rewritten catalogs point at the new packs
-                used = set(used_blobs)
+        used = set(used_blobs)
+        snapshots = set(by_snapshot)
         report.referenced = len(packs & used)
         now = time.time()
-        live = [lk for lk in read_locks(repo.store) if lk.kind == "shared" and not lk.stale(now)]
-        oldest_live = min((lk.created for lk in live), default=float("inf"))
+        live = _live_locks(repo)
         keep_marked: dict[str, float] = {}
-        for pack, when in marked.items():
+        for pack, when in trash.marked.items():
             if pack not in packs:
                 continue  # already gone
             if pack in used:
                 report.unmarked.append(pack)
-            elif oldest_live < when + CLOCK_SKEW_S:
+            elif protected(readers.get(pack), when, live, snapshots):
                 report.deferred.append(pack)
                 keep_marked[pack] = when
                 report.pending_bytes += sizes.get(pack, 0)
             else:
                 report.deleted.append(pack)
                 report.freed_bytes += sizes.get(pack, 0)
-        for pack in sorted(packs - used - set(marked)):
+        for pack in sorted(packs - used - set(trash.marked)):
             report.newly_marked.append(pack)
             keep_marked[pack] = now
-            report.pending_bytes += sizes.get(pack, 0)
+            readers.setdefault(pack, set())
         if log:
             log(f"{report.packs_total} packs, {report.referenced} referenced; "
                 f"{len(report.deleted)} to delete, {len(report.newly_marked)} newly unreferenced, "
                 f"{len(report.deferred)} waiting for older locks")
         if dry_run:
+            _delete_unread_now(report, keep_marked, readers, now, live, snapshots, sizes)
             return report
         # Record the trash first: if we die after it, nothing is lost.
-        new_trash = f"trash/{secrets.token_hex(16)}"
-        repo.store.put(new_trash, codec.wrap(json.dumps({"packs": keep_marked}).encode()))
-        for key in trash_keys:
+        _write_trash(repo, keep_marked, {p: readers.get(p) for p in keep_marked})
+        for key in trash.keys:
             repo.store.delete(key)
+        # Only now, with the marks written, are the locks read again: a holder that took its lock
+        # after this read sees the marks and never uses these packs.
+        _delete_unread_now(report, keep_marked, readers, now, _live_locks(repo), snapshots, sizes)
         if report.deleted:
             gone = set(report.deleted)
             remaining = [e for pack, es in entries_by_pack.items() if pack not in gone and pack in packs
@@ -171,3 +281,20 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
             for pack in report.deleted:
                 repo.store.delete(pack_key(pack))
     return report
+
+
+def _delete_unread_now(report: PruneReport, keep_marked: dict[str, float], readers: dict[str, set[str] | None],
+                       now: float, live: list[LockInfo], snapshots: set[str], sizes: dict[str, int]) -> None:
+    """Packs marked in this run that no live lock can read are deleted in this run, not a later one.
+
+    Without this a ``forget --prune`` whose repack copied live blobs left the
+    repository larger than before (new packs written, old ones only marked).
+    """
+    for pack in list(report.newly_marked):
+        if protected(readers.get(pack), now, live, snapshots):
+            report.pending_bytes += sizes.get(pack, 0)
+            continue
+        report.newly_marked.remove(pack)
+        report.deleted.append(pack)
+        report.freed_bytes += sizes.get(pack, 0)
+        keep_marked.pop(pack, None)
