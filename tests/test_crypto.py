@@ -112,44 +112,63 @@ def test_key_add_list_remove_and_key_file(tmp_path, enc):
     assert run(["snapshots"], second).returncode == 0
 
 
+def _plaintext_config(repo: Path) -> None:
+    """What an attacker with write access to the bucket (and no key) writes: a plausible version 1 config."""
+    cfg = json.loads((repo / "config").read_text())
+    cfg.update(encryption=None, version=1)
+    cfg.pop("mac", None)
+    (repo / "config").write_text(json.dumps(cfg))
+
+
 def test_replaced_plaintext_config_is_refused(tmp_path, enc):
+    _plaintext_config(tmp_path / "repo")
+    assert_one_line_error(run(["snapshots"], enc, check=False), "refusing")
+    fresh = dict(enc, OGREFS_CACHE_DIR=str(tmp_path / "fresh"))
+    fresh.pop("OGREFS_PASSWORD")
+    assert_one_line_error(run(["snapshots"], fresh, check=False), "key objects exist")
+
+
+@pytest.mark.parametrize("who", ["password given, fresh box", "box that knew it, no password"])
+def test_encryption_cannot_be_downgraded_without_the_key(tmp_path, enc, who):
+    """Keys, index and snapshots moved aside and the config set to plaintext: nothing plaintext is uploaded."""
+    src = _src(tmp_path)
+    run(["snapshot", str(src)], enc)
+    repo = tmp_path / "repo"
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for d in ("keys", "index", "snapshots"):
+        (repo / d).rename(aside / d)
+    _plaintext_config(repo)
+    before = {f for f in repo.rglob("*") if f.is_file()}
+    env = dict(enc)
+    if who.startswith("password"):
+        env["OGREFS_CACHE_DIR"] = str(tmp_path / "fresh-cache")
+    else:
+        env.pop("OGREFS_PASSWORD")
+    proc = run(["snapshot", str(src)], env, check=False)
+    assert_one_line_error(proc, "refusing")
+    assert {f for f in repo.rglob("*") if f.is_file()} == before  # nothing was uploaded
+    assert not any(MARKER[:24] in f.read_bytes() for f in repo.rglob("*") if f.is_file())
+
+
+def test_altered_encrypted_config_fails_its_mac(tmp_path, enc):
     cfg_path = tmp_path / "repo" / "config"
     cfg = json.loads(cfg_path.read_text())
-    cfg["encryption"] = None
+    assert cfg["version"] == 2 and len(cfg["mac"]) == 64
+    cfg["compression_level"] = 19
     cfg_path.write_text(json.dumps(cfg))
-    assert_one_line_error(run(["snapshots"], enc, check=False), "key objects exist")
+    assert_one_line_error(run(["snapshots"], enc, check=False), "fails its MAC")
 
 
-@pytest.mark.fuse
-@pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here")
-def test_encrypted_chunk_cache(tmp_path):
-    """--encrypt-cache: nothing in the local cache is readable, and a remount is still served from it."""
-    from ogrefs.snapshot import SnapshotOptions, take_snapshot
+def test_init_encrypt_refuses_an_empty_password(tmp_path):
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("OGREFS_PASSWORD", None)
+    (tmp_path / "pw").write_text("\n")
+    proc = run(["--password-file", str(tmp_path / "pw"), "init", "--encrypt"], env, check=False)
+    assert_one_line_error(proc, "is empty")
+    assert not (tmp_path / "repo" / "config").exists()
+    from ogrefs.errors import UsageError
 
-    from .test_mount import Mounter, under
-
-    repo = Repository.init(f"file://{tmp_path}/enc", cache_root=tmp_path / "xdg", secret=Secret(b"pw", "scrypt"))
-    src = _src(tmp_path)
-    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)]))
-    mounter = Mounter(tmp_path, repo.store.url, extra_env={"OGREFS_PASSWORD": "pw"})
-    chunks = tmp_path / "chunks"
-    try:
-        mp = mounter.mount(m["id"], tmp_path / "mnt", "--cache-dir", str(chunks), "--encrypt-cache")
-        assert (under(mp, src) / "secret.txt").read_bytes() == MARKER
-        mounter.unmount(mp)
-        files = [f for f in (chunks / "data").rglob("*") if f.is_file()]
-        assert files and not any(MARKER[:24] in f.read_bytes() for f in files)
-        assert all(f.stat().st_mode & 0o077 == 0 for f in files)
-        mounter.mount(m["id"], mp, "--cache-dir", str(chunks), "--encrypt-cache")
-        assert (under(mp, src) / "secret.txt").read_bytes() == MARKER
-        st = mounter.status(mp)
-        assert st["bytes_fetched"] == 0 and st["cache_hits_disk"] >= 1
-        mounter.unmount(mp)
-    finally:
-        mounter.cleanup()
-    plain = Repository.init(f"file://{tmp_path}/plain", cache_root=tmp_path / "xdg2")
-    m2 = take_snapshot(plain, SnapshotOptions(paths=[os.fsencode(src)]))
-    other = Mounter(tmp_path, plain.store.url)
-    (tmp_path / "mnt2").mkdir()
-    res = other.cli("mount", m2["id"], str(tmp_path / "mnt2"), "--read-only", "--encrypt-cache", check=False)
-    assert res.returncode == 2 and "needs an encrypted repository" in res.stderr
+    with pytest.raises(UsageError, match="empty passphrase"):  # nor can any other path wrap the key with ""
+        Repository.init(str(tmp_path / "repo2"), cache_root=tmp_path / "c", secret=Secret(b"", "scrypt"))
+    assert not (tmp_path / "repo2" / "config").exists()

@@ -238,6 +238,8 @@ class CatalogWriter:
 NAME_MAX = 255
 _U32 = 2**32
 _I64 = 2**63
+#: The largest chunk the format allows (config caps the chunker's max_size at 16 MiB).
+MAX_CHUNK = 16 * 1024 * 1024
 
 
 def valid_name(name: object) -> bool:
@@ -428,16 +430,18 @@ class Catalog:
 
     def extents(self, ino: int) -> list[Extent]:
         rows = self._rows(
-            "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len FROM extents e "
-            "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack WHERE e.ino=? ORDER BY e.offset",
+            "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size FROM extents e "
+            "JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack "
+            "WHERE e.ino=? ORDER BY e.offset",
             (ino,),
         )
         out = []
-        for off, length, chunk, pack, poff, slen in rows:
+        end = 0
+        for off, length, chunk, pack, poff, slen, rlen, size in rows:
             if pack is None:
                 hexid = chunk.hex()[:12] if isinstance(chunk, bytes) else "?"
                 raise CorruptObject(f"catalog {self.path.name}: chunk {hexid} has no location")
-            self._check_extent(off, length)
+            end = self._check_layout(ino, off, length, rlen, size, end)
             _check_location(chunk, pack, poff, slen, self.path.name)
             out.append(Extent(off, length, chunk, pack, poff, slen))
         return out
@@ -446,14 +450,35 @@ class Catalog:
         if not (_int_in(off, 0, _I64) and _int_in(length, 0, _U32)):
             raise CorruptObject(f"catalog {self.path.name}: an extent is malformed")
 
+    def _check_layout(self, ino: object, off: object, length: object, raw_len: object, size: object,
+                      prev_end: int) -> int:
+        """One extent of a file, in offset order: it must lie where a snapshot could have put it.
+
+        Extents follow each other without overlap (gaps are holes), end within
+        the file's size, and are exactly one chunk long: as long as their blob
+        says and no longer than the largest chunk the format allows. Anything
+        else would make restore write wrong bytes or a huge file. Returns the
+        extent's end.
+        """
+        self._check_extent(off, length)
+        ok = (_int_in(raw_len, 1, MAX_CHUNK + 1) and length == raw_len and _int_in(size, 0, _I64)
+              and off >= prev_end and off + length <= size)
+        if not ok:
+            raise CorruptObject(f"catalog {self.path.name}: the extents of inode {ino!r} do not lay out its "
+                                f"data (offset {off!r}, length {length!r}, chunk of {raw_len!r} bytes, "
+                                f"file of {size!r} bytes)")
+        return off + length
+
     def located_extents(self, ino: int) -> list[tuple[int, int, bytes, BlobLocation | None]]:
         """(offset, length, chunk id, location or None) in one query: for incremental reuse."""
         out = []
-        for off, ln, cid, pack, poff, slen, rlen in self._rows(
-                "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM extents e "
-                "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack WHERE e.ino=? ORDER BY e.offset",
+        end = 0
+        for off, ln, cid, pack, poff, slen, rlen, size in self._rows(
+                "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size FROM extents e "
+                "JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack "
+                "WHERE e.ino=? ORDER BY e.offset",
                 (ino,)):
-            self._check_extent(off, ln)
+            end = self._check_layout(ino, off, ln, rlen, size, end)
             if pack is not None:
                 _check_location(cid, pack, poff, slen, self.path.name)
             elif not (type(cid) is bytes and len(cid) == 32):
@@ -548,14 +573,21 @@ class Catalog:
             yield row
 
     def all_extents(self) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
-        """(ino, file offset, length, chunk, pack, pack offset, stored_len) for every extent."""
+        """(ino, file offset, length, chunk, pack, pack offset, stored_len) for every extent, file by file.
+
+        Each file's layout is checked as in :meth:`extents`.
+        """
+        prev_ino, end = None, 0
         for row in self._iter(
-                "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len FROM extents e "
-                "JOIN blobs b ON b.id = e.blob LEFT JOIN packs p ON p.id = b.pack"):
-            self._check_extent(row[1], row[2])
+                "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size "
+                "FROM extents e JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino "
+                "LEFT JOIN packs p ON p.id = b.pack ORDER BY e.ino, e.offset"):
+            if row[0] != prev_ino:
+                prev_ino, end = row[0], 0
+            end = self._check_layout(row[0], row[1], row[2], row[7], row[8], end)
             if row[4] is not None:
                 _check_location(row[3], row[4], row[5], row[6], self.path.name)
-            yield row
+            yield row[:7]
 
 
 # -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------

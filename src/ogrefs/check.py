@@ -18,7 +18,7 @@ from .catalog import Catalog
 from .errors import CorruptObject, OgrefsError
 from .repo import Repository
 from .repo.index import decode_index
-from .repo.pack import TAIL_SIZE, pack_key, parse_header, parse_trailer_tail
+from .repo.pack import pack_key, read_header
 from .store.base import NotFound, StoreError
 
 
@@ -45,9 +45,7 @@ def _check_pack(repo: Repository, name: str, expected: dict[bytes, tuple[int, in
     except StoreError as exc:
         return [f"pack {name[:16]}: {exc}"], 0, 0
     try:
-        header_len = parse_trailer_tail(body[-TAIL_SIZE:], f"pack {name[:16]}", len(body))
-        header = body[len(body) - TAIL_SIZE - header_len:len(body) - TAIL_SIZE]
-        entries = parse_header(header, len(body), f"pack {name[:16]}")
+        entries = read_header(body, name, repo.codec, repo.config.sealed_metadata, f"pack {name[:16]}")
     except CorruptObject as exc:
         return [str(exc)], 0, len(body)
     by_id = {cid: (off, slen, rlen) for cid, off, slen, rlen in entries}

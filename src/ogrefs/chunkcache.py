@@ -29,7 +29,8 @@ Recency is recorded lazily: a hit adds the id to an in-memory batch that
 second), so a hot read path never waits on an SQLite write.
 
 Chunks are plaintext, also those of encrypted repositories (a mount serves
-plaintext anyway): directories are created 0700 and files 0600.
+plaintext anyway): the root and its directories are 0700, chunk files and
+``lru.sqlite`` (with its -wal and -shm files) 0600.
 
 Concurrency: every method blocks (disk and SQLite) and is meant to be called
 from worker threads.  Each thread gets its own SQLite connection; ``_lock``
@@ -112,6 +113,9 @@ class ChunkCache:
         self.cipher = cipher
         self.data_dir = self.root / "data"
         self.tmp_dir = self.root / "tmp"
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.root.stat().st_mode & 0o077:
+            os.chmod(self.root, 0o700)  # chunk ids, sizes and access times are private too
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_bytes = max_bytes if max_bytes is not None else default_cache_size(self.root)

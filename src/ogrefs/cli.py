@@ -324,7 +324,9 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, a
     from .selection import resolve_snapshot
 
     repo = obj.open()
+    lock = click.get_current_context().with_resource(repo.lock("shared", "restore"))  # prune keeps what we read
     m = resolve_snapshot(repo, snap)
+    lock.set_snapshot(m["id"])
     warning = environment_warning(m, strict)
     if warning:
         click.echo(f"warning: {warning}", err=True)
@@ -476,7 +478,7 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
         removed = [repo.resolve(s) for s in snaps]
         kept: list = []
     else:
-        chosen = [m for m in repo.list_snapshots() if (not hosts or m["host"] in hosts)
+        chosen = [m for m in repo.list_snapshots(strict=True) if (not hosts or m["host"] in hosts)
                   and (not paths or sorted(m["paths"]) == sorted(os.path.abspath(p) for p in paths))
                   and set(tags) <= set(m.get("tags", []))]
         kept, removed = apply_policy(chosen, policy, grouping)
@@ -534,7 +536,8 @@ def unlock(obj: Context, everything: bool, as_json: bool) -> None:
     """Remove stale locks (left by processes that died)."""
     from .repo.locks import remove_stale_locks
 
-    removed = remove_stale_locks(obj.open().store, everything)
+    repo = obj.open()
+    removed = remove_stale_locks(repo.store, everything, repo.meta_codec)
     if as_json:
         emit_json({"removed": [lk.__dict__ for lk in removed]})
     else:

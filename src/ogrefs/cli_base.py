@@ -62,7 +62,12 @@ class Context:
     def open(self):
         from .repo import Repository
 
-        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret)
+        from .repo.keys import secret_configured
+
+        # a passphrase given means "encrypted": a plaintext config is then refused (issue 14.2)
+        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret,
+                               expect_encrypted=self.has_secret_source()
+                               or secret_configured(self.password_file, self.key_file))
 
 
 def run_password_command(command: str) -> bytes:

@@ -56,6 +56,42 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dec
 
 
+#: Default bound on what an envelope may inflate to: zstd can reach ~32,000:1, so a few KB
+#: could otherwise claim gigabytes. No real object compresses 64:1 *and* is large.
+_DEFAULT_RATIO = 64
+_DEFAULT_SLACK = 64 * 1024 * 1024
+
+
+def default_limit(stored_len: int) -> int:
+    """How large an envelope of ``stored_len`` bytes may be once inflated, when its type sets no bound."""
+    return _DEFAULT_RATIO * stored_len + _DEFAULT_SLACK
+
+
+def inflate(payload: bytes | memoryview, limit: int, what: str) -> bytes:
+    """Decompress one zstd frame, never producing (or allocating) more than ``limit`` bytes.
+
+    ``ZstdDecompressor.decompress`` trusts the frame's content size and
+    allocates it whatever ``max_output_size`` says, so the size is checked
+    first; a frame without one is inflated piecewise up to the bound.
+    """
+    try:
+        size = zstandard.frame_content_size(payload)
+        if size > limit:
+            raise CorruptObject(f"{what} claims to inflate to {size} bytes, more than its bound of {limit}")
+        if size >= 0:
+            return _decompressor().decompress(payload)
+        reader = _decompressor().stream_reader(payload)
+        parts, total = [], 0
+        while piece := reader.read(min(1 << 20, limit - total + 1)):
+            total += len(piece)
+            if total > limit:
+                raise CorruptObject(f"{what} inflates to more than its bound of {limit} bytes")
+            parts.append(piece)
+        return b"".join(parts)
+    except zstandard.ZstdError as exc:
+        raise CorruptObject(f"{what} does not decompress: {exc}") from None
+
+
 def chunk_id(data: bytes | memoryview) -> bytes:
     """The 32-byte BLAKE3 digest that names a chunk."""
     return blake3.blake3(data).digest()
@@ -89,10 +125,7 @@ def decode_blob(blob: bytes | memoryview, raw_len: int, expected_id: bytes | Non
     if codec == CODEC_RAW:
         data = bytes(payload)
     elif codec == CODEC_ZSTD:
-        try:
-            data = _decompressor().decompress(payload, max_output_size=raw_len)
-        except zstandard.ZstdError as exc:
-            raise CorruptObject(f"zstd payload does not decode: {exc}") from None
+        data = inflate(payload, raw_len, "zstd payload of a blob")
     else:
         raise CorruptObject(f"unknown blob codec {codec}")
     if len(data) != raw_len:
@@ -110,8 +143,11 @@ def wrap(payload: bytes, compress: bool = True, level: int = 3) -> bytes:
     return ENVELOPE_MAGIC + bytes([ENVELOPE_VERSION, CODEC_RAW]) + digest + payload
 
 
-def unwrap(obj: bytes, what: str = "object") -> bytes:
-    """Open an envelope; a bad magic, version or codec is a CorruptObject."""
+def unwrap(obj: bytes, what: str = "object", limit: int | None = None) -> bytes:
+    """Open an envelope; a bad magic, version or codec is a CorruptObject.
+
+    ``limit`` bounds the plaintext (default: :func:`default_limit` of the object's size).
+    """
     if len(obj) < 38 or obj[:4] != ENVELOPE_MAGIC:
         raise CorruptObject(f"{what} is not an ogrefs object (bad magic)")
     version, codec = obj[4], obj[5]
@@ -119,13 +155,13 @@ def unwrap(obj: bytes, what: str = "object") -> bytes:
         raise CorruptObject(f"{what} has envelope version {version}, this ogrefs reads {ENVELOPE_VERSION}")
     digest = obj[6:38]
     payload = obj[38:]
+    bound = default_limit(len(obj)) if limit is None else limit
     if codec == CODEC_RAW:
+        if len(payload) > bound:
+            raise CorruptObject(f"{what} is larger than its bound of {bound} bytes")
         plain = bytes(payload)
     elif codec == CODEC_ZSTD:
-        try:
-            plain = _decompressor().decompressobj().decompress(payload)
-        except zstandard.ZstdError as exc:
-            raise CorruptObject(f"{what} does not decompress: {exc}") from None
+        plain = inflate(payload, bound, what)
     else:
         raise CorruptObject(f"{what} has unknown codec {codec}")
     if blake3.blake3(plain).digest() != digest:
@@ -171,6 +207,12 @@ class RepoCodec:
             return None
         return blake3.blake3(self._id_key, derive_key_context="ogrefs 2026 local chunk cache key").digest()
 
+    def local_key(self, context: str) -> bytes | None:
+        """A key for authenticating local cache state, derived from the master key (None if unencrypted)."""
+        if self._id_key is None:
+            return None
+        return blake3.blake3(self._id_key, derive_key_context=context).digest()
+
     def chunk_id(self, data: bytes | memoryview) -> bytes:
         if self._id_key is None:
             return chunk_id(data)
@@ -205,6 +247,13 @@ class RepoCodec:
             return data
         return decode_blob(blob, raw_len, expected_id)
 
+    def seal_pack_header(self, name: str, header: bytes) -> bytes:
+        """A pack header sealed to its pack's name (format version 2): blob sizes stay private."""
+        return self._seal(header, b"OGRFPK02" + name.encode())
+
+    def open_pack_header(self, name: str, sealed: bytes) -> bytes:
+        return self._open(sealed, b"OGRFPK02" + name.encode(), f"pack {name[:16]} header")
+
     def seal(self, name: str, payload: bytes, compress: bool = True) -> bytes:
         """Envelope for the object stored under key ``name``."""
         if not self._aead:
@@ -214,7 +263,8 @@ class RepoCodec:
         header = ENVELOPE_MAGIC + bytes([ENVELOPE_VERSION, codec])
         return header + self._seal(inner, header + name.encode())
 
-    def open(self, name: str, obj: bytes) -> bytes:
+    def open(self, name: str, obj: bytes, limit: int | None = None) -> bytes:
+        """Open the envelope stored under ``name``; ``limit`` bounds the plaintext (see :func:`unwrap`)."""
         if len(obj) < 6 or obj[:4] != ENVELOPE_MAGIC:
             raise CorruptObject(f"{name} is not an ogrefs object (bad magic)")
         encrypted = bool(obj[5] & ENCRYPTED_FLAG)
@@ -222,13 +272,13 @@ class RepoCodec:
             state = "encrypted" if encrypted else "not encrypted"
             raise CorruptObject(f"{name} is {state}, unlike this repository (replaced object?)")
         if not self._aead:
-            return unwrap(obj, name)
+            return unwrap(obj, name, limit)
         if obj[4] != ENVELOPE_VERSION:
             raise CorruptObject(f"{name} has envelope version {obj[4]}, this ogrefs reads {ENVELOPE_VERSION}")
+        bound = default_limit(len(obj)) if limit is None else limit
         inner = self._open(memoryview(obj)[6:], bytes(obj[:6]) + name.encode(), name)
         if obj[5] & ~ENCRYPTED_FLAG == CODEC_ZSTD:
-            try:
-                return _decompressor().decompressobj().decompress(inner)
-            except zstandard.ZstdError as exc:
-                raise CorruptObject(f"{name} does not decompress: {exc}") from None
+            return inflate(inner, bound, name)
+        if len(inner) > bound:
+            raise CorruptObject(f"{name} is larger than its bound of {bound} bytes")
         return inner

@@ -9,11 +9,32 @@ fetched again, never wrong. Callers keep one connection per thread.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 from pathlib import Path
 
 
+def _make_private(path: Path | str) -> None:
+    """Create ``path`` 0600 (or make it so): SQLite gives its -wal and -shm files the database's mode.
+
+    These files name chunks, sizes and access times: nothing for other users of the box.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            side = f"{path}{suffix}"
+            if os.stat(side).st_mode & 0o077:
+                os.chmod(side, 0o600)
+
+
 def wal_connect(path: Path | str) -> sqlite3.Connection:
+    _make_private(path)
     db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")

@@ -24,7 +24,7 @@ from pathlib import Path
 from .catalog import Catalog
 from .errors import CorruptObject
 from .repo import Repository
-from .repo.pack import BlobLocation, PackBuilder
+from .repo.pack import BlobLocation
 
 
 @dataclass
@@ -58,7 +58,7 @@ def repack(repo: Repository, candidates: list[str], used: dict[str, dict[bytes, 
     """
     report = RepackReport()
     moves: dict[tuple[str, bytes], BlobLocation] = {}
-    builder = PackBuilder()
+    builder = repo.new_pack()
     in_builder: list[tuple[str, bytes]] = []  # (old pack, chunk) of the blobs in the open new pack
 
     def seal() -> None:
@@ -66,7 +66,7 @@ def repack(repo: Repository, candidates: list[str], used: dict[str, dict[bytes, 
         if not len(builder):
             return
         name, body, entries = builder.finish()
-        builder = PackBuilder()
+        builder = repo.new_pack()
         repo.put_pack(name, body)
         repo.write_index(name, [(cid, name, off, slen, rlen) for cid, off, slen, rlen in entries])
         where = {cid: BlobLocation(name, off, slen, rlen) for cid, off, slen, rlen in entries}

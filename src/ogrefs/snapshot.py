@@ -44,8 +44,6 @@ from .catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode
 from .chunker import Chunker, data_extents
 from .errors import OgrefsError, UsageError
 from .repo import Repository
-from .repo.locks import HeldLock
-from .repo.pack import PackBuilder
 from .walk import WalkRules
 
 
@@ -179,7 +177,7 @@ class Snapshotter:
         self._live_packs: set[str] = set()
         self._pending: deque[tuple[Future, _FileRec, int, int]] = deque()
         self._uploads: deque[Future] = deque()
-        self._pack = PackBuilder()
+        self._pack = self.repo.new_pack()
         self._run_packs: list[str] = []
         self._run_index: list[tuple[bytes, str, int, int, int]] = []
         self.unreadable: list[dict[str, str]] = []
@@ -262,7 +260,7 @@ class Snapshotter:
         if not len(self._pack):
             return
         name, body, entries = self._pack.finish()
-        self._pack = PackBuilder()
+        self._pack = self.repo.new_pack()
         self._live_packs.add(name)
         self.stats.packs += 1
         self._uploads.append(self._upload_pool.submit(self._upload, name, body, entries))
@@ -575,7 +573,7 @@ class Snapshotter:
 
         # The shared lock is taken before looking at packs: prune then knows that
         # anything it marks as trash after this moment may still be referenced by us.
-        self._lock = HeldLock(self.repo.store, "shared", "snapshot").acquire()
+        self._lock = self.repo.lock("shared", "snapshot").acquire()
         try:
             self.repo.index.sync()
             self._live_packs = {k.rsplit("/", 1)[1] for k in self.repo.store.list("packs/")}

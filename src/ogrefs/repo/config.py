@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass, field
 from ..errors import RepositoryError
 
 FORMAT_NAME = "ogrefs-repository"
-FORMAT_VERSION = 1
+#: Version 2 (encrypted repositories only): the config carries a MAC under a key derived from the
+#: master key, pack headers, locks and trash records are sealed. Unencrypted repositories stay version 1.
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 MiB = 1024 * 1024
 
@@ -41,15 +44,30 @@ class RepoConfig:
     compression_level: int = 3
     pack_target_size: int = 32 * MiB
     encryption: str | None = None
+    #: hex keyed BLAKE3 of the config without this field (version 2; see ``mac_body``)
+    mac: str | None = None
 
     @classmethod
     def new(cls, pack_target_size: int = 32 * MiB, compression_level: int = 3,
             encryption: str | None = None) -> "RepoConfig":
         return cls(id=secrets.token_hex(16), pack_target_size=pack_target_size, compression_level=compression_level,
-                   encryption=encryption)
+                   encryption=encryption, version=FORMAT_VERSION if encryption else 1)
+
+    @property
+    def sealed_metadata(self) -> bool:
+        """Whether pack headers, locks and trash records are sealed (encrypted, version 2)."""
+        return bool(self.encryption) and self.version >= 2
+
+    def mac_body(self) -> bytes:
+        """The canonical bytes the MAC covers: every field but the MAC itself."""
+        body = {"format": FORMAT_NAME, **asdict(self)}
+        body.pop("mac")
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     def to_bytes(self) -> bytes:
         body = {"format": FORMAT_NAME, **asdict(self)}
+        if body["mac"] is None:
+            body.pop("mac")  # version 1 configs have no MAC field
         return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -68,10 +86,10 @@ class RepoConfig:
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise RepositoryError(f"{where}: not an ogrefs repository (config has no ogrefs format tag)")
         version = body.get("version")
-        if type(version) is not int or version != FORMAT_VERSION:
+        if type(version) is not int or version not in SUPPORTED_VERSIONS:
             raise RepositoryError(
                 f"{where}: repository format version {version!r} is not supported by this ogrefs "
-                f"(it reads version {FORMAT_VERSION}); upgrade ogrefs"
+                f"(it reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade ogrefs"
             )
         try:
             chunker = ChunkerParams(**body["chunker"])
@@ -84,6 +102,7 @@ class RepoConfig:
                 compression_level=body["compression_level"],
                 pack_target_size=body["pack_target_size"],
                 encryption=body.get("encryption"),
+                mac=body.get("mac"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RepositoryError(f"{where}: config is malformed ({exc})") from None
@@ -93,6 +112,11 @@ class RepoConfig:
             raise RepositoryError(f"{where}: unsupported hash {cfg.hash!r} or compression {cfg.compression!r}")
         if cfg.encryption not in (None, "aes-256-gcm"):
             raise RepositoryError(f"{where}: unknown encryption {cfg.encryption!r}; upgrade ogrefs")
+        if cfg.mac is not None and not (isinstance(cfg.mac, str) and re.fullmatch(r"[0-9a-f]{64}", cfg.mac)):
+            raise RepositoryError(f"{where}: config is malformed (its MAC is not 64 hex digits)")
+        if version >= 2 and not (cfg.encryption and cfg.mac):
+            raise RepositoryError(f"{where}: a version {version} config must be encrypted and carry a MAC; "
+                                  "refusing a config that was altered")
         if not (_int(cfg.compression_level) and -(1 << 17) <= cfg.compression_level <= 22):
             raise RepositoryError(f"{where}: compression level {cfg.compression_level!r} is out of range")
         if not (_int(cfg.pack_target_size) and 1 <= cfg.pack_target_size <= 4 * 1024 * MiB):

@@ -63,6 +63,10 @@ class Secret:
                 text = Path(password_file).read_text().rstrip("\n")
             except OSError as exc:
                 raise UsageError(f"cannot read password file {password_file}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise UsageError(f"password file {password_file} is not text") from None
+            if not text:
+                raise UsageError(f"password file {password_file} is empty: an empty passphrase protects nothing")
             return cls(text.encode(), "scrypt")
         env = os.environ.get("OGREFS_PASSWORD")
         if env:
@@ -72,6 +76,15 @@ class Secret:
 
             return cls(click.prompt("repository passphrase", hide_input=True).encode(), "scrypt")
         raise UsageError("repository is encrypted: set OGREFS_PASSWORD, or use --password-file or --key-file")
+
+
+#: Environment variables through which a user hands over a secret (the CLI's options come on top).
+SECRET_ENV = ("OGREFS_PASSWORD", "OGREFS_PASSWORD_FILE", "OGREFS_KEY_FILE", "OGREFS_PASSWORD_COMMAND")
+
+
+def secret_configured(password_file: str | None = None, key_file: str | None = None) -> bool:
+    """Whether the user gave a passphrase or key file (so a plaintext config must be refused)."""
+    return bool(password_file or key_file or any(os.environ.get(name) for name in SECRET_ENV))
 
 
 def _kek(secret: Secret, params: dict) -> bytes:
@@ -91,6 +104,8 @@ def _kek(secret: Secret, params: dict) -> bytes:
 def wrap_master(master: bytes, secret: Secret, label: str = "") -> dict:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+    if not secret.value:
+        raise UsageError("an empty passphrase protects nothing; refusing to wrap the key with it")
     params = {"id": secrets.token_hex(8), "kdf": secret.kind, "label": label, "host": socket.gethostname(),
               "created": time.time()}
     if secret.kind == "scrypt":

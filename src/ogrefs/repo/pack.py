@@ -5,7 +5,10 @@ Layout (docs/format.md)::
     blob_0 | blob_1 | ... | blob_n-1 | header | u32 header_len | b"OGRFPK01"
 
 ``header`` is a zstd-compressed array of fixed 48-byte entries
-``(chunk_id[32], offset u64, stored_len u32, raw_len u32)``.  Readers normally
+``(chunk_id[32], offset u64, stored_len u32, raw_len u32)``.  In an encrypted
+repository of format version 2 the header is sealed (``nonce | AES-GCM``,
+bound to the pack's name) and the magic is ``OGRFPK02``: without the key the
+sizes of the blobs, and so of small files, are not readable.  Readers normally
 never touch it (the catalog and the index already hold every location); it
 exists so that the index can be rebuilt from packs alone and so that ``check``
 can prove a pack is what the index says.
@@ -16,12 +19,15 @@ from __future__ import annotations
 import secrets
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import zstandard
 
+from ..codec import inflate
 from ..errors import CorruptObject
 
 TRAILER_MAGIC = b"OGRFPK01"
+SEALED_TRAILER_MAGIC = b"OGRFPK02"
 _ENTRY = struct.Struct("<32sQII")
 _TAIL = struct.Struct("<I8s")
 TAIL_SIZE = _TAIL.size
@@ -37,10 +43,19 @@ class BlobLocation:
     raw_len: int
 
 
-class PackBuilder:
-    """Accumulates blobs for one pack.  Owned by a single thread (the snapshotter)."""
+class HeaderSealer(Protocol):
+    def seal_pack_header(self, name: str, header: bytes) -> bytes: ...
 
-    def __init__(self) -> None:
+
+class PackBuilder:
+    """Accumulates blobs for one pack.  Owned by a single thread (the snapshotter).
+
+    With ``sealer`` (an encrypted repository's codec) the header is sealed;
+    get builders from ``Repository.new_pack`` so that the choice is the repository's.
+    """
+
+    def __init__(self, sealer: HeaderSealer | None = None) -> None:
+        self._sealer = sealer
         self._body = bytearray()
         self._entries: list[tuple[bytes, int, int, int]] = []
         self.size = 0
@@ -63,12 +78,15 @@ class PackBuilder:
         bytes after prune marked the old one must never share its name, or the
         deferred deletion of the old one would delete the new one.
         """
+        name = secrets.token_hex(32)
         header = zstandard.ZstdCompressor(level=3).compress(b"".join(_ENTRY.pack(*e) for e in self._entries))
+        magic = TRAILER_MAGIC
+        if self._sealer is not None:
+            header, magic = self._sealer.seal_pack_header(name, header), SEALED_TRAILER_MAGIC
         self._body += header
-        self._body += _TAIL.pack(len(header), TRAILER_MAGIC)
+        self._body += _TAIL.pack(len(header), magic)
         body = bytes(self._body)
         self._body = bytearray()
-        name = secrets.token_hex(32)
         return name, body, list(self._entries)
 
 
@@ -85,7 +103,7 @@ def parse_trailer_tail(tail: bytes, what: str, pack_size: int | None = None) -> 
     if len(tail) != TAIL_SIZE:
         raise CorruptObject(f"{what}: pack too short")
     header_len, magic = _TAIL.unpack(tail)
-    if magic != TRAILER_MAGIC:
+    if magic not in (TRAILER_MAGIC, SEALED_TRAILER_MAGIC):
         raise CorruptObject(f"{what}: pack trailer has bad magic")
     if pack_size is not None and header_len > pack_size - TAIL_SIZE:
         raise CorruptObject(f"{what}: pack trailer gives a header longer than the pack")
@@ -102,24 +120,12 @@ def parse_header(header: bytes, pack_size: int, what: str) -> list[tuple[bytes, 
     body_end = pack_size - len(header) - TAIL_SIZE
     if body_end < 0:
         raise CorruptObject(f"{what}: pack header is longer than the pack")
-    limit = body_end * _ENTRY.size
     try:
-        size = zstandard.frame_content_size(header)
-        if size > limit:
-            raise CorruptObject(f"{what}: pack header claims more entries than the pack can hold")
-        if size >= 0:
-            raw = zstandard.ZstdDecompressor().decompress(header, max_output_size=size)
-        else:  # a frame without its size: inflate piecewise, no further than the limit
-            reader = zstandard.ZstdDecompressor().stream_reader(header)
-            parts, total = [], 0
-            while piece := reader.read(1 << 20):
-                total += len(piece)
-                if total > limit:
-                    raise CorruptObject(f"{what}: pack header claims more entries than the pack can hold")
-                parts.append(piece)
-            raw = b"".join(parts)
-    except zstandard.ZstdError as exc:
-        raise CorruptObject(f"{what}: pack header does not decompress ({exc})") from None
+        raw = inflate(header, body_end * _ENTRY.size, f"{what}: pack header")
+    except CorruptObject as exc:
+        if "bound" in str(exc):
+            raise CorruptObject(f"{what}: pack header claims more entries than the pack can hold") from None
+        raise
     if len(raw) % _ENTRY.size:
         raise CorruptObject(f"{what}: pack header has a partial entry")
     entries = []
@@ -129,3 +135,30 @@ def parse_header(header: bytes, pack_size: int, what: str) -> list[tuple[bytes, 
             raise CorruptObject(f"{what}: pack header entry points outside the pack")
         entries.append((cid, off, slen, rlen))
     return entries
+
+
+class HeaderOpener(Protocol):
+    encrypted: bool
+
+    def open_pack_header(self, name: str, sealed: bytes) -> bytes: ...
+
+
+def read_header(body: bytes, name: str, opener: HeaderOpener | None, sealed_required: bool = False,
+                what: str | None = None) -> list[tuple[bytes, int, int, int]]:
+    """The entries of a whole pack's header (sealed or not), each checked to lie inside the pack.
+
+    ``sealed_required`` (an encrypted repository of version 2): a plaintext
+    header is refused, so a header cannot be swapped for a forged readable one.
+    """
+    what = what or pack_key(name)
+    header_len = parse_trailer_tail(body[-TAIL_SIZE:], what, len(body))
+    header = body[len(body) - TAIL_SIZE - header_len:len(body) - TAIL_SIZE]
+    sealed = body[-8:] == SEALED_TRAILER_MAGIC
+    if sealed:
+        if opener is None or not opener.encrypted:
+            raise CorruptObject(f"{what}: pack header is encrypted, unlike this repository")
+        inner = opener.open_pack_header(name, header)
+        return parse_header(inner, len(body) - len(header) + len(inner), what)
+    if sealed_required:
+        raise CorruptObject(f"{what}: pack header is not encrypted, unlike this repository (replaced?)")
+    return parse_header(header, len(body), what)

@@ -3,17 +3,30 @@
 A Repository is shared by the threads of one command; the store it wraps is
 thread-safe, the manifest cache is written through atomic renames, and the
 chunk index documents its own threading rules.
+
+Nothing read back from the local cache is trusted: a cached manifest is an
+envelope that verifies itself (and is fetched again when it fails), a cached
+catalog is checked against the digest in the stored object's stamp (or, in an
+encrypted repository, a keyed MAC only the key holder can make) on every
+open, and index rows carry a checksum (index.py).  A box remembers which
+repositories it has known as encrypted (``known.json`` under the cache root),
+so a config replaced by a plaintext one is refused there (docs/format.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hmac
 import json
+import logging
 import os
 import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+import blake3
 
 from .. import codec
 from ..errors import CorruptObject, NoRepository, RepositoryError, SnapshotNotFound
@@ -22,9 +35,15 @@ from ..store.base import NotFound, RangeReader, Store, StoreError
 from .config import RepoConfig
 from .index import ChunkIndex, IndexEntry, encode_index
 from .keys import Secret, add_key, open_master
-from .pack import TAIL_SIZE, pack_key, parse_header, parse_trailer_tail
+from .locks import HeldLock
+from .pack import PackBuilder, pack_key, read_header
+
+log = logging.getLogger(__name__)
 
 Manifest = dict[str, Any]
+
+#: Bound on a manifest's plaintext: JSON of a few KB, plus the lists of skipped and unreadable paths.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 #: The first bytes of an envelope identify its content: magic, version, codec and the
 #: plaintext digest (or, encrypted, the random nonce). Enough to tell a rewritten catalog.
@@ -55,6 +74,54 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def config_mac(config: RepoConfig, master: bytes) -> str:
+    """The MAC that authenticates a config (format version 2): keyed BLAKE3 under a key from the master key."""
+    key = blake3.blake3(master, derive_key_context="ogrefs 2026 config mac").digest()
+    return blake3.blake3(config.mac_body(), key=key).hexdigest()
+
+
+def _known_path(cache_root: Path) -> Path:
+    return cache_root / "repos" / "known.json"
+
+
+def _known(cache_root: Path) -> dict:
+    try:
+        data = json.loads(_known_path(cache_root).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _remember(cache_root: Path, url: str, config: RepoConfig) -> None:
+    """Record that this box has known ``url`` (and its id) as encrypted or not, and with a MAC or not."""
+    known = _known(cache_root)
+    entry = {"id": config.id, "encrypted": bool(config.encryption), "mac": bool(config.mac)}
+    old_url, old_id = known.get(url), known.get(config.id)
+    sticky = lambda old, k: bool(isinstance(old, dict) and old.get(k))  # noqa: E731 - encryption never goes away
+    entry = {**entry, "encrypted": entry["encrypted"] or sticky(old_url, "encrypted") or sticky(old_id, "encrypted"),
+             "mac": entry["mac"] or sticky(old_url, "mac") or sticky(old_id, "mac")}
+    if known.get(url) == entry and known.get(config.id) == entry:
+        return
+    known[url] = known[config.id] = entry
+    with contextlib.suppress(OSError):
+        _atomic_write(_known_path(cache_root), json.dumps(known, sort_keys=True).encode())
+
+
+def _refuse_downgrade(url: str, config: RepoConfig, cache_root: Path, expect_encrypted: bool) -> None:
+    """A plaintext config where this box knows, or is told, the repository is encrypted: refused."""
+    known = _known(cache_root)
+    was = [e for e in (known.get(url), known.get(config.id)) if isinstance(e, dict)]
+    if not config.encryption:
+        if any(e.get("encrypted") for e in was):
+            raise RepositoryError(f"{url}: config says unencrypted, but this box has known the repository as "
+                                  "encrypted; refusing (a replaced config would make data leave in plaintext)")
+        if expect_encrypted:
+            raise RepositoryError(f"{url}: config says unencrypted although a passphrase or key file was given; "
+                                  "refusing (a replaced config would make data leave in plaintext)")
+    elif not config.mac and any(e.get("mac") for e in was):
+        raise RepositoryError(f"{url}: config has lost its MAC since this box last opened it; refusing (replaced?)")
+
+
 def _check_manifest_fields(m: Manifest, what: str) -> None:
     """The fields every reader relies on have the right types (a malformed object is corrupt, not a crash)."""
     ok = (isinstance(m.get("time"), str) and isinstance(m.get("host"), str)
@@ -72,6 +139,7 @@ class Repository:
         self.store = store
         self.config = config
         root = cache_root or default_cache_dir()
+        self.cache_root = root
         for d in (root, root / "repos"):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.cache_dir = root / "repos" / config.id
@@ -102,20 +170,34 @@ class Repository:
             master = os.urandom(64)
             key_id = add_key(store, master, secret, label="initial")["id"]
         config = RepoConfig.new(**kwargs)
+        if master is not None:
+            config = dataclasses.replace(config, mac=config_mac(config, master))
         store.put("config", config.to_bytes())
-        return cls(store, config, cache_root, master, key_id)
+        repo = cls(store, config, cache_root, master, key_id)
+        _remember(repo.cache_root, store.url, config)
+        return repo
 
     @classmethod
     def open(cls, url: str, *, s3_endpoint: str | None = None, cache_root: Path | None = None,
              store: Store | None = None, secret: Secret | None = None,
-             secret_source: "Callable[[], Secret] | None" = None) -> "Repository":
-        """Open a repository; an encrypted one needs ``secret`` (or asks ``secret_source`` for it)."""
+             secret_source: "Callable[[], Secret] | None" = None, expect_encrypted: bool = False) -> "Repository":
+        """Open a repository; an encrypted one needs ``secret`` (or asks ``secret_source`` for it).
+
+        A plaintext config is refused when a ``secret`` is given, when
+        ``expect_encrypted`` (the user configured a passphrase or key file), or
+        when this box has known the repository as encrypted: with write access
+        to the bucket alone, nobody can make a box send its data in plaintext.
+        """
         store = store or open_store(url, s3_endpoint=s3_endpoint)
+        root = cache_root or default_cache_dir()
         try:
             raw = store.get("config")
         except NotFound:
             raise NoRepository(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
+        if len(raw) > 64 * 1024:
+            raise RepositoryError(f"{store.url}: config is {len(raw)} bytes, not an ogrefs config")
         config = RepoConfig.from_bytes(raw, store.url)
+        _refuse_downgrade(store.url, config, root, expect_encrypted or secret is not None)
         master = key_id = None
         if config.encryption:
             if secret is None:
@@ -123,11 +205,15 @@ class Repository:
                     raise RepositoryError(f"{store.url}: repository is encrypted; give a passphrase or key file")
                 secret = secret_source()
             master, key_id = open_master(store, secret)
+            if config.mac is not None and not hmac.compare_digest(config.mac, config_mac(config, master)):
+                raise RepositoryError(f"{store.url}: config fails its MAC (altered or replaced); refusing")
         elif any(True for _ in store.list("keys/")):
             # Keys exist but the config says plaintext: someone replaced the config.
             raise RepositoryError(f"{store.url}: config says unencrypted but key objects exist; refusing "
                                   "(a replaced config would make new data leave this box in plaintext)")
-        return cls(store, config, cache_root, master, key_id)
+        repo = cls(store, config, root, master, key_id)
+        _remember(root, store.url, config)
+        return repo
 
     def add_key(self, secret: Secret, label: str = "") -> dict:
         if self._master is None:
@@ -140,6 +226,23 @@ class Repository:
         if self._index is None:
             self._index = ChunkIndex(self.store, self.cache_dir / "index.sqlite", self.codec)
         return self._index
+
+    @property
+    def meta_codec(self) -> codec.RepoCodec | None:
+        """The codec of lock and trash records: sealed in version-2 encrypted repositories, else plain envelopes."""
+        return self.codec if self.config.sealed_metadata else None
+
+    def lock(self, kind: str, purpose: str, snapshot: str | None = None) -> HeldLock:
+        """A lock object for this repository (not yet acquired), sealed where the format says so."""
+        return HeldLock(self.store, kind, purpose, rc=self.meta_codec, snapshot=snapshot)
+
+    def new_pack(self) -> PackBuilder:
+        """A pack builder whose header is sealed in a version-2 encrypted repository."""
+        return PackBuilder(self.codec if self.config.sealed_metadata else None)
+
+    def pack_entries(self, name: str, body: bytes) -> list[tuple[bytes, int, int, int]]:
+        """The entries of pack ``name`` from its whole bytes (its header, sealed or not, checked)."""
+        return read_header(body, name, self.codec, sealed_required=self.config.sealed_metadata)
 
     def put_pack(self, name: str, body: bytes) -> None:
         self.store.put(pack_key(name), body)
@@ -160,11 +263,7 @@ class Repository:
         Only used for orphans (at most a few per interrupted run), so it reads
         the whole pack rather than widening the store interface with a HEAD.
         """
-        key = pack_key(name)
-        body = self.store.get(key)
-        header_len = parse_trailer_tail(body[-TAIL_SIZE:], key, len(body))
-        header = body[len(body) - TAIL_SIZE - header_len:len(body) - TAIL_SIZE]
-        return parse_header(header, len(body), key)
+        return self.pack_entries(name, self.store.get(pack_key(name)))
 
     def recover_orphan_packs(self, live_packs: set[str]) -> int:
         """Index packs that have no index entry (an interrupted run's last uploads)."""
@@ -187,42 +286,69 @@ class Repository:
         self.store.put(f"snapshots/{manifest['id']}", self.codec.seal(f"snapshots/{manifest['id']}", body))
 
     def load_manifest(self, snap_id: str) -> Manifest:
+        """A snapshot's manifest, from the local cache when it is there and verifies, else from the store.
+
+        The cache holds the stored envelope itself, so it verifies like the
+        original (digest or authentication tag); a cached copy that fails is
+        dropped and fetched again, and only the store's own copy can be corrupt.
+        """
+        key = f"snapshots/{snap_id}"
         cached = self.cache_dir / "manifests" / snap_id
         try:
             obj = cached.read_bytes()
         except FileNotFoundError:
+            obj = None
+        if obj is not None:
             try:
-                obj = self.store.get(f"snapshots/{snap_id}")
-            except NotFound:
-                raise SnapshotNotFound(f"no snapshot {snap_id} in {self.store.url}") from None
-            self.codec.open(f"snapshots/{snap_id}", obj)
-            _atomic_write(cached, obj)
+                return self._parse_manifest(snap_id, obj)
+            except CorruptObject as exc:
+                log.warning("warning: cached copy of %s is damaged (%s); fetching it again", key, exc)
+                with contextlib.suppress(OSError):
+                    cached.unlink()
         try:
-            manifest = json.loads(self.codec.open(f"snapshots/{snap_id}", obj))
+            obj = self.store.get(key)
+        except NotFound:
+            raise SnapshotNotFound(f"no snapshot {snap_id} in {self.store.url}") from None
+        manifest = self._parse_manifest(snap_id, obj)
+        _atomic_write(cached, obj)
+        return manifest
+
+    def _parse_manifest(self, snap_id: str, obj: bytes) -> Manifest:
+        key = f"snapshots/{snap_id}"
+        try:
+            manifest = json.loads(self.codec.open(key, obj, MAX_MANIFEST_BYTES))
         except (ValueError, RecursionError):
-            raise CorruptObject(f"snapshots/{snap_id}: manifest is not valid JSON") from None
+            raise CorruptObject(f"{key}: manifest is not valid JSON") from None
         if not isinstance(manifest, dict) or manifest.get("id") != snap_id:
-            raise CorruptObject(f"snapshots/{snap_id}: manifest does not describe this snapshot")
-        _check_manifest_fields(manifest, f"snapshots/{snap_id}")
+            raise CorruptObject(f"{key}: manifest does not describe this snapshot")
+        _check_manifest_fields(manifest, key)
         return manifest
 
     def snapshot_ids(self) -> list[str]:
         return [k.rsplit("/", 1)[1] for k in self.store.list("snapshots/")]
 
-    def list_snapshots(self, on_error: "Callable[[str, Exception], None] | None" = None) -> list[Manifest]:
+    def list_snapshots(self, on_error: "Callable[[str, Exception], None] | None" = None,
+                       strict: bool = False) -> list[Manifest]:
         """Every readable manifest, oldest first.
 
-        Without ``on_error`` an unreadable manifest is an error (retention and
-        prune must not decide on a partial list); with it, it is reported and skipped.
+        An unreadable manifest (damaged, stray, deleted meanwhile) is skipped
+        and reported to ``on_error`` (default: one warning line naming it), so
+        one bad object never hides every other snapshot. ``strict``: it is an
+        error instead (retention must not decide on a partial list).
         """
         out = []
         for i in self.snapshot_ids():
             try:
                 out.append(self.load_manifest(i))
-            except CorruptObject as exc:
-                if on_error is None:
+            except (CorruptObject, SnapshotNotFound) as exc:
+                if strict:
                     raise
-                on_error(i, exc)
+                if isinstance(exc, SnapshotNotFound):
+                    continue  # forgotten between the listing and the read
+                if on_error is None:
+                    log.warning("warning: skipped snapshot %s: %s", i[:12], exc)
+                else:
+                    on_error(i, exc)
         out.sort(key=lambda m: (m.get("time", ""), m["id"]))
         return out
 
@@ -251,37 +377,80 @@ class Repository:
     def replace_catalog(self, snap_id: str, db_path: Path) -> None:
         """Store a rewritten catalog (prune's repack) and refresh the local cache with it."""
         key = f"catalogs/{snap_id}"
-        obj = self.codec.seal(key, db_path.read_bytes())
+        plain = db_path.read_bytes()
+        obj = self.codec.seal(key, plain)
         self.store.put(key, obj)
+        self._cache_catalog(snap_id, plain, obj[:CATALOG_STAMP_BYTES])
+
+    def _catalog_files(self, snap_id: str) -> tuple[Path, Path, Path]:
         path = self.cache_dir / "catalogs" / f"{snap_id}.sqlite"
-        _atomic_write(path, db_path.read_bytes())
-        _atomic_write(path.with_suffix(".stamp"), obj[:CATALOG_STAMP_BYTES])
+        return path, path.with_suffix(".stamp"), path.with_suffix(".mac")
+
+    def _cache_mac(self, stamp: bytes, path: Path) -> bytes:
+        """What vouches for a cached catalog: the stored digest (plaintext) or a keyed MAC (encrypted).
+
+        Unencrypted, the stamp holds the BLAKE3 of the plaintext as the store
+        has it. Encrypted, the stamp is only a nonce, so the cache keeps a MAC
+        of stamp and content under a key derived from the master key: nobody
+        without the key can make a changed file pass.
+        """
+        h = (blake3.blake3(key=self._cache_mac_key()) if self.codec.encrypted else blake3.blake3())
+        if self.codec.encrypted:
+            h.update(stamp)
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+        return h.digest()
+
+    def _cache_mac_key(self) -> bytes:
+        return blake3.blake3(self._master, derive_key_context="ogrefs 2026 local catalog cache mac").digest()
+
+    def _cached_catalog_ok(self, snap_id: str, stamp: bytes) -> bool:
+        path, _stamp_path, mac_path = self._catalog_files(snap_id)
+        try:
+            actual = self._cache_mac(stamp, path)
+            expected = mac_path.read_bytes() if self.codec.encrypted else stamp[6:38]
+        except OSError:
+            return False
+        return len(stamp) == CATALOG_STAMP_BYTES and hmac.compare_digest(actual, expected)
+
+    def _cache_catalog(self, snap_id: str, plain: bytes, stamp: bytes) -> None:
+        path, stamp_path, mac_path = self._catalog_files(snap_id)
+        _atomic_write(path, plain)
+        if self.codec.encrypted:
+            _atomic_write(mac_path, self._cache_mac(stamp, path))
+        _atomic_write(stamp_path, stamp)
 
     def catalog_path(self, snap_id: str) -> Path:
-        """The snapshot's catalog as a local SQLite file, cached.
+        """The snapshot's catalog as a local SQLite file, cached and verified on every call.
 
         Catalogs change only when prune repacks (their chunk locations move), so
         a cached copy is checked against the first bytes of the stored object
         (its digest, or its nonce when encrypted: one small ranged GET) and
-        fetched again when they differ. A store that cannot be reached leaves
-        the cached copy in use.
+        fetched again when they differ.  The cached file itself is then checked
+        against that digest (or its keyed MAC, see ``_cache_mac``): a damaged
+        copy is fetched again, never used.  A store that cannot be reached
+        leaves a cached copy that verifies in use.
         """
         key = f"catalogs/{snap_id}"
-        path = self.cache_dir / "catalogs" / f"{snap_id}.sqlite"
-        stamp_path = path.with_suffix(".stamp")
+        path, stamp_path, _mac = self._catalog_files(snap_id)
         if path.exists() and stamp_path.exists():
+            local = stamp_path.read_bytes()
             try:
                 current = self.store.get_range(key, 0, CATALOG_STAMP_BYTES)
             except NotFound:
                 raise CorruptObject(f"catalog of snapshot {snap_id[:12]} is missing from the repository") from None
             except StoreError:
-                return path  # offline: the cached copy is the best there is
-            if current == stamp_path.read_bytes():
-                return path
+                if self._cached_catalog_ok(snap_id, local):
+                    return path  # offline: the cached copy is the best there is, and it verifies
+                raise
+            if current == local:
+                if self._cached_catalog_ok(snap_id, local):
+                    return path
+                log.warning("warning: cached catalog of snapshot %s is damaged; fetching it again", snap_id[:12])
         try:
             obj = self.store.get(key)
         except NotFound:
             raise CorruptObject(f"catalog of snapshot {snap_id[:12]} is missing from the repository") from None
-        _atomic_write(path, self.codec.open(key, obj))
-        _atomic_write(stamp_path, obj[:CATALOG_STAMP_BYTES])
+        self._cache_catalog(snap_id, self.codec.open(key, obj), obj[:CATALOG_STAMP_BYTES])
         return path
