@@ -25,7 +25,7 @@ def show_object(repo: Repository, kind: str, name: str) -> Any:
     if kind == "lock":
         from .repo.locks import read_locks
 
-        return _one({lk.id: lk.__dict__ for lk in read_locks(repo.store)}, name, "lock")
+        return _one({lk.id: lk.__dict__ for lk in read_locks(repo.store, repo.meta_codec)}, name, "lock")
     if kind == "index":
         return _index(repo, name)
     return _blob(repo, name)

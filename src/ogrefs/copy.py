@@ -25,8 +25,7 @@ from typing import Any, Callable
 from .catalog import Catalog, rewrite_blobs
 from .prune import read_trash
 from .repo import Repository
-from .repo.locks import HeldLock
-from .repo.pack import BlobLocation, PackBuilder
+from .repo.pack import BlobLocation
 
 _PROBE = b"ogrefs copy: do both repositories name chunks alike?"
 
@@ -48,7 +47,7 @@ class _Uploader:
 
     def __init__(self, dst: Repository, report: CopyReport, live: set[str]) -> None:
         self.dst, self.report, self.live = dst, report, live
-        self.builder = PackBuilder()
+        self.builder = dst.new_pack()
         self.pending: list[tuple[bytes, bytes]] = []  # (source id, destination id) in the open pack
         self.moves: dict[bytes, tuple[bytes, BlobLocation]] = {}
         self.sent: dict[bytes, BlobLocation] = {}  # destination id -> where this copy put it
@@ -70,7 +69,7 @@ class _Uploader:
         if not len(self.builder):
             return
         name, body, entries = self.builder.finish()
-        self.builder = PackBuilder()
+        self.builder = self.dst.new_pack()
         self.dst.put_pack(name, body)
         rows = [(cid, name, off, slen, rlen) for cid, off, slen, rlen in entries]
         self.dst.write_index(name, rows)
@@ -89,7 +88,7 @@ class _Uploader:
 def copy_snapshots(src: Repository, dst: Repository, manifests: list[dict[str, Any]],
                    log: Callable[[str], None] | None = None) -> CopyReport:
     report = CopyReport()
-    with HeldLock(src.store, "shared", "copy (source)"), HeldLock(dst.store, "shared", "copy"):
+    with src.lock("shared", "copy (source)"), dst.lock("shared", "copy"):
         dst.index.sync()
         # only chunks in packs that exist and that prune has not marked for deletion count as present
         live = {k.rsplit("/", 1)[1] for k in dst.store.list("packs/")} - set(read_trash(dst)[0])
