@@ -564,3 +564,120 @@ def test_trace_fields(body):
 
 def test_trace_path_with_a_lone_surrogate():
     _decode_trace(b'{"format":"ogrefs-trace","version":1,"entries":[["/a\\ud800",1]]}')
+
+
+# -- size bounds (issue 14.5): every inflation stops at its bound -------------------------------------------------
+def _frame(size: int, with_size: bool) -> bytes:
+    return __import__("zstandard").ZstdCompressor(write_content_size=with_size).compress(bytes(size))
+
+
+@FAST
+@given(st.one_of(mutations(_frame(200_000, True)), mutations(_frame(200_000, False))), st.integers(0, 300_000))
+@example(_frame(200_000, True), 1000)
+@example(_frame(200_000, False), 1000)
+def test_inflate_never_exceeds_its_bound(frame, limit):
+    try:
+        out = codec.inflate(frame, limit, "object")
+    except CorruptObject as exc:
+        assert "\n" not in str(exc)
+        return
+    assert len(out) <= limit
+
+
+@FAST
+@given(mutations(codec.wrap(bytes(300_000))), st.integers(0, 400_000))
+def test_envelopes_respect_the_limit_they_are_given(obj, limit):
+    try:
+        plain = codec.unwrap(obj, "object", limit)
+    except CorruptObject:
+        return
+    assert len(plain) <= limit
+
+
+def _trash_repo(objs: list[bytes], rc=None):
+    import types
+
+    store = MemoryStore("mem://trash")
+    for i, obj in enumerate(objs):
+        store.put(f"trash/t{i}", obj)
+    return types.SimpleNamespace(store=store, meta_codec=rc)
+
+
+VALID_TRASH = {"packs": {"ab" * 32: 1796000000.5, "cd" * 32: 1796000001}, "readers": {"ab" * 32: ["ef" * 32]}}
+
+
+def _trash(obj: bytes, rc=None) -> None:
+    from ogrefs.prune import load_trash
+
+    warnings: list[str] = []
+    trash = load_trash(_trash_repo([obj], rc), warn=warnings.append)
+    assert len(warnings) == len(trash.malformed) and trash.keys == ["trash/t0"]  # reported, or accepted
+    for pack, when in trash.marked.items():  # what is accepted is what prune relies on
+        assert len(pack) == 64 and type(when) is float and when == when and abs(when) != float("inf")
+        readers = trash.readers[pack]
+        assert readers is None or all(type(r) is str for r in readers)
+    assert all("\n" not in w for w in warnings)
+
+
+@FAST
+@given(mutations(codec.wrap(json.dumps(VALID_TRASH).encode())))
+@example(codec.wrap(DEEP_JSON))
+def test_trash_record_bytes(obj):
+    _trash(obj)
+
+
+@FAST
+@given(replaced_fields(VALID_TRASH))
+@example({"packs": {"ab" * 32: "yesterday"}})
+@example({"packs": {"ab" * 32: 1e999}})
+@example({"packs": {"../x": 1}})
+@example({"packs": {"ab" * 32: 1}, "readers": {"ab" * 32: "all"}})
+def test_trash_record_fields(body):
+    _trash(codec.wrap(json.dumps(body).encode()))
+
+
+SEALER = codec.RepoCodec(3, bytes(range(32)), bytes(range(32, 64)))
+
+
+@FAST
+@given(mutations(SEALER.seal("trash/t0", json.dumps(VALID_TRASH).encode())))
+def test_sealed_trash_record_bytes(obj):
+    _trash(obj, SEALER)
+
+
+@FAST
+@given(mutations(SEALER.seal(f"locks/{VALID_LOCK['id']}", json.dumps(VALID_LOCK).encode(), compress=False)))
+def test_sealed_lock_bytes(obj):
+    store = MemoryStore("mem://locks")
+    store.put(f"locks/{VALID_LOCK['id']}", obj)
+    for lk in read_locks(store, SEALER):
+        lk.stale()
+        assert lk.id == VALID_LOCK["id"]
+    assert read_locks(store) == [] or obj[5] & codec.ENCRYPTED_FLAG == 0
+
+
+def _sealed_pack() -> tuple[str, bytes]:
+    b = PackBuilder(SEALER)
+    for i in range(3):
+        data = os.urandom(100 + i)
+        cid = SEALER.chunk_id(data)
+        b.add(cid, SEALER.encode_blob(cid, data), len(data))
+    name, body, _entries = b.finish()
+    return name, body
+
+
+SEALED_NAME, SEALED_PACK = _sealed_pack()
+
+
+@FAST
+@given(mutations(SEALED_PACK))
+def test_sealed_pack_header(body):
+    from ogrefs.repo.pack import read_header
+
+    try:
+        entries = read_header(body, SEALED_NAME, SEALER, sealed_required=True)
+    except CorruptObject as exc:
+        assert "\n" not in str(exc)
+        return
+    for _cid, off, slen, _rlen in entries:
+        assert 0 <= off and off + slen <= len(body)

@@ -108,16 +108,22 @@ def _remember(cache_root: Path, url: str, config: RepoConfig) -> None:
 
 
 def _refuse_downgrade(url: str, config: RepoConfig, cache_root: Path, expect_encrypted: bool) -> None:
-    """A plaintext config where this box knows, or is told, the repository is encrypted: refused."""
+    """A plaintext config where this box knows, or is told, the repository is encrypted: refused.
+
+    A passphrase given for a repository this box has itself used unencrypted (same URL, same id)
+    is no sign of a downgrade: one ``OGREFS_PASSWORD`` may serve several repositories.
+    """
     known = _known(cache_root)
     was = [e for e in (known.get(url), known.get(config.id)) if isinstance(e, dict)]
     if not config.encryption:
         if any(e.get("encrypted") for e in was):
             raise RepositoryError(f"{url}: config says unencrypted, but this box has known the repository as "
                                   "encrypted; refusing (a replaced config would make data leave in plaintext)")
-        if expect_encrypted:
-            raise RepositoryError(f"{url}: config says unencrypted although a passphrase or key file was given; "
-                                  "refusing (a replaced config would make data leave in plaintext)")
+        used_plain = len(was) == 2 and all(e.get("id") == config.id for e in was)
+        if expect_encrypted and not used_plain:
+            raise RepositoryError(f"{url}: config says unencrypted although a passphrase or key file was given, "
+                                  "and this box has never used it unencrypted; refusing (a replaced config would "
+                                  "make data leave in plaintext)")
     elif not config.mac and any(e.get("mac") for e in was):
         raise RepositoryError(f"{url}: config has lost its MAC since this box last opened it; refusing (replaced?)")
 
