@@ -76,8 +76,10 @@ def test_missing_repository_wrong_password_and_locked_have_their_own_exit_codes(
     proc = run(["snapshots"], dict(enc, OGREFS_PASSWORD="wrong horse"), check=False)
     assert_one_line_error(proc, "wrong")
     assert proc.returncode == EXIT_WRONG_PASSWORD
-    code = ("import sys,time; from ogrefs.store import open_store; from ogrefs.repo.locks import HeldLock; "
-            "lk = HeldLock(open_store(sys.argv[1]), 'prune', 'test').acquire(); print('held', flush=True); "
+    # the repository is encrypted (format version 2): only a lock sealed with its key counts
+    code = ("import sys,time; from ogrefs.repo import Repository; from ogrefs.repo.keys import Secret; "
+            "repo = Repository.open(sys.argv[1], secret=Secret(b'right horse', 'scrypt')); "
+            "lk = repo.lock('prune', 'test').acquire(); print('held', flush=True); "
             "sys.stdin.read(); lk.release()")
     holder = subprocess.Popen([sys.executable, "-c", code, env["OGREFS_REPO"]], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
