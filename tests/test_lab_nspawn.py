@@ -10,6 +10,7 @@ and the box must power off (the unit's ExecStop unmounts) within a timeout.
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 
 import pytest
 
@@ -42,7 +43,9 @@ def install_unit(root, box_name: str) -> None:
     env.chmod(0o600)
 
 
-def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
+@contextmanager
+def boot_b(lab, tmp_path):
+    """Box A snapshots itself; box B, with the unit enabled, boots; yields (NspawnBox, SnapshotA)."""
     snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv")
     root = fixtures.prepared_box(lab["b"], tmp_path / "b")
     install_unit(root, A.hostname)
@@ -55,6 +58,13 @@ def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
                               str(kmod): "/run/nvidia-lab/version"}, tmp_path)
     try:
         box.boot()
+        yield box, snap
+    finally:
+        box.close()
+
+
+def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
+    with boot_b(lab, tmp_path) as (box, snap):
         unit = box.sh("systemctl is-active ogrefs-resume.service", check=False).stdout.strip()
         journal = box.out("journalctl -b -u ogrefs-resume.service --no-pager | tail -n 30", check=False)
         assert unit == "active", f"unit {unit}, boot {box.state}:\n{journal}"
@@ -66,5 +76,3 @@ def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
             "resumed from step 100 loss 0.4321")
         assert box.out("journalctl -b --no-pager -n 5 >/dev/null && echo journal").strip() == "journal"
         box.poweroff()
-    finally:
-        box.close()

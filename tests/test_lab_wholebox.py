@@ -84,6 +84,8 @@ def test_whole_box_snapshot_from_inside_into_srv(snap_a):
     m = snap_a.manifest
     assert (m["whole_box"], m["paths"], m["host"]) == (True, ["/"], A.hostname)
     assert m["totals"]["files"] > 10000 and m["unreadable"] == []
+    skipped = {s["path"] for s in m.get("skipped_mounts", [])}
+    assert "/mnt/scratch" in skipped, m.get("skipped_mounts")  # another disk (a tmpfs here): listed, not silent
     env = m["environment"]
     assert (env["gpus"]["driver_version"], env["gpus"]["cuda_driver_version"]) == (A.driver, A.cuda_text)
     assert {e["path"]: e["python"] for e in env["python_envs"]}["/opt/project/.venv"] == "3.11.2"

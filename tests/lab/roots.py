@@ -214,8 +214,13 @@ def copy_box(src: Path, dest: Path) -> Path:
     return dest
 
 
-def install_ogrefs(root: Path, src: Path = REPO / "src") -> None:
-    """Copy the ogrefs source under test into the box, importable by its venv, with /usr/local/bin/ogrefs."""
+def install_ogrefs(root: Path, src: Path | None = None) -> None:
+    """Copy the ogrefs source under test into the box, importable by its venv, with /usr/local/bin/ogrefs.
+
+    ``$OGREFS_LAB_SRC`` names another ``src`` directory (another branch's, an old commit's
+    ``git archive``) to run the lab against it; the default is this checkout's.
+    """
+    src = src or Path(os.environ.get("OGREFS_LAB_SRC") or REPO / "src")
     target = root / "opt/ogrefs/src"
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(src / "ogrefs", target / "ogrefs", ignore=shutil.ignore_patterns("__pycache__"))
