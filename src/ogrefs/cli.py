@@ -153,7 +153,17 @@ def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=bytes))
 @click.option("--tag", "tags", multiple=True, help="Tag the snapshot (repeatable).")
-@click.option("--exclude", "excludes", multiple=True, help="Skip paths matching this glob (repeatable).")
+@click.option("--exclude", "excludes", multiple=True,
+              help="Skip paths matching this glob (repeatable): * ? [set], against the path and the name.")
+@click.option("--exclude-file", "exclude_files", multiple=True, type=click.Path(),
+              help="Read --exclude patterns from this file, one a line (# comments).")
+@click.option("--exclude-caches", is_flag=True, help="Skip directories holding a CACHEDIR.TAG (bford.info/cachedir).")
+@click.option("--exclude-if-present", "if_present", multiple=True, metavar="NAME[:HEADER]",
+              help="Skip directories holding a file of this name (that starts with HEADER) (repeatable).")
+@click.option("--files-from", "files_from", multiple=True, type=click.Path(),
+              help="Read the paths to snapshot from this file, one a line (# comments).")
+@click.option("--dry-run", "-n", is_flag=True, help="Only count what would be snapshotted; store nothing.")
+@click.option("--allow-empty", is_flag=True, help="Save a snapshot even when the excludes leave nothing in it.")
 @click.option("--whole-box", is_flag=True,
               help="Snapshot / with every local disk file system (not pseudo, network or foreign FUSE ones).")
 @click.option("--cross-mounts/--one-file-system", default=True,
@@ -167,12 +177,25 @@ def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
                    "else the host name); `latest` means this box's newest.")
 @json_option
 @click.pass_obj
-def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, cross_mounts, parent, force, host,
-             box, as_json) -> None:
-    """Snapshot PATHS (or the whole box) into the repository."""
+def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, exclude_files, exclude_caches, if_present,
+             files_from, dry_run, allow_empty, whole_box, cross_mounts, parent, force, host, box, as_json) -> None:
+    """Snapshot PATHS (or the whole box) into the repository.
+
+    Patterns are shell globs (* ? [abc] [!abc]) matched against the absolute
+    path and the name; one ending in / matches a directory; a malformed one is
+    an error. A snapshot that the excludes leave empty is refused without
+    --allow-empty.
+    """
+    from .patterns import CACHEDIR_SIGNATURE, check_pattern, parse_if_present, read_pattern_file
     from .snapshot import take_snapshot
     from .snapshot_setup import snapshot_options
 
+    excludes = [check_pattern(p) for p in [*excludes, *(q for f in exclude_files for q in read_pattern_file(f))]]
+    markers = [parse_if_present(spec) for spec in if_present]
+    if exclude_caches:
+        markers.append((b"CACHEDIR.TAG", CACHEDIR_SIGNATURE))
+    paths = tuple(paths) + tuple(os.fsencode(p) for f in files_from
+                                 for p in read_pattern_file(f, "--files-from"))
     if whole_box:
         paths = paths or (b"/",)
         if paths != (b"/",):
@@ -182,6 +205,9 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, 
     repo = obj.open()
     opts = snapshot_options(repo, list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
                             cross_mounts=cross_mounts, parent=parent, no_parent=force, host=host, box=box)
+    opts.exclude_if_present = markers
+    if _snapshot_precheck(opts, dry_run, allow_empty, as_json):
+        return
     line = ProgressLine(enabled=not (as_json or obj.quiet))
     manifest = take_snapshot(repo, opts, progress=line.snapshot)
     line.done()
@@ -202,6 +228,36 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, whole_box, 
         click.echo(f"error: could not read {item['path']}: {item['error']}", err=True)
     if manifest["unreadable"]:
         sys.exit(EXIT_PARTIAL)
+
+
+def _snapshot_precheck(opts, dry_run: bool, allow_empty: bool, as_json: bool) -> bool:
+    """Refuse a snapshot the excludes leave empty; answer --dry-run. True: nothing more to do."""
+    from .patterns import nothing_below
+    from .walk import WalkRules
+
+    roots = [os.path.abspath(p) for p in opts.paths]
+    rules = (WalkRules.for_whole_box(opts.excludes, [], opts.cross_mounts) if opts.whole_box
+             else WalkRules.for_paths(opts.excludes, opts.cross_mounts))
+    rules.exclude_if_present = opts.exclude_if_present
+    if not dry_run and not allow_empty:
+        why = nothing_below([r for r in roots if os.path.lexists(r)] or roots, rules.excluded)
+        if why:
+            raise UsageError(f"{why}: the snapshot would be empty (--allow-empty saves it anyway)")
+    if not dry_run:
+        return False
+    from .snapshot_dryrun import dry_run as count
+
+    result = count(roots, rules, {os.path.normpath(p) for p in opts.skip_paths})
+    if as_json:
+        emit_json(result.as_dict())
+    else:
+        click.echo(f"would snapshot {result.files} files, {result.dirs} dirs, {result.others} other, "
+                   f"{human_bytes(result.bytes)} (dry run: nothing stored)")
+        for item in result.not_descended:
+            click.echo(f"note: would not descend into {item['path']} ({item['type']}: {item['reason']})", err=True)
+        for item in result.unreadable:
+            click.echo(f"error: cannot read {item['path']}: {item['error']}", err=True)
+    return True
 
 
 @cli.command()

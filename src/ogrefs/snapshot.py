@@ -63,6 +63,7 @@ class SnapshotOptions:
     paths: list[bytes]
     tags: list[str] = field(default_factory=list)
     excludes: list[str] = field(default_factory=list)
+    exclude_if_present: list[tuple[bytes, bytes | None]] = field(default_factory=list)  # see patterns.py
     whole_box: bool = False
     cross_mounts: bool = True
     parent: str | None = None  # snapshot name; None = newest of the same box and paths
@@ -566,6 +567,7 @@ class Snapshotter:
             self.rules = WalkRules.for_whole_box(self.opts.excludes, [], self.opts.cross_mounts, layers)
         else:
             self.rules = WalkRules.for_paths(self.opts.excludes, self.opts.cross_mounts, layers)
+        self.rules.exclude_if_present = list(self.opts.exclude_if_present)
         self._skip_entirely = {os.path.normpath(p) for p in self.opts.skip_paths}
         if self._own is not None:
             self._skip_entirely |= {os.path.normpath(p) for p in self._own.state_dirs}

@@ -126,6 +126,8 @@ class WalkRules:
     whole_box: bool = False
     own_layers: frozenset[bytes] = frozenset()
     table: dict[bytes, MountPoint] = field(default_factory=dict)
+    #: (file name, required first bytes or None): a directory holding such a file is excluded (patterns.py)
+    exclude_if_present: list[tuple[bytes, bytes | None]] = field(default_factory=list)
 
     @classmethod
     def for_whole_box(cls, excludes: list[str], extra_skip: list[bytes], cross_mounts: bool,
@@ -163,7 +165,12 @@ class WalkRules:
         return self.not_descended(path, is_root=False, dev=0, root_dev=0) is None
 
     def excluded(self, path: bytes) -> bool:
-        """True if ``path`` must not be recorded at all (``--exclude`` patterns)."""
+        """True if ``path`` must not be recorded at all (``--exclude`` patterns, ``--exclude-if-present``)."""
+        if self.exclude_if_present:
+            from .patterns import marked_directory
+
+            if marked_directory(path, self.exclude_if_present):
+                return True
         if not self.excludes:
             return False
         text = os.fsdecode(path)
