@@ -137,6 +137,11 @@ def test_a_project_venv_and_checkpoint_exact_and_training_resumes(b_mounted, sna
     assert box.out("cat /root/notes.txt") == "box A's notes\n"
 
 
+def test_top_level_files_of_the_snapshot_appear(b_mounted):
+    box, _, _, _ = b_mounted
+    assert box.out("cat /a-provider-top-level.txt") == "a file at the top of box A\n"
+
+
 def test_b_disks_and_the_repository_under_srv_stay_visible(b_mounted, snap_a):
     box, ogrefs, _, _ = b_mounted
     assert box.out(f"cat /mnt/scratch/{B.hostname}.txt") == "B's local NVMe\n"
