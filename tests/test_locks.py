@@ -108,8 +108,8 @@ def test_prune_frees_what_a_mount_of_another_snapshot_cannot_read(tmp_path, mark
     mk, mg = _snap(repo, keep), _snap(repo, gone)
     gone_packs = set(Catalog(repo.catalog_path(mg["id"])).pack_names())
     mounter = Mounter(tmp_path, repo.store.url)
-    mp = mounter.mount(mk["id"], tmp_path / "mnt")
     try:
+        mp = mounter.mount(mk["id"], tmp_path / "mnt")
         (lock,) = [lk for lk in read_locks(repo.store) if lk.purpose == "mount"]
         assert lock.snapshot == mk["id"]
         repo.store.delete(f"snapshots/{mg['id']}")
@@ -119,7 +119,7 @@ def test_prune_frees_what_a_mount_of_another_snapshot_cannot_read(tmp_path, mark
         assert not (_packs(repo) & gone_packs)
         assert (mp / str(keep).lstrip("/") / "model.bin").read_bytes() == payload
     finally:
-        mounter.cli("unmount", str(mp))
+        mounter.cleanup()
 
 
 def test_forget_prune_does_not_make_the_repository_grow(tmp_path):

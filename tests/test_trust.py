@@ -164,6 +164,23 @@ def test_one_stray_or_damaged_object_is_skipped_and_named(box, what):
     assert compare_trees(src, tmp / "out" / _rel(src)) == []
 
 
+@pytest.mark.fuse
+@fuse
+def test_mount_latest_with_a_stray_manifest_index_and_trash_object(box):
+    from .test_mount import Mounter
+
+    env, src, tmp, repo = box["env"], box["src"], box["tmp"], box["repo"]
+    for key in ("snapshots/" + "ab" * 32, "index/stray", "trash/" + "cd" * 16):
+        repo.store.put(key, b"OGRF\x01\x01" + os.urandom(200))
+    extra = {"OGREFS_PASSWORD": env["OGREFS_PASSWORD"]} if env.get("OGREFS_PASSWORD") else {}
+    mounter = Mounter(tmp, env["OGREFS_REPO"], extra_env=extra)
+    try:
+        mp = mounter.mount("latest", tmp / "mnt")
+        assert (mp / _rel(src) / "b.bin").read_bytes() == (src / "b.bin").read_bytes()
+    finally:
+        mounter.cleanup()
+
+
 @pytest.mark.parametrize("body", [b'{"packs": "nope"}', b'{"packs": {"PACK": "yesterday"}}', b"[1, 2",
                                   b'{"packs": {"PACK": 1e999}}', b'{"packs": {"PACK": 1}, "readers": 5}'])
 def test_malformed_trash_record_is_reported_and_deletes_nothing(box, body):
