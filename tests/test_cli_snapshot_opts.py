@@ -83,3 +83,30 @@ def test_dry_run_counts_and_stores_nothing(tmp_path, env):
     assert out["dry_run"] and out["files"] == 4 and out["dirs"] == 4  # a.py, the fake tag, build/*; 4 dirs
     assert json.loads(run(["snapshots", "--json"], env).stdout) == []
     assert "would snapshot" in run(["snapshot", "-n", str(src)], env).stdout
+
+
+def test_the_progress_line_on_a_terminal_has_elapsed_time_and_a_total(tmp_path, env):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    src = _tree(tmp_path)
+    run(["init"], env)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ogrefs", "snapshot", str(src)], env=env, stderr=slave,
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            piece = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not piece:
+            break
+        seen += piece
+    assert proc.wait(timeout=120) == 0
+    os.close(master)
+    text = seen.decode(errors="replace")
+    assert "[0:0" in text and " files " in text, text  # restic's [m:ss] elapsed prefix

@@ -85,3 +85,18 @@ def test_progress_line_only_on_tty():
     quiet.snapshot(s)
     assert pipe.getvalue() == ""
     assert human_bytes(1536) == "1.5 KiB"
+
+
+def test_progress_lines_show_elapsed_percent_total_and_eta_as_restic():
+    from types import SimpleNamespace
+
+    from ogrefs.progress import restore_line, snapshot_line
+
+    s = Stats(files=120, dirs=3, bytes=450 * 1024 * 1024, read_bytes=300 * 1024 * 1024, started=100.0)
+    counting = snapshot_line(s, None, now=103.0)
+    assert counting.startswith("[0:03] 120 files 450.0 MiB") and "counting the total" in counting
+    line = snapshot_line(s, (400, 1000 * 1024 * 1024), now=103.0)
+    assert line.startswith("[0:03]  45% 120 / 400 files 450.0 MiB / 1000.0 MiB") and line.endswith("ETA 0:03")
+    r = SimpleNamespace(files=2144, files_done=120, total_bytes=400, written_bytes=100, started=0.0)
+    assert restore_line(r, now=65.0).startswith("[1:05]  25% 120 / 2144 files")
+    assert restore_line(r, now=65.0).endswith("ETA 3:15")

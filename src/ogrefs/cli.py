@@ -206,9 +206,15 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, exclude_fil
     opts = snapshot_options(repo, list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
                             cross_mounts=cross_mounts, parent=parent, no_parent=force, host=host, box=box)
     opts.exclude_if_present = markers
-    if _snapshot_precheck(opts, dry_run, allow_empty, as_json):
+    rules = _snapshot_rules(opts)
+    if _snapshot_precheck(opts, rules, dry_run, allow_empty, as_json):
         return
     line = ProgressLine(enabled=not (as_json or obj.quiet))
+    if line.enabled:  # restic's way to a percentage: count the total beside the snapshot
+        from .snapshot_dryrun import scan_in_background
+
+        scan_in_background([os.path.abspath(p) for p in opts.paths], rules,
+                           {os.path.normpath(p) for p in opts.skip_paths}, lambda t: setattr(line, "total", t))
     manifest = take_snapshot(repo, opts, progress=line.snapshot)
     line.done()
     if as_json:
@@ -230,15 +236,21 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, exclude_fil
         sys.exit(EXIT_PARTIAL)
 
 
-def _snapshot_precheck(opts, dry_run: bool, allow_empty: bool, as_json: bool) -> bool:
-    """Refuse a snapshot the excludes leave empty; answer --dry-run. True: nothing more to do."""
-    from .patterns import nothing_below
+def _snapshot_rules(opts):
+    """The walk rules of the snapshot (for the empty check, --dry-run and the progress total)."""
     from .walk import WalkRules
 
-    roots = [os.path.abspath(p) for p in opts.paths]
     rules = (WalkRules.for_whole_box(opts.excludes, [], opts.cross_mounts) if opts.whole_box
              else WalkRules.for_paths(opts.excludes, opts.cross_mounts))
     rules.exclude_if_present = opts.exclude_if_present
+    return rules
+
+
+def _snapshot_precheck(opts, rules, dry_run: bool, allow_empty: bool, as_json: bool) -> bool:
+    """Refuse a snapshot the excludes leave empty; answer --dry-run. True: nothing more to do."""
+    from .patterns import nothing_below
+
+    roots = [os.path.abspath(p) for p in opts.paths]
     if not dry_run and not allow_empty:
         why = nothing_below([r for r in roots if os.path.lexists(r)] or roots, rules.excluded)
         if why:

@@ -2,14 +2,17 @@
 
 Walks the paths as the snapshot would (the same WalkRules: excludes, marker
 files, mount points), counting entries and bytes; it reads no file data and
-opens no repository object for writing. Runs in the calling thread.
+opens no repository object for writing. Runs in the calling thread; :func:`scan_in_background` runs it in a daemon thread
+for the progress line's total (the thread owns its DryRun and hands over only the final pair).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .walk import WalkRules
 
@@ -59,3 +62,15 @@ def dry_run(roots: list[bytes], rules: WalkRules, skip: set[bytes]) -> DryRun:
             else:
                 out.others += 1
     return out
+
+
+def scan_in_background(roots: list[bytes], rules: WalkRules, skip: set[bytes],
+                       done: Callable[[tuple[int, int]], None]) -> threading.Thread:
+    """Count (files, bytes) in a daemon thread and call ``done`` with them (for a progress total)."""
+    def scan() -> None:
+        result = dry_run(roots, rules, skip)
+        done((result.files, result.bytes))
+
+    t = threading.Thread(target=scan, name="ogrefs-total-scan", daemon=True)
+    t.start()
+    return t
