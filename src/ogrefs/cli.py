@@ -616,11 +616,13 @@ def unlock(obj: Context, everything: bool, as_json: bool) -> None:
 
 from .cli_browse import register as _register_browse  # noqa: E402
 from .cli_mount import register as _register_mount  # noqa: E402
+from .cli_help import register as _register_help  # noqa: E402
 from .cli_mounts import register as _register_mounts  # noqa: E402
 
 _register_mount(cli)
 _register_browse(cli)
 _register_mounts(cli)
+_register_help(cli)
 from .cli_agent import register as _register_agent  # noqa: E402
 
 _register_agent(cli)

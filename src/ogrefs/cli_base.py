@@ -26,7 +26,8 @@ EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 failure; 2 wrong usage (options, arguments, repository URL); "
     f"{EXIT_PARTIAL} partial (some files unreadable or not restored); {EXIT_NO_REPOSITORY} no repository at the URL; "
     f"{EXIT_LOCKED} the repository is locked by another process; {EXIT_WRONG_PASSWORD} wrong passphrase or key "
-    f"file; {EXIT_INTERRUPTED} interrupted."
+    f"file; {EXIT_INTERRUPTED} interrupted. Man page: ogrefs help --man. Shell completion: "
+    "eval \"$(_OGREFS_COMPLETE=bash_source ogrefs)\" (zsh_source, fish_source)."
 )
 
 
