@@ -196,6 +196,9 @@ def test_malformed_trash_record_is_reported_and_deletes_nothing(box, body):
     assert packs <= {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
     run(["-q", "restore", box["snap"], str(tmp / "out")], env)
     assert (tmp / "out" / _rel(src) / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+    _plant(repo, "trash/" + "ef" * 16, body.replace(b"PACK", next(iter(packs)).encode()))
+    check = run(["check"], env, check=False)
+    assert check.returncode != 0 and "trash/" + "ef" * 16 in check.stdout + check.stderr
 
 
 # -- 14.5: bounded decompression --------------------------------------------------------------------------

@@ -4,8 +4,10 @@ Without ``--read-data``: every manifest and catalog decodes, every pack that a
 catalog references exists, and every indexed pack exists.  With it, every
 referenced pack is downloaded and every blob in it is decoded and verified
 against its BLAKE3 id; the pack trailer must agree with the catalogs; and
-every catalog's tree is walked, so a malformed row or an entry that restore
-would refuse (a name such as ``..``, a directory loop) is reported.
+every catalog's tree is walked, so a malformed row, extents that do not lay
+out their file, or an entry that restore would refuse (a name such as ``..``,
+a directory loop) is reported. Index objects and trash records that do not
+decode are reported by name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable
 
 from .catalog import Catalog
 from .errors import CorruptObject, OgrefsError
+from .prune import load_trash
 from .repo import Repository
 from .repo.index import decode_index
 from .repo.pack import pack_key, read_header
@@ -110,6 +113,7 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
                     missing.add(pack)
         except (OgrefsError, StoreError) as exc:
             report.problems.append(f"{name}: {exc}")
+    load_trash(repo, warn=report.problems.append)  # a malformed trash record is a problem to fix, not a crash
     report.packs = len(expected) + len(missing)
     if read_data:
         with ThreadPoolExecutor(workers) as pool:
