@@ -95,11 +95,11 @@ def _known(cache_root: Path) -> dict:
 def _remember(cache_root: Path, url: str, config: RepoConfig) -> None:
     """Record that this box has known ``url`` (and its id) as encrypted or not, and with a MAC or not."""
     known = _known(cache_root)
-    entry = {"id": config.id, "encrypted": bool(config.encryption), "mac": bool(config.mac)}
-    old_url, old_id = known.get(url), known.get(config.id)
-    sticky = lambda old, k: bool(isinstance(old, dict) and old.get(k))  # noqa: E731 - encryption never goes away
-    entry = {**entry, "encrypted": entry["encrypted"] or sticky(old_url, "encrypted") or sticky(old_id, "encrypted"),
-             "mac": entry["mac"] or sticky(old_url, "mac") or sticky(old_id, "mac")}
+    before = [e for e in (known.get(url), known.get(config.id)) if isinstance(e, dict)]
+    # Once known as encrypted (or with a MAC), always: a later plaintext config is the attack.
+    entry = {"id": config.id,
+             "encrypted": bool(config.encryption) or any(bool(e.get("encrypted")) for e in before),
+             "mac": bool(config.mac) or any(bool(e.get("mac")) for e in before)}
     if known.get(url) == entry and known.get(config.id) == entry:
         return
     known[url] = known[config.id] = entry
@@ -118,7 +118,8 @@ def _refuse_downgrade(url: str, config: RepoConfig, cache_root: Path, expect_enc
     if not config.encryption:
         if any(e.get("encrypted") for e in was):
             raise RepositoryError(f"{url}: config says unencrypted, but this box has known the repository as "
-                                  "encrypted; refusing (a replaced config would make data leave in plaintext)")
+                                  "encrypted; refusing (a replaced config would make data leave in plaintext; if "
+                                  f"you replaced it on purpose, remove its entries from {_known_path(cache_root)})")
         used_plain = len(was) == 2 and all(e.get("id") == config.id for e in was)
         if expect_encrypted and not used_plain:
             raise RepositoryError(f"{url}: config says unencrypted although a passphrase or key file was given, "
