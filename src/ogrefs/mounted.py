@@ -9,10 +9,12 @@ own, so a new snapshot can take its catalog entry and chunk list as they are
 
 This module is the one place that depends on the mount's state; what it reads:
 
-* the mount registry (:func:`ogrefs.mount.registered_mounts`): ``snapshot``,
-  ``repo``, ``state_dir``, ``finalized``, ``writable``;
-* ``overlay.load(state_dir)``: each overlay's ``target``, ``lower``, ``upper``
-  and ``merged`` (host files shown above the snapshot: never the snapshot's);
+* the mount registry, through its documented accessor
+  (:func:`ogrefs.mount.writable_state` of each :func:`~ogrefs.mount.registered_mounts`):
+  ``snapshot``, ``repo``, ``state_dir``, ``finalized``, ``host_owned`` (paths
+  where this box's own file shows: never the snapshot's entry) and each
+  overlay's ``target``, ``lower``, ``upper`` and ``merged`` (host files shown
+  above the snapshot: never the snapshot's);
   the lower is ``<state>/lower<catalog path>`` (``<state>/tree<catalog path>``
   after finalize), so the catalog path shown at the target is the lower's tail;
 * ``<state>/tree<catalog path>``: the local copy, and
@@ -39,7 +41,6 @@ import sqlite3
 import stat
 import urllib.parse
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .walk import mount_table
 
@@ -56,6 +57,7 @@ class OwnMount:
     state_dir: bytes
     finalized: bool
     status_path: str | None
+    host_owned: frozenset[bytes] = frozenset()  # catalog paths hidden by the mount: this box's own file shows
     layers: list["Layer"] = field(default_factory=list)
     _complete: set[bytes] | None = None
 
@@ -109,6 +111,8 @@ class Layer:
         if self._below_redirect(os.path.dirname(rel) if rel else b""):
             return None
         cat_path = (self.prefix + rel) or b"/"
+        if cat_path in self.mount.host_owned:
+            return None  # the box's own file shows here, never the snapshot's entry
         if self.merged is not None and os.path.lexists(self.merged + rel):
             return None  # a host file shown above the snapshot's: not the snapshot's entry
         try:
@@ -146,32 +150,26 @@ def _xattr_names(path: bytes) -> set[str]:
 
 def own_mounts() -> list[OwnMount]:
     """The writable ogrefs mounts of this box whose overlays are mounted now (in this mount namespace)."""
-    from .mount import registered_mounts
-    from .errors import OgrefsError
-    from .overlay import load
+    from .mount import registered_mounts, writable_state
 
     table = mount_table()
     out = []
     for info in registered_mounts():
-        state, snap = info.get("state_dir"), info.get("snapshot")
-        if not (info.get("writable") and isinstance(state, str) and isinstance(snap, str)):
+        ws = writable_state(info)
+        if ws is None or not isinstance(ws.get("snapshot"), str):
             continue
-        m = OwnMount(snap, str(info.get("repo") or ""), os.fsencode(state), bool(info.get("finalized")),
-                     info.get("status"))
-        try:
-            overlays = load(Path(state))
-        except OgrefsError:
-            continue
-        for o in overlays:
-            target = os.fsencode(os.path.normpath(o.target))
+        m = OwnMount(ws["snapshot"], str(ws.get("repo") or ""), os.fsencode(ws["state_dir"]), ws["finalized"],
+                     info.get("status"), host_owned=frozenset(os.fsencode(p) for p in ws.get("host_owned") or []))
+        for o in ws["overlays"]:
+            target = os.fsencode(os.path.normpath(o["target"]))
             mp = table.get(target)
             if mp is None or mp.fstype != "overlay":
                 continue  # not mounted now (a stale registration, or another namespace)
-            lower = os.fsencode(o.lower)
+            lower = os.fsencode(o["lower"])
             for root in (m.state_dir + b"/lower", m.state_dir + b"/tree"):
                 if lower == root or lower.startswith(root + b"/"):
-                    merged = os.fsencode(o.merged) if getattr(o, "merged", None) else None
-                    m.layers.append(Layer(target, os.fsencode(o.upper), lower[len(root):], m, merged))
+                    merged = os.fsencode(o["merged"]) if o.get("merged") else None
+                    m.layers.append(Layer(target, os.fsencode(o["upper"]), lower[len(root):], m, merged))
                     break
         if m.layers:
             out.append(m)
