@@ -235,3 +235,40 @@ def test_new_coherent_checkpoint_triggers_a_torn_one_does_not(env, tmp_path):
     show = subprocess.run([PY, "-m", "ogrefs", "show", "--json", "latest-checkpoint"], env=env, check=True,
                           capture_output=True, text=True, timeout=60)
     assert json.loads(show.stdout)["id"] in {m["id"] for m in listed}
+
+
+def test_triggers_during_a_snapshot_wait_and_become_one_more_snapshot(tmp_path):
+    """One snapshot at a time: a notice (and a checkpoint) during a running snapshot let it finish,
+    then exactly one more snapshot serves them all (the agent's own queue and loop, a stand-in snapshot)."""
+    from ogrefs.agent.loop import Agent, AgentOptions, Trigger
+    from ogrefs.agent.notices import Notice
+    from ogrefs.agent.watch import Checkpoint
+
+    events: list[dict] = []
+    agent = Agent(None, AgentOptions(paths=[b"/x"], status_path=tmp_path / "agent.json"), events.append)
+    agent.status["box"] = "b"
+    running, release, taken = threading.Event(), threading.Event(), []
+
+    def take(ck):
+        taken.append(ck)
+        if len(taken) == 1:
+            running.set()
+            assert release.wait(30)
+        return {"id": f"{len(taken):064x}", "tags": [], "totals": {"files": 1, "new_stored_bytes": 0, "read_bytes": 0}}
+
+    agent._take = take
+    agent._queue.put(Trigger("start"))
+    first = threading.Thread(target=lambda: agent._snapshot_for(agent._fold(agent._queue.get(timeout=10))))
+    first.start()
+    assert running.wait(30)
+    notice = Notice("gcp", "preempted", time.time(), time.time() + 30)
+    agent._queue.put(Trigger("notice", notice=notice))
+    agent._queue.put(Trigger("checkpoint", checkpoint=Checkpoint("/r", 7, None, "/r/checkpoint-7")))
+    assert len(taken) == 1  # still the first snapshot: nothing else started
+    release.set()
+    first.join(timeout=30)
+    agent._snapshot_for(agent._fold(agent._queue.get(timeout=10)))
+    assert agent._queue.empty() and len(taken) == 2 and taken[1].step == 7
+    snaps = [e for e in events if e["event"] == "snapshot"]
+    assert [s["reasons"] for s in snaps] == [["start"], ["checkpoint", "notice"]]
+    assert snaps[1]["before_deadline_s"] > 0 and json.loads((tmp_path / "agent.json").read_text())["snapshots"] == 2
