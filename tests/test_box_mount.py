@@ -128,6 +128,9 @@ def test_hard_kill_of_the_daemon_leaves_a_box_that_unmounts_and_remounts(whole):
         ! grep -q " - overlay " /proc/self/mountinfo             # no dead overlay left ...
         test "$(cat {box}/usr/marker)" = "host"                  # ... the box shows its own tree again
         ! {OGREFS} status / 2> {tmp}/status.err
+        {PY} -c "
+import json; from ogrefs.mount import registered_mounts, writable_state
+print(json.dumps([writable_state(i) for i in registered_mounts()]))" > {tmp}/died.json
         {OGREFS} mount {snap} /  --no-materialize                # and a remount recovers every write
         test "$(cat {box}/var/lib/app/written)" = "kept"
         test "$(cat {box}/usr/marker)" = "snap"
@@ -136,6 +139,8 @@ def test_hard_kill_of_the_daemon_leaves_a_box_that_unmounts_and_remounts(whole):
         {OGREFS} unmount /
     """)
     assert "gone" in (tmp / "status.err").read_text()
+    [st] = json.loads((tmp / "died.json").read_text())
+    assert st["died"] and st["overlays"] == []  # the state says truthfully: nothing is mounted
 
 
 def test_submounts_and_ogrefs_directories_stay_visible(whole):

@@ -112,6 +112,8 @@ def teardown(state_dir: Path, reg: Any) -> list[str]:
         return []
     topfiles.hide(state_dir)
     errors = overlay.unmount_all(overlay.load(state_dir), lazy=True)
+    if not errors:
+        overlay.save([], state_dir)  # overlays.json says what is mounted: nothing now
     err = mountsys.umount(str(state_dir / "lower"), lazy=True)
     return errors + ([f"{state_dir}/lower: {err}"] if err else [])
 
@@ -126,18 +128,19 @@ def keep(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int,
         signal.signal(sig, forward)
     line = read_line(from_daemon, 120.0)
     if line != "fuse-ready":
+        forward(0, None)  # the daemon goes first: a foreground mount raises from _answer
+        _reap(daemon_pid)
+        teardown(Path(opts.state_dir), reg)
         _answer(ready_fd, line if line.startswith("error ") else
                 f"error the mount daemon exited before the mount was ready (log: {reg.log})")
-        forward(0, None)
-        _reap(daemon_pid)
         return 1
     try:
         done = bring_up(opts, reg)
     except (OgrefsError, OSError) as exc:
         teardown(Path(opts.state_dir), reg)
-        _answer(ready_fd, f"error {exc}")
         forward(0, None)
         _reap(daemon_pid)
+        _answer(ready_fd, f"error {exc}")
         return 1
     info = reg.read() or {}
     info.update(done, keeper_pid=os.getpid())

@@ -839,6 +839,7 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
                          + ("; close what uses it or use --lazy" if busy else ""))
     from . import topfiles
 
+    overlay.save([], state)  # what is mounted now: nothing (the upper directories stay)
     topfiles.hide(state)
     pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
