@@ -220,7 +220,7 @@ def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkey
     import ogrefs.materialize as mz
 
     crash: dict = {"on": False, "chunks": []}
-    real_pwrite, real_sync = mz._pwrite_all, os.fdatasync
+    real_pwrite, real_sync = mz.pwrite_all, os.fdatasync
 
     def torn_pwrite(fd, data, off):
         real_pwrite(fd, b"\xaa" * len(data) if crash["on"] else data, off)
@@ -238,7 +238,7 @@ def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkey
                 crash["chunks"] = [item.ref.chunk for item, _ in batch]
             return super()._write_batch(batch)
 
-    monkeypatch.setattr(mz, "_pwrite_all", torn_pwrite)
+    monkeypatch.setattr(mz, "pwrite_all", torn_pwrite)
     monkeypatch.setattr(os, "fdatasync", failing_sync)
     state = tmp_path / "state"
     m, _ = materialize(box, state, cls=Crash, batch_bytes=512 * 1024, batch_chunks=2)

@@ -211,24 +211,28 @@ def test_duplicate_name_cannot_turn_a_file_into_a_symlink_out(base, tmp_path, sa
 
 
 def test_data_write_never_follows_a_symlink(base, tmp_path, sandbox, monkeypatch):
-    """Defence in depth: even if a restored file were swapped for a symlink before its data
-    arrives, the write fails (O_NOFOLLOW) and the file is reported, not the victim overwritten."""
+    """Defence in depth: even if a restored file (its temporary name, where the data goes) were swapped
+    for a symlink before its data arrives, the write fails and the file is reported, not the victim
+    overwritten."""
     repo, cat_path, src = base
     target, check = sandbox
     victim = tmp_path / "box" / "victim"
     restored = target / str(src).lstrip("/") / "data.bin"
-    real = Restorer._plan
+    real = Restorer._fetch_all
 
-    def swap_then_plan(self, wanted):
-        os.unlink(restored)
-        os.symlink(victim, restored)
-        return real(self, wanted)
+    def swap_then_fetch(self, ranges):
+        (tmp,) = [p for p in restored.parent.iterdir() if p.name.startswith(".ogrefs-restore-")
+                  and p.stat().st_size == Catalog(cat_path).resolve(str(src).encode() + b"/data.bin").size]
+        tmp.unlink()
+        tmp.symlink_to(victim)
+        return real(self, ranges)
 
-    monkeypatch.setattr(Restorer, "_plan", swap_then_plan)
+    monkeypatch.setattr(Restorer, "_fetch_all", swap_then_fetch)
     r = _restore(Catalog(cat_path), repo, target)
     check()
     assert victim.read_bytes() == b"do not touch\n"
     assert os.fsencode(restored) in r.failed and "write failed" in r.failed[os.fsencode(restored)]
+    assert not os.path.lexists(restored)
 
 
 @pytest.mark.parametrize("loop", ["self", "ancestor", "root", "hardlinked-dir"])

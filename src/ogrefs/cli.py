@@ -19,6 +19,12 @@ from .errors import EXIT_PARTIAL, UsageError
 from .progress import ProgressLine, human_bytes
 
 
+def retry_for_option(f: Callable) -> Callable:
+    """``--retry-for`` (snapshot, restore; the mount has its own): how long store calls ride out an outage."""
+    return click.option("--retry-for", type=click.FloatRange(0, 86400), default=60.0, show_default=True,
+                        help="Seconds to keep retrying an unreachable store before giving up.")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @group_options
 @click.version_option(package_name="ogrefs")
@@ -175,10 +181,11 @@ def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
 @click.option("--box", envvar="OGREFS_BOX", default=None,
               help="The box this snapshot belongs to (default: that of the snapshot this box runs from, "
                    "else the host name); `latest` means this box's newest.")
+@retry_for_option
 @json_option
 @click.pass_obj
 def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, exclude_files, exclude_caches, if_present,
-             files_from, dry_run, allow_empty, whole_box, cross_mounts, parent, force, host, box, as_json) -> None:
+             files_from, dry_run, allow_empty, whole_box, cross_mounts, parent, force, host, box, retry_for, as_json) -> None:
     """Snapshot PATHS (or the whole box) into the repository.
 
     Patterns are shell globs (* ? [abc] [!abc]) matched against the absolute
@@ -202,7 +209,7 @@ def snapshot(obj: Context, paths: tuple[bytes, ...], tags, excludes, exclude_fil
             raise UsageError("--whole-box snapshots / and takes no paths")
     if not paths:
         raise UsageError("nothing to snapshot: give paths or --whole-box")
-    repo = obj.open()
+    repo = obj.open(retry_for=retry_for)
     opts = snapshot_options(repo, list(paths), tags=list(tags), excludes=list(excludes), whole_box=whole_box,
                             cross_mounts=cross_mounts, parent=parent, no_parent=force, host=host, box=box)
     opts.exclude_if_present = markers
@@ -381,17 +388,18 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
               help="Restore only this path of the snapshot (repeatable).")
 @click.option("--workers", type=click.IntRange(1, 64), default=8, show_default=True, help="Parallel fetches.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
+@click.option("--force", is_flag=True, help="Restore even when the target seems to lack the free space.")
+@retry_for_option
 @json_option
 @click.pass_obj
-def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, as_json) -> None:
+def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, force, retry_for, as_json) -> None:
     """Restore snapshot SNAP below TARGET (paths keep their absolute layout)."""
     from .catalog import Catalog
     from .compat import environment_warning
-    from .restore import Restorer
-
+    from .restore import Restorer, stop_on_signals
     from .selection import resolve_snapshot
 
-    repo = obj.open()
+    repo = obj.open(retry_for=retry_for)
     lock = click.get_current_context().with_resource(repo.lock("shared", "restore"))  # prune keeps what we read
     m = resolve_snapshot(repo, snap)
     lock.set_snapshot(m["id"])
@@ -401,24 +409,41 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, a
     cat = Catalog(repo.catalog_path(m["id"]))
     line = ProgressLine(enabled=not (as_json or obj.quiet))
     r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore,
-                 decode_blob=repo.codec.decode_blob)
-    stats = r.run()
-    line.done()
-    result = {"id": m["id"], "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,
+                 decode_blob=repo.codec.decode_blob, check_space=not force)
+    try:
+        with stop_on_signals(r.stop):
+            stats = r.run()
+    finally:
+        line.done()
+    _restore_report(r, stats, m["id"], target, as_json)
+
+
+def _restore_report(r, stats, snap_id: str, target: bytes, as_json: bool) -> None:
+    """The summary of a restore (failures counted) and its exit status: 0 only when everything is in place."""
+    failed = {os.fsdecode(k): v for k, v in sorted(r.failed.items())}
+    below = {os.fsdecode(k): v for k, v in sorted(r.below_failed().items())}
+    meta = {os.fsdecode(k): v for k, v in sorted(r.metadata_problems.items())}
+    result = {"id": snap_id, "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,
               "others": stats.others, "bytes": stats.total_bytes, "written_bytes": stats.written_bytes,
-              "fetched_bytes": stats.fetched_bytes, "requests": stats.requests,
-              "failed": {os.fsdecode(k): v for k, v in sorted(r.failed.items())}, "skipped": r.skipped}
+              "fetched_bytes": stats.fetched_bytes, "requests": stats.requests, "files_restored": stats.files_done,
+              "failed": failed, "not_restored_below": below, "metadata_problems": meta, "skipped": r.skipped}
+    for path, reason in failed.items():
+        click.echo(f"error: {path}: {reason} (not restored)", err=True)
+    for path, n in below.items():
+        click.echo(f"error: {path}: {n} entries below it not restored", err=True)
+    for path, reason in meta.items():
+        click.echo(f"error: {path}: {reason}", err=True)
+    for entry in r.skipped:
+        click.echo(f"error: catalog entry {entry} not restored (unsafe or malformed)", err=True)
     if as_json:
         emit_json(result)
     else:
-        click.echo(f"restored {stats.files} files, {stats.dirs} dirs, {human_bytes(stats.total_bytes)} "
-                   f"from {m['id'][:12]} to {os.fsdecode(target)}")
-    for path, reason in sorted(r.failed.items()):
-        click.echo(f"error: {os.fsdecode(path)}: {reason} (file not restored)", err=True)
-    for entry in r.skipped:
-        click.echo(f"error: catalog entry {entry} not restored (unsafe or malformed)", err=True)
-    if r.failed or r.skipped:
-        sys.exit(1)
+        problems = f", {r.problems} problems (see above)" if r.problems else ""
+        click.echo(f"restored {stats.files_done} of {stats.files} files, {stats.dirs} dirs, "
+                   f"{human_bytes(stats.written_bytes)} of {human_bytes(stats.total_bytes)} "
+                   f"from {snap_id[:12]} to {os.fsdecode(target)}{problems}")
+    if r.problems:
+        sys.exit(EXIT_PARTIAL)
 
 
 @cli.command()

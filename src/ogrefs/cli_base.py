@@ -60,13 +60,16 @@ class Context:
             raise UsageError("no repository given: use --repo URL or set OGREFS_REPO")
         return self.repo_url
 
-    def open(self):
+    def open(self, retry_for: float | None = None):
+        """The repository; ``retry_for``: seconds each store call may keep retrying an outage (None: a few tries)."""
         from .repo import Repository
-
         from .repo.keys import secret_configured
+        from .store import open_store
 
+        store = None if retry_for is None else open_store(self.url(), s3_endpoint=self.s3_endpoint,
+                                                          retry_for=retry_for)
         # a passphrase given means "encrypted": a plaintext config is then refused (issue 14.2)
-        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret,
+        return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret, store=store,
                                expect_encrypted=self.has_secret_source()
                                or secret_configured(self.password_file, self.key_file))
 
@@ -202,4 +205,4 @@ def run_main(group: click.Group, argv: list[str] | None) -> None:
     except PermissionError as exc:
         fail(f"permission denied: {exc.filename or exc}", EXIT_FAILED, as_json)
     except OSError as exc:
-        fail(f"{str(exc.filename) + ': ' if exc.filename else ''}{exc.strerror or exc}", EXIT_FAILED, as_json)
+        fail(f"{os.fsdecode(exc.filename) + ': ' if exc.filename else ''}{exc.strerror or exc}", EXIT_FAILED, as_json)

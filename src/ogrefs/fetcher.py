@@ -27,7 +27,9 @@ recorded trace, hints and background materialization next):
    waiters get :class:`ChunkCorrupt`.  A store that is unreachable is retried
    with exponential backoff for ``retry_for`` seconds before
    :class:`StoreUnavailable`; an object the store no longer has is
-   :class:`ChunkMissing` at once.  The store (RetryingStore) already retries
+   :class:`ChunkMissing` at once, and a location the store refuses as a key
+   or range (a forged pack name in a catalog: ``ValueError``) is
+   :class:`ChunkCorrupt` for its chunks only.  The store (RetryingStore) already retries
    each call a few times; the fetcher's retry is a *deadline*, not a count:
    it asks again until ``retry_for`` has passed, so an outage costs a reader
    at most ``retry_for`` plus one store call, never a product of attempts.  Failures are not remembered: the next read
@@ -709,6 +711,8 @@ class Fetcher:
                         continue
                 except StoreError as exc:
                     failure = StoreUnavailable(first, str(exc))
+                except ValueError as exc:  # a location no store accepts (a forged pack name, a negative offset)
+                    failure = ChunkCorrupt(first, f"the catalog's location is invalid: {exc}")
                 break
         finally:
             self._active -= 1
@@ -816,6 +820,8 @@ class Fetcher:
                 delay = min(delay * 2, 5.0)
             except StoreError as exc:
                 raise StoreUnavailable(ref, str(exc)) from None
+            except ValueError as exc:  # a location no store accepts: this chunk's reader gets EIO, the mount lives
+                raise ChunkCorrupt(ref, f"the catalog's location is invalid: {exc}") from None
 
     # -- caches -------------------------------------------------------------------------------------
     async def _store(self, chunk: bytes, data: bytes) -> None:

@@ -97,7 +97,7 @@ from .progress import human_bytes as human
 from .catalog import ROOT_INO, Catalog
 from .errors import CorruptObject, OgrefsError
 from .fetcher import ChunkMissing, ChunkRef, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
-from .restore import _pwrite_all, apply_metadata, create_entry, make_dir
+from .localtree import LocalTree, pwrite_all
 from .trace import Entry, EntryResolver
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,18 @@ _SYNCFS_ABOVE = 16
 #: Chunks at least this large leave the page cache once durable (bulk data; small files stay cached).
 _DROP_FROM_PAGE_CACHE = 256 * 1024
 _TRACE_CLASS = CLASSES.index("trace")  # its chunks stay in the page cache (see _write_batch)
+
+
+def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> bool:
+    """A non-directory entry of the tree: a hardlink to ``link_to``, an empty file of the node's size, or a
+    special file; False for a type that is not materialized (a socket)."""
+    if link_to is not None:
+        tree.link_name(link_to, path)
+        return True
+    if node.is_reg:
+        tree.create_file(path, node.size)
+        return True
+    return tree.create_special(path, node)
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -285,6 +297,9 @@ class Materializer:
         self._pass_scope: trio.CancelScope | None = None
         self._fresh = False  # the tree was built by this run: nothing was on disk before it started
         self._snap_id = catalog.meta("snapshot_id") or Path(catalog.path).stem
+        # The tree's root fd (every entry is reached through it without following links): opened by the
+        # preparation, in its worker thread, before any writer starts; only read afterwards.
+        self._ltree: LocalTree | None = None
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             db = self._db()
@@ -300,7 +315,7 @@ class Materializer:
             self._complete = {r[0] for r in db.execute("SELECT ino FROM files WHERE complete=1")}
             self._done = {r[0] for r in db.execute("SELECT chunk FROM chunks WHERE done=1")}
             self.complete = self._meta(db, "finished") == "1"
-        except (OSError, sqlite3.Error) as exc:  # a full or read-only disk: the mount works without a local copy
+        except (OSError, sqlite3.Error, OgrefsError) as exc:  # a full or read-only disk: the mount works without a local copy
             self.state = "not materializing"
             self.reason = f"not materializing: the state in {self.state_dir} cannot be opened ({exc})"
 
@@ -322,6 +337,16 @@ class Materializer:
 
     def _dest(self, path: bytes) -> bytes:
         return self._tree_b + path
+
+    def _lt(self) -> LocalTree:
+        assert self._ltree is not None  # (None only when not materializing)
+        return self._ltree
+
+    def _apply_metadata(self, path: bytes, node) -> None:
+        """Worker thread: an entry's final metadata, by fd; what cannot be set is logged, the rest applied."""
+        problems = self._lt().apply_metadata(path, node, self.catalog.xattrs(node.ino), as_root=self._as_root)
+        for p in problems:
+            log.warning("materialization: %s of %s not set (%s)", p.what, os.fsdecode(path) or "/", p.reason)
 
     def is_built(self) -> bool:
         """Blocking: whether the local tree exists already (an earlier run of this state directory)."""
@@ -523,6 +548,7 @@ class Materializer:
             if self._meta(db, "built") != "1":
                 if not self._fits(self._catalog_data_bytes()):
                     return False
+                self._ltree = LocalTree(self._tree_b)
                 self._build(db)
                 self._fresh = True
             else:
@@ -530,6 +556,7 @@ class Materializer:
                                     " WHERE c.done = 0").fetchone()[0]
                 if not self._fits(needed):
                     return False
+                self._ltree = LocalTree(self._tree_b, create=False)
             self._classify_trace(db, trace)
             self._complete_files(db, [r[0] for r in db.execute(
                 "SELECT ino FROM files WHERE pending <= 0 AND complete = 0")])
@@ -555,19 +582,18 @@ class Materializer:
         root = self.catalog.get(ROOT_INO)
         if root is None:
             raise CorruptObject("catalog has no root directory")
-        make_dir(self._tree_b)
+        tree = self._lt()
         others: list[tuple[int, bytes, int]] = [(ROOT_INO, b"", 1)]
         files: list[tuple[int, bytes]] = []
         first: dict[int, bytes] = {}  # hardlinked inode -> its first path
         for path, node in self.catalog.walk():
-            dest = self._dest(path)
             if node.is_dir:
-                make_dir(dest)
+                tree.make_dir(path)
                 others.append((node.ino, path, 1))
             else:
                 link_to = first.get(node.ino) if node.nlink > 1 else None
                 try:
-                    made = create_entry(dest, node, None if link_to is None else self._dest(link_to))
+                    made = _create_entry(tree, path, node, link_to)
                 except PermissionError as exc:  # device nodes need root; the mount still serves them
                     log.info("materialization: cannot create %s (%s)", os.fsdecode(path), exc.strerror)
                     continue
@@ -610,7 +636,7 @@ class Materializer:
         for ino, path in db.execute("SELECT ino, path FROM others WHERE dir=0").fetchall():
             node = self.catalog.get(ino)
             if node is not None:
-                apply_metadata(self._dest(path), node, self.catalog.xattrs(ino), as_root=self._as_root)
+                self._apply_metadata(path, node)
         _syncfs(self._tree_b)
         self._set_meta(db, "built", "1")
         db.execute("COMMIT")
@@ -659,7 +685,7 @@ class Materializer:
             node = self.catalog.get(ino)
             if row is None or node is None:
                 continue
-            apply_metadata(self._dest(row[0]), node, self.catalog.xattrs(ino), as_root=self._as_root)
+            self._apply_metadata(row[0], node)
             done.append(ino)
         if done:
             db.execute("BEGIN")
@@ -679,7 +705,7 @@ class Materializer:
             for ino, path in db.execute("SELECT ino, path FROM others WHERE dir=1 ORDER BY seq DESC").fetchall():
                 node = self.catalog.get(ino)
                 if node is not None:
-                    apply_metadata(self._dest(path), node, self.catalog.xattrs(ino), as_root=self._as_root)
+                    self._apply_metadata(path, node)
             _syncfs(self._tree_b)
             db.execute("BEGIN")
             self._set_meta(db, "finished", "1")
@@ -933,8 +959,8 @@ class Materializer:
                 for ino, off, path in item.targets:
                     fd = fds.get(ino)
                     if fd is None:
-                        fd = fds[ino] = os.open(self._dest(path), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                    _pwrite_all(fd, data, off)
+                        fd = fds[ino] = self._lt().open(path, os.O_WRONLY)
+                    pwrite_all(fd, data, off)
                     if item.cls != _TRACE_CLASS:
                         written.append((fd, off, len(data)))
             if len(fds) > _SYNCFS_ABOVE:

@@ -2,53 +2,114 @@
 
 The algorithm, in plain words:
 
-1. Walk the catalog and create every selected entry: directories (owner-only
-   at first, so nothing is exposed before its final mode is set), empty
-   regular files truncated to their size (holes stay holes), symlinks, FIFOs,
-   device nodes, and hardlinks to the first path of each inode.
-2. List every extent of the selected files in *pack order* and cut the packs
-   into ranges: neighbouring blobs are fetched with one ranged GET (up to
-   ``MAX_RANGE`` bytes, bridging gaps of up to ``MAX_GAP``), several ranges in
-   flight at once; many small files in one directory cost one request.
-3. A worker thread fetches a range, decodes and BLAKE3-verifies each blob, and
-   ``pwrite``s it into every file that references it.  A blob that fails
-   verification is fetched once more on its own (a bit flipped or a response
-   cut short on the way is not a bad pack); if it fails again it is never
-   written, and its files are reported and removed.
-4. Owners, modes (setuid after chown), xattrs and times are applied last,
-   directories deepest first so their mtimes survive.
+1. Walk the catalog and list the selected entries; list every extent of the
+   selected files in *pack order* and cut the packs into ranges: neighbouring
+   blobs are fetched with one ranged GET (up to ``MAX_RANGE`` bytes, bridging
+   gaps of up to ``MAX_GAP``), several ranges in flight at once.
+2. Refuse before writing anything when the data does not fit in the target's
+   free space (``check_space=False`` overrides: files being replaced free
+   theirs).
+3. Create the tree: directories (owner-only at first, so nothing is exposed
+   before its final mode is set), symlinks, FIFOs, device nodes, and for each
+   regular file an empty owner-only file under a *temporary name*
+   (``.ogrefs-restore-<ino>.tmp``) in the directory of its first name, of its
+   final size (holes stay holes).  Temporary files an earlier, killed restore
+   left in a directory are removed.
+4. A worker thread fetches a range, decodes and BLAKE3-verifies each blob, and
+   ``pwrite``s it into every temporary file that references it.  A blob that
+   fails verification is fetched once more on its own (a bit flipped on the
+   way is not a bad pack); if it fails again it is never written.  When the
+   last blob of a file is written, its owner, xattrs, mode and times are set
+   on its fd and it is renamed to its name; its other hardlinked names are
+   linked to it then.  A file whose data fails is never renamed: every one of
+   its names is reported and its temporary file removed, so an interrupted or
+   failed restore never leaves a full-size wrong file under a real name.
+5. Directories get their owners, modes and times last, deepest first (so
+   their mtimes survive), also when the restore failed or was stopped.
+
+One entry's trouble is that entry's: a path conflict (a non-empty directory
+where the snapshot has a file), an xattr the target refuses, a failed write
+are reported (:attr:`Restorer.failed`, :attr:`Restorer.metadata_problems`)
+and the restore goes on.  :meth:`Restorer.stop` (SIGINT/SIGTERM, see
+:func:`stop_on_signals`) ends it after the ranges in flight: no more are
+fetched, and :class:`Interrupted` is raised once directories are finished.
 
 Nothing is written outside the target: the catalog reader skips entries whose
 name is not a plain file name (``..``, ``a/b``, empty, NUL) and directories met
 twice (see :class:`ogrefs.catalog.Catalog`); those are listed in
-:attr:`Restorer.skipped`.  Data is written through ``O_NOFOLLOW``, so even a
-symlink that appeared where a restored file was cannot redirect a write.
+:attr:`Restorer.skipped`.  Every step goes through :class:`ogrefs.localtree.LocalTree`
+(directory fds, no symlink followed, metadata set on open fds), so a local
+user swapping a restored directory for a symlink cannot redirect a write, a
+chown or a chmod.
 
-Threads: the main thread owns the plan; workers receive one immutable range
-description each and write disjoint byte ranges of files; ``_lock`` guards
-the counters and the failure list.
+Threads: the main thread owns the plan and builds the tree; workers receive
+one immutable range description each and write disjoint byte ranges of the
+temporary files; ``_lock`` guards the per-file pending counts, the counters
+and the failure lists.  A file is finished by the worker that wrote its last
+blob (its count reached zero under the lock), so by exactly one thread.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import os
+import signal
 import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import codec
 from .catalog import ROOT_INO, Catalog, Inode
 from .errors import CorruptObject, OgrefsError, UsageError
+from .localtree import LocalTree, MetadataProblem, PathConflict, apply_fd_metadata, pwrite_all, split
+from .progress import human_bytes
 from .store.base import StoreError
 
 MAX_RANGE = 16 * 1024 * 1024
 MAX_GAP = 1024 * 1024
 
 ReadRange = Callable[[str, int, int], bytes]
+#: Temporary files of a restore are named ``.ogrefs-restore-<ino>.tmp``; a rerun removes leftovers.
+TMP_PREFIX = b".ogrefs-restore-"
+TMP_SUFFIX = b".tmp"
+#: Errors of one range's fetch that fail only its files: store errors, bad bytes, and a location the
+#: store refuses as a key (a forged pack name in a catalog is ValueError from key validation).
+_FETCH_ERRORS = (StoreError, CorruptObject, ValueError)
+
+
+class Interrupted(OgrefsError):
+    """The restore was stopped (SIGINT/SIGTERM) before it finished."""
+
+    exit_code = 130
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """While in the block, SIGINT and SIGTERM call ``stop`` (once is enough) instead of raising."""
+    def handler(signum: int, frame: object) -> None:
+        stop()
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+@dataclass
+class _File:
+    """A regular file being restored: its names (the first holds the temporary file) and its missing writes."""
+
+    node: Inode
+    names: list[bytes]
+    tmp: bytes
+    pending: int = 0
+    failed: bool = False
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +139,7 @@ class RestoreStats:
     fetched_bytes: int = 0
     requests: int = 0
     refetched: int = 0  # blobs fetched a second time after failing verification
+    files_done: int = 0  # regular files complete, verified and in place under their names
     started: float = field(default_factory=time.monotonic)
 
 
@@ -102,17 +164,6 @@ def plan_ranges(blobs_by_pack: dict[str, list[_Blob]]) -> list[_Range]:
     return ranges
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """Write all of ``data`` at ``offset``: a full disk may accept part of a write and say so only by its count."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[n:]
-        offset += n
-
-
 def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
     """(record this entry, descend below it) for an ``--include`` list."""
     if not includes:
@@ -125,74 +176,19 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
     return False, False
 
 
-def make_dir(dest: bytes) -> None:
-    """A directory at ``dest``, owner-only until its final mode is applied; whatever else is there is replaced."""
-    try:
-        os.mkdir(dest, 0o700)
-    except FileExistsError:
-        if not os.path.isdir(dest) or os.path.islink(dest):
-            os.unlink(dest)
-            os.mkdir(dest, 0o700)
 
 
-def create_entry(dest: bytes, node: Inode, link_to: bytes | None = None) -> bool:
-    """Create one non-directory entry at ``dest``: a hardlink to ``link_to`` when given, else an empty
-    regular file of the node's size (all hole), a symlink, a FIFO or a device node, owner-only.
-
-    An entry already at ``dest`` is replaced (a directory there is an error).  Returns False for a
-    type that is not restored (a socket).  Owners, modes, xattrs and times come later, from
-    :func:`apply_metadata`, once the data is in place.
-    """
-    mode = node.mode
-    if os.path.lexists(dest):
-        if os.path.isdir(dest) and not os.path.islink(dest):
-            raise OgrefsError(f"{os.fsdecode(dest)}: a directory is in the way of a file")
-        os.unlink(dest)
-    if link_to is not None:
-        os.link(link_to, dest, follow_symlinks=False)
-        return True
-    if stat.S_ISREG(mode):
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, node.size)
-        finally:
-            os.close(fd)
-    elif stat.S_ISLNK(mode):
-        os.symlink(node.target or b"", dest)
-    elif stat.S_ISFIFO(mode):
-        os.mkfifo(dest, 0o600)
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        os.mknod(dest, stat.S_IFMT(mode) | 0o600, node.rdev)
-    else:
-        return False
-    return True
-
-
-def apply_metadata(dest: bytes, node: Inode, xattrs: list[tuple[bytes, bytes]], *, as_root: bool) -> None:
-    """Owner (as root), xattrs, mode and times of ``node`` onto ``dest``, in the order that keeps them all:
-    chown first (it clears setuid bits and capabilities), chmod after the xattrs, times last."""
-    link = stat.S_ISLNK(node.mode)
-    if as_root:
-        try:
-            os.chown(dest, node.uid, node.gid, follow_symlinks=False)
-        except OSError:
-            pass
-    for name, value in xattrs:
-        try:
-            os.setxattr(dest, name, value, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTSUP, errno.EPERM):
-                raise
-    if not link:
-        os.chmod(dest, stat.S_IMODE(node.mode))
-    os.utime(dest, ns=(node.atime_ns, node.mtime_ns), follow_symlinks=False)
+def _tmp_for(rel: bytes, ino: int) -> bytes:
+    parent, _ = split(rel)
+    return parent + b"/" + TMP_PREFIX + str(ino).encode() + TMP_SUFFIX
 
 
 class Restorer:
     def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, *,
                  includes: list[bytes] | None = None, workers: int = 8,
                  progress: Callable[[RestoreStats], None] | None = None,
-                 decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob) -> None:
+                 decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob,
+                 check_space: bool = True) -> None:
         self.cat = catalog
         self.read_range = read_range
         self.decode_blob = decode_blob
@@ -200,91 +196,197 @@ class Restorer:
         self.includes = [os.path.normpath(b"/" + i.lstrip(b"/")) for i in (includes or [])]
         self.workers = workers
         self.progress = progress
+        self.check_space = check_space
         self.stats = RestoreStats()
         self._lock = threading.Lock()
-        self.failed: dict[bytes, str] = {}  # restored path -> reason
+        self._stop = threading.Event()
+        self.failed: dict[bytes, str] = {}  # restored path -> reason it is not there
+        self.metadata_problems: dict[bytes, str] = {}  # restored path -> metadata that could not be set
         self.skipped: list[str] = []  # catalog entries not restored because they are unsafe or malformed
-        self._paths: dict[int, bytes] = {}  # ino -> first restored path, for data and hardlinks
-        self._meta: list[tuple[bytes, Inode]] = []
+        self._files: dict[int, _File] = {}  # ino -> regular file with data or names to finish
+        self._specials: dict[int, bytes] = {}  # ino -> first name of a hardlinked non-regular entry
         self._dirs: list[tuple[bytes, Inode]] = []
+        self._bad_dirs: dict[bytes, bytes] = {}  # a directory not restored (or below one) -> the top one
+        self._below_bad: dict[bytes, int] = {}  # top directory not restored -> entries below it not restored
         self._is_root = os.geteuid() == 0
         self._last_tick = 0.0
+        self.tree: LocalTree | None = None
 
-    def _dest(self, path: bytes) -> bytes:
-        return (self.target + path) if path else (self.target or b"/")
+    # -- public ---------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop after the ranges in flight (thread-safe; a signal handler calls it)."""
+        self._stop.set()
+
+    @property
+    def problems(self) -> int:
+        """Entries not restored or restored without all of their metadata."""
+        return len(self.failed) + len(self.metadata_problems) + sum(self._below_bad.values()) + len(self.skipped)
+
+    def run(self) -> RestoreStats:
+        for inc in self.includes:
+            if self.cat.resolve(inc) is None:
+                raise UsageError(f"{os.fsdecode(inc)} is not in this snapshot")
+        root = self.cat.get(ROOT_INO)
+        if root is None:  # Catalog() refuses such a file; a defence for other readers
+            raise CorruptObject("catalog has no root directory")
+        self.tree = LocalTree(self.target or b"/")
+        try:
+            entries = self._select()
+            ranges, needed = self._plan({n.ino for _p, n in entries if n.is_reg and n.size})
+            if self.check_space:
+                self._check_space(needed)
+            if self.target:
+                self._dirs.append((b"", root))
+            self._build(entries)
+            self._fetch_all(ranges)
+        finally:
+            self._finish()
+        if self._stop.is_set():
+            raise Interrupted(f"interrupted: {self.stats.files_done} of {self.stats.files} files restored; "
+                              "the others were not put in place")
+        return self.stats
+
+    def display(self, rel: bytes) -> bytes:
+        return (self.target + rel) if rel else (self.target or b"/")
 
     def _tick(self, force: bool = False) -> None:
         if self.progress and (force or time.monotonic() - self._last_tick > 0.2):
             self._last_tick = time.monotonic()
             self.progress(self.stats)
 
-    # -- step 1: the tree ---------------------------------------------------------
-    def _make(self, dest: bytes, node: Inode) -> None:
-        if stat.S_ISDIR(node.mode):
-            make_dir(dest)
-            self._dirs.append((dest, node))
-            self.stats.dirs += 1
-            return
-        link_to = self._paths.get(node.ino) if node.nlink > 1 else None
-        if not create_entry(dest, node, link_to) or link_to is not None:
-            return
-        if stat.S_ISREG(node.mode):
-            self.stats.files += 1
-            self.stats.total_bytes += node.size
-        else:
-            self.stats.others += 1
-        self._paths[node.ino] = dest
-        self._meta.append((dest, node))
-
-    def _build_tree(self) -> set[int]:
-        """Create entries; returns the inos of regular files whose data is needed."""
-        os.makedirs(self.target or b"/", exist_ok=True)
-        root = self.cat.get(ROOT_INO)
-        if root is None:  # Catalog() refuses such a file; a defence for other readers
-            raise CorruptObject("catalog has no root directory")
-        if self.target:
-            self._dirs.append((self.target, root))
-        wanted: set[int] = set()
+    # -- step 1: what to restore, and the ranges ---------------------------------------------------
+    def _select(self) -> list[tuple[bytes, Inode]]:
+        out = []
         for path, node in self.cat.walk():
-            record, _ = _selected(path, self.includes)
-            if not record:
-                continue
-            dest = self._dest(path)
-            try:
-                self._make(dest, node)
-            except OSError as exc:
-                raise OgrefsError(f"{os.fsdecode(dest)}: cannot create ({exc.strerror})") from None
-            if node.is_reg and node.size:
-                wanted.add(node.ino)
-            self._tick()
-        return wanted
+            if _selected(path, self.includes)[0]:
+                out.append((path, node))
+        return out
 
-    # -- step 2/3: the data ----------------------------------------------------------
-    def _plan(self, wanted: set[int]) -> list[_Range]:
+    def _plan(self, wanted: set[int]) -> tuple[list[_Range], int]:
+        """Ranges to fetch, the writes each file waits for (``_pending``), and the bytes to be written."""
         by_chunk: dict[bytes, tuple[str, int, int, int, list[tuple[int, int]]]] = {}
+        self._pending: dict[int, int] = {}
+        needed = 0
         for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents():
             if ino not in wanted:
                 continue
             if pack is None:
-                raise OgrefsError(f"catalog is damaged: a chunk of {os.fsdecode(self._paths[ino])} has no location")
+                raise CorruptObject(f"catalog is damaged: a chunk of inode {ino} has no location")
             entry = by_chunk.get(chunk)
             if entry is None:
                 entry = by_chunk[chunk] = (pack, poff, slen, length, [])
             entry[4].append((ino, off))
+            self._pending[ino] = self._pending.get(ino, 0) + 1
+            needed += length
         by_pack: dict[str, list[_Blob]] = {}
         for chunk, (pack, poff, slen, raw_len, targets) in by_chunk.items():
             by_pack.setdefault(pack, []).append(_Blob(poff, slen, raw_len, chunk, tuple(targets)))
-        return plan_ranges(by_pack)
+        return plan_ranges(by_pack), needed
 
-    def _fail(self, inos: set[int], reason: str) -> None:
+    def _check_space(self, needed: int) -> None:
+        assert self.tree is not None
+        st = os.fstatvfs(self.tree.root_fd)
+        free = (st.f_bfree if self._is_root else st.f_bavail) * st.f_frsize
+        if needed > free:
+            raise OgrefsError(f"{os.fsdecode(self.target or b'/')}: not enough free space: the restore needs "
+                              f"{human_bytes(needed)}, {human_bytes(free)} free (--force restores anyway)")
+
+    # -- step 3: the tree ------------------------------------------------------------------------
+    def _build(self, entries: list[tuple[bytes, Inode]]) -> None:
+        assert self.tree is not None
+        self._clean_stale(b"")
+        for path, node in entries:
+            if self._stop.is_set():
+                return
+            parent = split(path)[0]
+            top = self._bad_dirs.get(parent)
+            if top is not None:  # below a directory that could not be made
+                self._below_bad[top] += 1
+                if node.is_dir:
+                    self._bad_dirs[path] = top
+                continue
+            try:
+                self._make(path, node)
+            except (OSError, PathConflict) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+                self.failed[self.display(path)] = f"cannot create ({reason})"
+                if node.is_dir:
+                    self._bad_dirs[path] = path
+                    self._below_bad[path] = 0
+            self._tick()
+        for ino, f in list(self._files.items()):
+            if not self._pending.get(ino):
+                self._complete(f)  # nothing to fetch: empty, or all holes
+
+    def _make(self, path: bytes, node: Inode) -> None:
+        assert self.tree is not None
+        if node.is_dir:
+            if self.tree.make_dir(path):
+                self._clean_stale(path)
+            self._dirs.append((path, node))
+            self.stats.dirs += 1
+            return
+        if node.is_reg:
+            self._make_file(path, node)
+            return
+        first = self._specials.get(node.ino) if node.nlink > 1 else None
+        if first is not None:
+            self.tree.link_name(first, path)
+            return
+        if not self.tree.create_special(path, node):
+            return  # a socket: not restored
+        self.stats.others += 1
+        if node.nlink > 1:
+            self._specials[node.ino] = path
+        self._note(path, self.tree.apply_metadata(path, node, self.cat.xattrs(node.ino), as_root=self._is_root))
+
+    def _make_file(self, path: bytes, node: Inode) -> None:
+        assert self.tree is not None
+        self.tree.clear_for_file(path)  # a non-empty directory in the way is a conflict of this name only
+        f = self._files.get(node.ino) if node.nlink > 1 else None
+        if f is not None:
+            f.names.append(path)
+            return
+        tmp = _tmp_for(path, node.ino)
+        self.tree.create_file(tmp, node.size)
+        self._files[node.ino] = _File(node, [path], tmp, self._pending.get(node.ino, 0))
+        self.stats.files += 1
+        self.stats.total_bytes += node.size
+
+    def _clean_stale(self, rel: bytes) -> None:
+        """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``."""
+        assert self.tree is not None
+        for name in self.tree.names_in(rel):
+            if name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX):
+                with contextlib.suppress(OSError):
+                    self.tree.unlink(rel + b"/" + name)
+
+    # -- step 4: the data ------------------------------------------------------------------------
+    def _fetch_all(self, ranges: list[_Range]) -> None:
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-restore") as pool:
+            futures = [pool.submit(self._fetch, r) for r in ranges]
+            for fut in as_completed(futures):
+                fut.result()
+                self._tick()
+                if self._stop.is_set():
+                    for other in futures:
+                        other.cancel()
+
+    def _fail(self, inos: Iterator[int] | set[int], reason: str) -> None:
         with self._lock:
             for ino in inos:
-                self.failed.setdefault(self._paths[ino], reason)
+                f = self._files.get(ino)
+                if f is not None and not f.failed and not f.done:
+                    f.failed = True
+                    for name in f.names:
+                        self.failed.setdefault(self.display(name), reason)
 
     def _fetch(self, rng: _Range) -> None:
+        if self._stop.is_set():
+            return
         try:
             data = self.read_range(rng.pack, rng.offset, rng.length)
-        except (StoreError, CorruptObject) as exc:
+        except _FETCH_ERRORS as exc:
             self._fail({t[0] for b in rng.blobs for t in b.targets}, f"pack {rng.pack[:12]}: {exc}")
             return
         with self._lock:
@@ -299,18 +401,28 @@ class Restorer:
                 if plain is None:
                     continue
             for ino, off in b.targets:
-                path = self._paths[ino]
-                try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                    try:
-                        _pwrite_all(fd, plain, off)
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    self._fail({ino}, f"write failed: {exc.strerror}")
-                    continue
-                with self._lock:
-                    self.stats.written_bytes += len(plain)
+                self._write(ino, plain, off)
+
+    def _write(self, ino: int, plain: bytes, off: int) -> None:
+        assert self.tree is not None
+        f = self._files.get(ino)
+        if f is None or f.failed:  # (its entry could not be made: reported already)
+            return
+        try:
+            fd = self.tree.open(f.tmp, os.O_WRONLY)
+            try:
+                pwrite_all(fd, plain, off)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._fail({ino}, f"write failed: {exc.strerror}")
+            return
+        with self._lock:
+            self.stats.written_bytes += len(plain)
+            f.pending -= 1
+            last = f.pending == 0 and not f.failed
+        if last:
+            self._complete(f)
 
     def _refetch(self, pack: str, b: _Blob) -> bytes | None:
         """A blob that failed verification, fetched once more on its own; None (and its files failed) if bad again."""
@@ -319,39 +431,76 @@ class Restorer:
         try:
             data = self.read_range(pack, b.pack_offset, b.stored_len)
             return self.decode_blob(data, b.raw_len, b.chunk)
-        except (StoreError, CorruptObject) as exc:
-            self._fail({t[0] for t in b.targets}, f"pack {pack[:12]}: {exc}" if isinstance(exc, StoreError)
-                       else str(exc))
+        except _FETCH_ERRORS as exc:
+            self._fail({t[0] for t in b.targets}, str(exc) if isinstance(exc, CorruptObject)
+                       else f"pack {pack[:12]}: {exc}")
             return None
 
-    # -- step 4: metadata ----------------------------------------------------------
-    def _apply_meta(self, dest: bytes, node: Inode) -> None:
-        apply_metadata(dest, node, self.cat.xattrs(node.ino), as_root=self._is_root)
+    def _complete(self, f: _File) -> None:
+        """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file)."""
+        assert self.tree is not None
+        try:
+            fd = self.tree.open(f.tmp, os.O_RDONLY)
+        except OSError as exc:
+            self._fail({f.node.ino}, f"temporary file lost ({exc.strerror})")
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != f.node.size:
+                self._fail({f.node.ino}, "temporary file was replaced")
+                return
+            problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
+            self.tree.rename(f.tmp, f.names[0])
+            with self._lock:
+                f.done = True
+                self.stats.files_done += 1
+            for name in f.names[1:]:
+                try:
+                    self.tree.link(fd, name)
+                except (OSError, PathConflict) as exc:
+                    with self._lock:
+                        self.failed[self.display(name)] = f"hardlink not made ({_reason(exc)})"
+            for name in f.names:
+                self._note(name, problems)
+        except (OSError, PathConflict) as exc:
+            self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
+        finally:
+            os.close(fd)
 
-    def run(self) -> RestoreStats:
-        if self.includes:
-            for inc in self.includes:
-                if self.cat.resolve(inc) is None:
-                    raise UsageError(f"{os.fsdecode(inc)} is not in this snapshot")
-        wanted = self._build_tree()
-        ranges = self._plan(wanted)
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-restore") as pool:
-            futures = [pool.submit(self._fetch, r) for r in ranges]
-            for fut in as_completed(futures):
-                fut.result()
-                self._tick()
-        for path in sorted(self.failed):
-            try:
-                os.unlink(path)  # never leave a file that looks restored but holds wrong bytes
-            except OSError:
-                pass
-        failed = set(self.failed)
-        for dest, node in self._meta:
-            if dest not in failed:
-                self._apply_meta(dest, node)
-        for dest, node in reversed(self._dirs):
-            self._apply_meta(dest, node)
-        self.skipped = [f"{name!r} in directory inode {parent}: {reason}"
-                        for (parent, name), reason in sorted(self.cat.rejected.items())]
-        self._tick(force=True)
-        return self.stats
+    def _note(self, rel: bytes, problems: list[MetadataProblem]) -> None:
+        if problems:
+            with self._lock:
+                self.metadata_problems[self.display(rel)] = "; ".join(f"{p.what} not set ({p.reason})"
+                                                                      for p in problems)
+
+    # -- step 5: directories, whatever happened ------------------------------------------------------
+    def _finish(self) -> None:
+        tree = self.tree
+        if tree is None:
+            return
+        try:
+            for f in self._files.values():
+                if not f.done:
+                    if not f.failed and not self._stop.is_set():
+                        self._fail({f.node.ino}, "not restored")
+                    with contextlib.suppress(OSError):
+                        tree.unlink(f.tmp)
+            for rel, node in reversed(self._dirs):
+                try:
+                    self._note(rel, tree.apply_metadata(rel, node, self.cat.xattrs(node.ino), as_root=self._is_root))
+                except OSError as exc:
+                    self.metadata_problems[self.display(rel)] = f"metadata not set ({exc.strerror})"
+            self.skipped = [f"{name!r} in directory inode {parent}: {reason}"
+                            for (parent, name), reason in sorted(self.cat.rejected.items())]
+            self._tick(force=True)
+        finally:
+            tree.close()
+            self.tree = None
+
+    def below_failed(self) -> dict[bytes, int]:
+        """Directories not restored -> how many entries below them were not restored either."""
+        return {self.display(k): v for k, v in self._below_bad.items() if v}
+
+
+def _reason(exc: BaseException) -> str:
+    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)

@@ -31,8 +31,10 @@ __all__ = [
 S3_ENDPOINT_ENV = "OGREFS_S3_ENDPOINT"
 
 
-def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True) -> Store:
-    """Open the store at ``url``; wrapped in RetryingStore unless ``retry=False``.
+def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True,
+               retry_for: float | None = None) -> Store:
+    """Open the store at ``url``; wrapped in RetryingStore unless ``retry=False``
+    (``retry_for``: seconds each call may retry an outage; None: a few attempts).
 
     ``s3_endpoint`` (else ``$OGREFS_S3_ENDPOINT``) points s3:// URLs at an
     S3-compatible server; without either, boto3's own configuration applies
@@ -40,7 +42,7 @@ def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True) 
     ValueError), with a one-line message, for a URL no backend understands.
     """
     backend = _open_backend(url, s3_endpoint)
-    return RetryingStore(backend) if retry else backend
+    return RetryingStore(backend, retry_for=retry_for) if retry else backend
 
 
 #: Schemes people type (ours, and other tools' that a user of restic or rclone may try).

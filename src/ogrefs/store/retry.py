@@ -7,6 +7,14 @@ decides how often and how long to try again.  Everything else --
 NotFound, PermissionDenied, ShortRead, plain StoreError, ValueError -- is
 passed through on the first occurrence, because repeating it cannot help.
 
+How long: by default a call is tried ``attempts`` times (about 6 s of
+backoff in all).  A caller that must ride through an outage -- ``snapshot``
+and ``restore`` with ``--retry-for``, like the mount's fetcher -- gives
+``retry_for`` seconds instead: a call is then retried, however often, until
+that much time has passed since it started (restic's ``MaxElapsedTime``),
+and the last wait is cut so that the budget is not overrun by more than one
+attempt.
+
 Backoff is exponential with jitter (each delay is drawn from the upper half
 of the exponential step), so that many threads hitting the same outage do
 not retry in lockstep.  ``sleep`` and ``rng`` are injectable so tests run
@@ -43,9 +51,14 @@ class RetryingStore(Store):
     """Retry ``inner``'s TransientErrors with capped exponential backoff and jitter."""
 
     def __init__(self, inner: Store, attempts: int = 6, base_delay: float = 0.2, max_delay: float = 10.0,
-                 *, sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None) -> None:
+                 *, retry_for: float | None = None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        if retry_for is not None and not retry_for >= 0:
+            raise ValueError("retry_for must be a number of seconds >= 0")
+        self.retry_for = retry_for
+        self._clock = clock
         self.inner = inner
         self.url = inner.url
         self.attempts = attempts
@@ -62,17 +75,29 @@ class RetryingStore(Store):
             jitter = self._rng.random()
         return step / 2 + jitter * step / 2
 
+    def _wait_or_give_up(self, what: str, exc: TransientError, attempt: int, started: float) -> None:
+        """Sleep before retry ``attempt + 1``, or raise when the attempts or the time budget are spent."""
+        wait = self.delay(attempt)
+        if self.retry_for is None:
+            if attempt >= self.attempts:
+                raise TransientError(f"{exc} (gave up after {attempt} attempts)") from exc
+        else:
+            left = started + self.retry_for - self._clock()
+            if left <= 0:
+                raise TransientError(f"{exc} (gave up after {self.retry_for:.0f} s, {attempt} attempts)") from exc
+            wait = min(wait, left)
+        log.info("%s failed (%s); retry %d in %.2fs", what, exc, attempt, wait)
+        self._sleep(wait)
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        for attempt in range(1, self.attempts + 1):
+        started = self._clock()
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn()
             except TransientError as exc:
-                if attempt == self.attempts:
-                    raise TransientError(f"{exc} (gave up after {attempt} attempts)") from exc
-                wait = self.delay(attempt)
-                log.info("%s failed (%s); retry %d/%d in %.2fs", what, exc, attempt, self.attempts - 1, wait)
-                self._sleep(wait)
-        raise AssertionError("unreachable")  # pragma: no cover
+                self._wait_or_give_up(what, exc, attempt, started)
 
     def get(self, key: str) -> bytes:
         return self._call(f"get {key}", lambda: self.inner.get(key))
@@ -105,6 +130,7 @@ class RetryingStore(Store):
     def _list(self, prefix: str, it: Iterator[str]) -> Iterator[str]:
         seen: set[str] = set()
         failures = 0
+        started = self._clock()
         while True:
             progressed = False
             try:
@@ -115,12 +141,10 @@ class RetryingStore(Store):
                         yield key
                 return
             except TransientError as exc:
-                failures = 1 if progressed else failures + 1
-                if failures >= self.attempts:
-                    raise TransientError(f"{exc} (gave up after {failures} attempts)") from exc
-                wait = self.delay(failures)
-                log.info("list %s failed (%s); restarting in %.2fs", prefix, exc, wait)
-                self._sleep(wait)
+                if progressed:
+                    failures, started = 0, self._clock()
+                failures += 1
+                self._wait_or_give_up(f"list {prefix}", exc, failures, started)
             it = self._call(f"list {prefix}", lambda: self.inner.list(prefix))
 
     def close(self) -> None:

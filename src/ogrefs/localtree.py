@@ -1,0 +1,418 @@
+"""Writing entries into a local tree that a local user may be changing under us.
+
+Restore (often as root, over ``/``) and the materializer both create a tree
+of directories, files, symlinks and special files, write data into the files
+and then set owners, modes, xattrs and times.  A local user who owns a
+directory inside the target (``/home/u`` when a box is restored over ``/``)
+can rename anything in it at any moment, e.g. swap a directory restore has
+just created for a symlink to ``/etc``.  Every path-based call would then
+follow that link: root writes the snapshot's bytes into a root-only file and
+chowns it to the user.
+
+So nothing here is done by path.  :class:`LocalTree` holds a file descriptor
+of the tree's root (the one path that is trusted: the caller chose it) and
+resolves every entry below it with ``openat2(RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)`` where the kernel has it
+(Linux >= 5.6), else component by component with ``O_NOFOLLOW | O_DIRECTORY``
+from the root fd.  A symlink anywhere on the way is ``ELOOP`` (the entry
+fails, nothing is followed).  Entries are made relative to their parent's fd
+(``mkdirat``, ``openat(O_CREAT|O_EXCL|O_NOFOLLOW)``, ``symlinkat``, ...) and
+metadata is set on an open fd (``fchown``, ``fchmod``, ``fsetxattr``,
+``futimens``); a symlink gets ``lchown``/``utimensat(AT_SYMLINK_NOFOLLOW)``
+relative to its parent's fd, and a FIFO or device node is changed through an
+``O_PATH`` fd of it (``/proc/self/fd/N`` names exactly that inode).  A
+directory swapped after it was opened keeps receiving its entries wherever
+it was moved: the user's own directory, never a file of someone else's.
+
+Threads: a LocalTree is immutable after construction (the root fd is only
+read), so any thread may call it; every call opens and closes its own fds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import stat
+from dataclasses import dataclass
+from typing import Iterator
+
+from .catalog import Inode
+from .errors import OgrefsError
+
+__all__ = ["LocalTree", "PathConflict", "MetadataProblem", "pwrite_all", "split"]
+
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
+_RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+#: Metadata errors that only mean "not supported here" and are not worth a report per entry:
+#: EPERM (no privilege for trusted.* / security.* as a user), ENOTSUP (no xattrs on this file system).
+_XATTR_QUIET = (errno.EPERM, errno.ENOTSUP)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+class PathConflict(OgrefsError):
+    """An entry of another kind (a non-empty directory where a file goes) is in the way."""
+
+
+@dataclass(frozen=True)
+class MetadataProblem:
+    """Part of an entry's metadata that could not be set (the entry itself is in place)."""
+
+    what: str
+    reason: str
+
+
+def _probe_openat2() -> bool:
+    if _SYS_OPENAT2 is None:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        how = _OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
+        fd = libc.syscall(_SYS_OPENAT2, -100, b"/", ctypes.byref(how), ctypes.sizeof(how))
+    except (OSError, AttributeError):
+        return False
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+HAVE_OPENAT2 = _probe_openat2()
+_HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
+
+
+def split(rel: bytes) -> tuple[bytes, bytes]:
+    """``b"/a/b/c"`` -> ``(b"/a/b", b"c")``."""
+    parent, _, name = rel.rpartition(b"/")
+    return parent, name
+
+
+def _components(rel: bytes) -> list[bytes]:
+    parts = [p for p in rel.split(b"/") if p]
+    for p in parts:
+        if p in (b".", b".."):
+            raise OSError(errno.EINVAL, f"path component {p!r} refused")
+    return parts
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a full disk may accept part of a write and say so only by its count."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+        offset += n
+
+
+class LocalTree:
+    """A tree rooted at a trusted directory; every entry below it is reached without following a link."""
+
+    def __init__(self, root: bytes, *, create: bool = True) -> None:
+        self.root = root
+        try:
+            if create:
+                os.makedirs(root, exist_ok=True)
+            self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileExistsError:
+            raise OgrefsError(f"{os.fsdecode(root)}: exists and is not a directory") from None
+        except OSError as exc:
+            raise OgrefsError(f"{os.fsdecode(root)}: cannot be used as a target ({exc.strerror})") from None
+        if os.fstatvfs(self.root_fd).f_flag & os.ST_RDONLY:
+            os.close(self.root_fd)
+            raise OgrefsError(f"{os.fsdecode(root)}: is on a read-only file system")
+
+    def close(self) -> None:
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
+
+    def __enter__(self) -> "LocalTree":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- resolution -----------------------------------------------------------------------------
+    def open(self, rel: bytes, flags: int, mode: int = 0) -> int:
+        """An fd of ``rel`` (``b""`` is the root) opened with ``flags``; no symlink on the way or at the end is followed."""
+        parts = _components(rel)
+        flags |= os.O_CLOEXEC | os.O_NOFOLLOW
+        if not parts:
+            return os.open(".", flags & ~os.O_NOFOLLOW, dir_fd=self.root_fd)
+        if HAVE_OPENAT2:
+            how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE)
+            fd = _libc.syscall(_SYS_OPENAT2, self.root_fd, b"/".join(parts), ctypes.byref(how), ctypes.sizeof(how))
+            if fd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), os.fsdecode(rel))
+            return fd
+        parent = self._walk(parts[:-1])
+        try:
+            return os.open(parts[-1], flags, mode, dir_fd=parent)
+        finally:
+            os.close(parent)
+
+    def _walk(self, parts: list[bytes]) -> int:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.root_fd)
+        try:
+            for p in parts:
+                nxt = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def open_dir(self, rel: bytes) -> int:
+        return self.open(rel, os.O_RDONLY | os.O_DIRECTORY)
+
+    # -- making entries -----------------------------------------------------------------------
+    def make_dir(self, rel: bytes) -> bool:
+        """A directory at ``rel``, owner-only until its metadata is set; a non-directory there is replaced.
+
+        Returns True if a directory was there already (it may hold stale temporary files).
+        """
+        if not rel:
+            return True
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        try:
+            try:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+                return False
+            except FileExistsError:
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    return True
+                os.unlink(name, dir_fd=pfd)
+                os.mkdir(name, 0o700, dir_fd=pfd)
+                return False
+        finally:
+            os.close(pfd)
+
+    def clear_for_file(self, rel: bytes) -> None:
+        """Make room for a non-directory at ``rel``: an empty directory there goes, a non-empty one is a
+        :class:`PathConflict`; anything else stays until the new entry replaces it (rename)."""
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        try:
+            try:
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return
+            if stat.S_ISDIR(st.st_mode):
+                _unlink_nondir(pfd, name)
+        finally:
+            os.close(pfd)
+
+    def create_file(self, rel: bytes, size: int) -> None:
+        """An empty owner-only regular file of ``size`` bytes (all hole) at ``rel``, replacing what is there."""
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        try:
+            _unlink_nondir(pfd, name)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=pfd)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(pfd)
+
+    def create_special(self, rel: bytes, node: Inode) -> bool:
+        """A symlink, FIFO or device node at ``rel`` (replacing a non-directory); False for a socket."""
+        parent, name = split(rel)
+        mode = node.mode
+        pfd = self.open_dir(parent)
+        try:
+            _unlink_nondir(pfd, name)
+            if stat.S_ISLNK(mode):
+                os.symlink(node.target or b"", name, dir_fd=pfd)
+            elif stat.S_ISFIFO(mode):
+                os.mkfifo(name, 0o600, dir_fd=pfd)
+            elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                os.mknod(name, stat.S_IFMT(mode) | 0o600, node.rdev, dir_fd=pfd)
+            else:
+                return False
+            return True
+        finally:
+            os.close(pfd)
+
+    def link(self, fd: int, rel: bytes) -> None:
+        """A new name ``rel`` for the open file ``fd`` (a hardlink), replacing a non-directory there."""
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        try:
+            _unlink_nondir(pfd, name)
+            if _HAVE_PROC_FD:
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=pfd, follow_symlinks=True)
+            else:
+                raise OSError(errno.ENOSYS, "hardlinks need /proc/self/fd")
+        finally:
+            os.close(pfd)
+
+    def link_name(self, src: bytes, rel: bytes) -> None:
+        """A hardlink at ``rel`` to the entry at ``src`` (not following it if it is a symlink)."""
+        sparent, sname = split(src)
+        parent, name = split(rel)
+        sfd = self.open_dir(sparent)
+        try:
+            pfd = self.open_dir(parent)
+            try:
+                _unlink_nondir(pfd, name)
+                os.link(sname, name, src_dir_fd=sfd, dst_dir_fd=pfd, follow_symlinks=False)
+            finally:
+                os.close(pfd)
+        finally:
+            os.close(sfd)
+
+    def rename(self, src: bytes, dst: bytes) -> None:
+        """Move ``src`` to ``dst`` (same directory or not), replacing a non-directory there atomically."""
+        sparent, sname = split(src)
+        parent, name = split(dst)
+        sfd = self.open_dir(sparent)
+        try:
+            pfd = sfd if parent == sparent else self.open_dir(parent)
+            try:
+                os.rename(sname, name, src_dir_fd=sfd, dst_dir_fd=pfd)
+            finally:
+                if pfd != sfd:
+                    os.close(pfd)
+        finally:
+            os.close(sfd)
+
+    def unlink(self, rel: bytes) -> None:
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        try:
+            os.unlink(name, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+
+    def names_in(self, rel: bytes) -> Iterator[bytes]:
+        """Names in directory ``rel`` (opened without following links)."""
+        fd = self.open_dir(rel)
+        try:
+            with os.scandir(fd) as it:  # scandir closes a dup of fd, not fd
+                names = [os.fsencode(e.name) for e in it]
+        finally:
+            os.close(fd)
+        return iter(names)
+
+    # -- metadata -----------------------------------------------------------------------------
+    def apply_metadata(self, rel: bytes, node: Inode, xattrs: list[tuple[bytes, bytes]], *,
+                       as_root: bool) -> list[MetadataProblem]:
+        """Owner, xattrs, mode and times of ``node`` onto the entry at ``rel``; what could not be set.
+
+        Never by path: a file or directory is opened (no links followed) and
+        changed through its fd; a symlink relative to its parent's fd.
+        """
+        if stat.S_ISLNK(node.mode):
+            return self._symlink_metadata(rel, node, xattrs, as_root=as_root)
+        if stat.S_ISDIR(node.mode) or stat.S_ISREG(node.mode):
+            flags = os.O_RDONLY | (os.O_DIRECTORY if stat.S_ISDIR(node.mode) else 0)
+            fd = self.open(rel, flags | os.O_NONBLOCK)
+            try:
+                return apply_fd_metadata(fd, node, xattrs, as_root=as_root)
+            finally:
+                os.close(fd)
+        fd = self.open(rel, os.O_PATH)
+        try:
+            if stat.S_IFMT(os.fstat(fd).st_mode) != stat.S_IFMT(node.mode):
+                raise OSError(errno.EEXIST, "the entry was replaced by another kind")
+            if not _HAVE_PROC_FD:
+                return [MetadataProblem("metadata", "needs /proc/self/fd for a special file")]
+            return _apply_path_metadata(f"/proc/self/fd/{fd}", node, xattrs, as_root=as_root)
+        finally:
+            os.close(fd)
+
+    def _symlink_metadata(self, rel: bytes, node: Inode, xattrs: list[tuple[bytes, bytes]], *,
+                          as_root: bool) -> list[MetadataProblem]:
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        problems: list[MetadataProblem] = []
+        try:
+            if as_root:
+                _quiet(problems, "owner", lambda: os.chown(name, node.uid, node.gid, dir_fd=pfd,
+                                                          follow_symlinks=False))
+            if xattrs and _HAVE_PROC_FD:
+                path = os.fsencode(f"/proc/self/fd/{pfd}/") + name  # the dir by its fd; the link itself is not followed
+                for xname, value in xattrs:
+                    _xattr(problems, xname, lambda: os.setxattr(path, xname, value, follow_symlinks=False))
+            os.utime(name, ns=(node.atime_ns, node.mtime_ns), dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
+        return problems
+
+
+def _unlink_nondir(pfd: int, name: bytes) -> None:
+    """Remove a non-directory ``name`` in ``pfd``; a directory there is a :class:`PathConflict` unless empty."""
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            os.rmdir(name, dir_fd=pfd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise PathConflict("a non-empty directory is in the way") from None
+            raise
+        return
+    os.unlink(name, dir_fd=pfd)
+
+
+def _quiet(problems: list[MetadataProblem], what: str, fn) -> None:
+    try:
+        fn()
+    except OSError as exc:
+        if exc.errno != errno.EPERM:
+            problems.append(MetadataProblem(what, exc.strerror or str(exc)))
+
+
+def _xattr(problems: list[MetadataProblem], name: bytes, fn) -> None:
+    try:
+        fn()
+    except OSError as exc:
+        if exc.errno not in _XATTR_QUIET:
+            problems.append(MetadataProblem(f"xattr {os.fsdecode(name)}", exc.strerror or str(exc)))
+
+
+def apply_fd_metadata(fd: int, node: Inode, xattrs: list[tuple[bytes, bytes]], *,
+                      as_root: bool) -> list[MetadataProblem]:
+    """Owner (as root), xattrs, mode and times onto an open file or directory, in the order that keeps them all:
+    chown first (it clears setuid bits and capabilities), chmod after the xattrs, times last.
+    A failing part is returned and the rest still applied (a mode is never left owner-only)."""
+    problems: list[MetadataProblem] = []
+    if as_root:
+        _quiet(problems, "owner", lambda: os.fchown(fd, node.uid, node.gid))
+    for name, value in xattrs:
+        _xattr(problems, name, lambda: os.setxattr(fd, name, value))
+    os.fchmod(fd, stat.S_IMODE(node.mode))
+    os.utime(fd, ns=(node.atime_ns, node.mtime_ns))
+    return problems
+
+
+def _apply_path_metadata(path: str, node: Inode, xattrs: list[tuple[bytes, bytes]], *,
+                         as_root: bool) -> list[MetadataProblem]:
+    """The same through a ``/proc/self/fd/N`` name of an O_PATH fd (FIFOs and device nodes are not opened)."""
+    problems: list[MetadataProblem] = []
+    if as_root:
+        _quiet(problems, "owner", lambda: os.chown(path, node.uid, node.gid))
+    for name, value in xattrs:
+        _xattr(problems, name, lambda: os.setxattr(path, name, value))
+    os.chmod(path, stat.S_IMODE(node.mode))
+    os.utime(path, ns=(node.atime_ns, node.mtime_ns))
+    return problems

@@ -1,0 +1,464 @@
+"""Restore under attack and faults: a hostile local user, failing data, conflicts, refused xattrs, signals.
+
+Each test restores a real snapshot (file repository, or SeaweedFS where the
+store's outage is the point) and checks what is on disk afterwards:
+
+* a thread swapping just-restored directories and files for symlinks into a
+  root-only directory while root restores never gets anything outside the
+  target written, chowned or chmodded;
+* a file whose data fails is absent under every one of its hardlinked names;
+* an interrupted restore leaves no full-size wrong file and no temporary file;
+* a path conflict or a refused xattr is reported for its entry, the restore
+  goes on, and no directory is left owner-only.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ogrefs.catalog import Catalog
+from ogrefs.errors import OgrefsError
+from ogrefs.repo import Repository
+from ogrefs.restore import Interrupted, Restorer, stop_on_signals
+from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.store.base import TransientError
+
+pytestmark = pytest.mark.timeout(240)
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (owners, tmpfs mounts)")
+MiB = 1024 * 1024
+
+
+def _snap(repo: Repository, src: Path) -> dict:
+    return take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+
+
+def _restorer(repo: Repository, m: dict, out: Path, **kw) -> Restorer:
+    return Restorer(Catalog(repo.catalog_path(m["id"])), kw.pop("read_range", repo.read_pack_range),
+                    os.fsencode(out), **{"workers": 4, **kw})
+
+
+def _under(out: Path, src: Path) -> Path:
+    return out / str(src).lstrip("/")
+
+
+# -- 14.1: a local user swapping restored directories for symlinks -------------------------------------
+def _attack_tree(src: Path) -> None:
+    for i in range(12):
+        d = src / f"d{i}" / "sub"
+        d.mkdir(parents=True)
+        for j in range(6):
+            f = d / f"f{j}"
+            f.write_bytes(bytes([i, j]) * 3000)
+            os.chown(f, 4321, 4321)
+            os.chmod(f, 0o666)
+        for p in (d, d.parent):
+            os.chown(p, 4321, 4321)
+            os.chmod(p, 0o777)
+
+
+def _victim_state(secret: Path) -> dict:
+    out = {}
+    for dirpath, dirs, files in os.walk(secret):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns,
+                           p.read_bytes() if stat.S_ISREG(st.st_mode) else None)
+    st = secret.lstat()
+    out[str(secret)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, None)
+    return out
+
+
+def _swapper(top: Path, secret: Path, stop: threading.Event, swaps: list[int]) -> None:
+    """The attacker: whatever restore has made below ``top`` is renamed away and replaced by a symlink into
+    ``secret`` (directories to the root-only directory, files to a root-only file), as fast as it can."""
+    n = 0
+    while not stop.is_set():
+        for dirpath, dirs, files in os.walk(top):
+            for name in dirs + [f for f in files if not f.startswith(".ogrefs")] + \
+                    [f for f in files if f.startswith(".ogrefs")]:
+                p = os.path.join(dirpath, name)
+                dest = secret if name in dirs or name.startswith("d") or name == "sub" else secret / "f0"
+                try:
+                    os.rename(p, p + f".moved{n}")
+                    os.symlink(dest, p)
+                    n += 1
+                except OSError:
+                    pass
+            if stop.is_set():
+                break
+    swaps.append(n)
+
+
+@root_only
+def test_symlink_swaps_during_a_root_restore_never_reach_outside(tmp_path):
+    """A local user owning the target's directories swaps each just-restored directory and file for a
+    symlink into a root-only directory while root restores, over and over: nothing there is written,
+    chowned or chmodded (before the fix: 3 of 3 runs wrote and chowned the victim)."""
+    src = tmp_path / "src"
+    _attack_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    for j in range(6):
+        (secret / f"f{j}").write_bytes(b"root only\n")
+        os.chmod(secret / f"f{j}", 0o600)
+    (secret / "sub").mkdir(mode=0o700)
+    before = _victim_state(secret)
+    total_swaps = 0
+    deadline = time.monotonic() + 40  # bounded in time; every iteration is a full restore under attack
+    runs = 0
+    while runs < 4 or (runs < 60 and time.monotonic() < deadline):
+        out = tmp_path / f"out{runs}"
+        stop, swaps = threading.Event(), []
+        attacker = threading.Thread(target=_swapper, args=(out, secret, stop, swaps))
+        r = _restorer(repo, m, out, workers=2)
+        attacker.start()
+        try:
+            r.run()
+        except OgrefsError:
+            pass
+        finally:
+            stop.set()
+            attacker.join(30)
+        total_swaps += swaps[0]
+        runs += 1
+        assert _victim_state(secret) == before, f"run {runs}: the root-only directory was changed"
+    assert total_swaps > 50  # the attack really ran against restores in progress
+
+
+# -- 14.4: every name of a file whose data fails -------------------------------------------------------
+def _linked_tree(src: Path) -> None:
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    (src / "a" / "victim.bin").write_bytes(os.urandom(3 * MiB))
+    os.link(src / "a" / "victim.bin", src / "b" / "second-name.bin")
+    os.link(src / "a" / "victim.bin", src / "third-name.bin")
+    (src / "fine.txt").write_bytes(b"fine\n")
+
+
+def _victim_pack(repo: Repository, m: dict, src: Path) -> tuple[str, int]:
+    cat = Catalog(repo.catalog_path(m["id"]))
+    ino = cat.resolve(os.fsencode(src / "a" / "victim.bin")).ino
+    (ext, *_) = cat.extents(ino)
+    return ext.pack, ext.pack_offset + ext.stored_len // 2
+
+
+def _assert_all_names_failed(r: Restorer, out: Path, src: Path, needle: str) -> None:
+    names = [src / "a" / "victim.bin", src / "b" / "second-name.bin", src / "third-name.bin"]
+    for name in names:
+        p = _under(out, name)
+        assert os.fsencode(p) in r.failed, (p, r.failed)
+        assert needle in r.failed[os.fsencode(p)]
+        assert not os.path.lexists(p)
+    fine = _under(out, src) / "fine.txt"
+    assert fine.read_bytes() == b"fine\n" if os.fsencode(fine) not in r.failed else not fine.exists()
+    leftovers = [p for p in out.rglob(".ogrefs-restore-*")]
+    assert leftovers == []
+
+
+def test_flipped_pack_byte_fails_every_hardlinked_name(tmp_path):
+    src = tmp_path / "src"
+    _linked_tree(src)
+    url = f"file://{tmp_path}/repo"
+    repo = Repository.init(url, cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    pack, at = _victim_pack(repo, m, src)
+    (path,) = (tmp_path / "repo").rglob(pack)
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    r = _restorer(repo, m, tmp_path / "out")
+    r.run()
+    _assert_all_names_failed(r, tmp_path / "out", src, "")
+
+
+def test_store_outage_for_one_pack_fails_every_hardlinked_name(tmp_path):
+    src = tmp_path / "src"
+    _linked_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    pack, _ = _victim_pack(repo, m, src)
+
+    def read_range(p: str, off: int, n: int) -> bytes:
+        if p == pack:
+            raise TransientError("connection refused (gave up after 6 attempts)")
+        return repo.read_pack_range(p, off, n)
+
+    r = _restorer(repo, m, tmp_path / "out", read_range=read_range)
+    r.run()
+    _assert_all_names_failed(r, tmp_path / "out", src, "connection refused")
+
+
+@root_only
+def test_full_disk_fails_every_hardlinked_name(tmp_path, small_fs):
+    src = tmp_path / "src"
+    _linked_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    disk = small_fs(2 * MiB)  # the 3 MiB file cannot fit; fine.txt can
+    r = _restorer(repo, m, disk / "out", check_space=False)
+    r.run()
+    _assert_all_names_failed(r, disk / "out", src, "No space left")
+
+
+def test_swapped_encrypted_packs_fail_every_hardlinked_name(tmp_path, monkeypatch):
+    from ogrefs.repo.keys import Secret
+
+    src = tmp_path / "src"
+    _linked_tree(src)
+    (src / "other.bin").write_bytes(os.urandom(3 * MiB))
+    url = f"file://{tmp_path}/repo"
+    secret = Secret(b"pw", "scrypt")
+    repo = Repository.init(url, cache_root=tmp_path / "cache", secret=secret, pack_target_size=MiB)
+    m = _snap(repo, src)
+    pack, _ = _victim_pack(repo, m, src)
+    packs = sorted((tmp_path / "repo").rglob("packs/*/*"))
+    (mine,) = [p for p in packs if p.name == pack]
+    other = next(p for p in packs if p.name != pack and p.stat().st_size >= mine.stat().st_size)
+    mine_bytes, other_bytes = mine.read_bytes(), other.read_bytes()
+    mine.write_bytes(other_bytes)
+    other.write_bytes(mine_bytes)
+    repo = Repository.open(url, cache_root=tmp_path / "cache", secret=secret)
+    r = _restorer(repo, m, tmp_path / "out", decode_blob=repo.codec.decode_blob)
+    r.run()
+    _assert_all_names_failed(r, tmp_path / "out", src, "")
+
+
+# -- issue 16: temporary names, signals, free space, target errors, summary -------------------------
+def _many_files(src: Path, n: int = 40) -> None:
+    src.mkdir(parents=True)
+    for i in range(n):
+        (src / f"f{i:03}").write_bytes(os.urandom(64 * 1024 + i))
+
+
+def test_a_signal_stops_the_restore_and_leaves_no_full_size_wrong_file(tmp_path):
+    src = tmp_path / "src"
+    _many_files(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache", pack_target_size=MiB)
+    m = _snap(repo, src)
+    calls = []
+    holder: dict = {}
+
+    def read_range(p: str, off: int, n: int) -> bytes:
+        calls.append(p)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # handled on the main thread, which calls stop()
+            assert holder["r"]._stop.wait(10)
+        return repo.read_pack_range(p, off, n)
+
+    r = holder["r"] = _restorer(repo, m, tmp_path / "out", read_range=read_range, workers=1)
+    with pytest.raises(Interrupted) as info, stop_on_signals(r.stop):
+        r.run()
+    assert "interrupted" in str(info.value)
+    assert len(calls) == 1  # no more downloads after the signal
+    out = _under(tmp_path / "out", src)
+    for p in out.iterdir():
+        assert not p.name.startswith(".ogrefs-restore-"), p  # no temporary file left
+        assert p.read_bytes() == (src / p.name).read_bytes()  # what is there is complete and right
+    assert len(list(out.iterdir())) < 40
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(src.stat().st_mode)  # directories finished anyway
+
+
+def test_stale_temporary_files_of_a_killed_restore_are_removed(tmp_path):
+    src = tmp_path / "src"
+    _many_files(src, 3)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    out = _under(tmp_path / "out", src)
+    out.mkdir(parents=True)
+    (out / ".ogrefs-restore-99999.tmp").write_bytes(bytes(100_000))  # as a kill -9 leaves it
+    _restorer(repo, m, tmp_path / "out").run()
+    assert sorted(p.name for p in out.iterdir()) == ["f000", "f001", "f002"]
+
+
+def test_progress_counts_files_done(tmp_path):
+    src = tmp_path / "src"
+    _many_files(src, 10)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    seen = []
+    r = _restorer(repo, m, tmp_path / "out", progress=lambda s: seen.append((s.files_done, s.files)))
+    r.run()
+    assert seen[0][0] == 0 and seen[-1] == (10, 10)
+
+
+def _cli(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ogrefs", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def cli_repo(tmp_path):
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("OGREFS_S3_ENDPOINT", None)
+    src = tmp_path / "src"
+    _many_files(src, 20)
+    assert _cli(["-q", "init"], env).returncode == 0
+    snap = json.loads(_cli(["-q", "snapshot", "--json", str(src)], env).stdout)
+    return env, src, snap["id"]
+
+
+def _one_line(proc: subprocess.CompletedProcess, needle: str) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    return lines[0]
+
+
+def test_restore_targets_that_cannot_be_used_are_one_line_errors(cli_repo, tmp_path):
+    env, _src, sid = cli_repo
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"x")
+    _one_line(_cli(["restore", sid, str(afile)], env), "not a directory")
+    _one_line(_cli(["restore", sid, str(afile / "below")], env), "afile")
+
+
+@root_only
+def test_restore_onto_a_read_only_file_system_is_a_one_line_error(cli_repo, tmp_path, small_fs):
+    env, _src, sid = cli_repo
+    disk = small_fs(8 * MiB)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, timeout=30)
+    _one_line(_cli(["restore", sid, str(disk)], env), "read-only file system")
+    _one_line(_cli(["restore", sid, str(disk / "sub")], env), "Read-only file system")
+
+
+@root_only
+def test_restore_refuses_without_free_space_and_force_overrides(cli_repo, tmp_path, small_fs):
+    env, _src, sid = cli_repo
+    disk = small_fs(512 * 1024)  # 20 files of 64 KiB do not fit
+    line = _one_line(_cli(["restore", sid, str(disk / "out")], env), "not enough free space")
+    assert "needs 1.3 MiB" in line and "512.0 KiB free" in line
+    assert not (disk / "out").exists() or not any((disk / "out").rglob("f*"))
+    forced = _cli(["restore", "--force", sid, str(disk / "out")], env)
+    assert forced.returncode == 3  # partial: what did not fit is counted and reported
+    assert "No space left" in forced.stderr and "Traceback" not in forced.stderr
+    assert "problems" in forced.stdout
+
+
+def test_restore_summary_counts_failures_and_exits_partial(cli_repo, tmp_path):
+    env, src, sid = cli_repo
+    packs = sorted((tmp_path / "repo").rglob("packs/*/*"))
+    data = bytearray(packs[0].read_bytes())
+    data[100] ^= 1
+    packs[0].write_bytes(bytes(data))
+    proc = _cli(["restore", sid, str(tmp_path / "out")], env)
+    assert proc.returncode == 3, proc.stderr
+    n_failed = sum(1 for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert n_failed >= 1 and "Traceback" not in proc.stderr
+    assert f"{n_failed} problems" in proc.stdout
+    restored = int(proc.stdout.split("restored ")[1].split(" of ")[0])
+    assert restored == 20 - n_failed
+
+
+# -- 14.10 and 14.19: one entry's trouble is that entry's ---------------------------------------------
+def _plain_tree(src: Path) -> None:
+    (src / "d1" / "inner").mkdir(parents=True)
+    (src / "d1" / "inner" / "x.txt").write_bytes(b"x\n")
+    (src / "d2").mkdir()
+    (src / "d2" / "y.txt").write_bytes(b"y\n")
+    (src / "conflict").write_bytes(b"a file in the snapshot\n")
+    (src / "z.txt").write_bytes(b"z\n")
+    for d in (src / "d1", src / "d1" / "inner", src / "d2", src):
+        os.chmod(d, 0o755)
+
+
+def _no_owner_only_dirs(out: Path, src: Path) -> None:
+    for d in (src, src / "d1", src / "d1" / "inner", src / "d2"):
+        assert stat.S_IMODE(_under(out, d).stat().st_mode) == 0o755, d
+
+
+def test_a_directory_in_the_way_of_a_file_is_reported_and_the_restore_goes_on(tmp_path):
+    src = tmp_path / "src"
+    _plain_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    out = tmp_path / "out"
+    blocker = _under(out, src) / "conflict"
+    (blocker / "keep").mkdir(parents=True)  # a non-empty directory where the snapshot has a file
+    r = _restorer(repo, m, out)
+    r.run()
+    assert "directory is in the way" in r.failed[os.fsencode(blocker)]
+    assert (blocker / "keep").is_dir()  # nothing already there is lost
+    assert (_under(out, src) / "z.txt").read_bytes() == b"z\n"
+    assert (_under(out, src) / "d2" / "y.txt").read_bytes() == b"y\n"
+    _no_owner_only_dirs(out, src)
+
+
+def test_a_file_in_the_way_of_a_directory_is_replaced(tmp_path):
+    src = tmp_path / "src"
+    _plain_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    out = tmp_path / "out"
+    _under(out, src).mkdir(parents=True)
+    (_under(out, src) / "d2").write_bytes(b"a file where the snapshot has a directory\n")
+    r = _restorer(repo, m, out)
+    r.run()
+    assert r.failed == {}
+    assert (_under(out, src) / "d2" / "y.txt").read_bytes() == b"y\n"
+    _no_owner_only_dirs(out, src)
+
+
+def _with_xattr(cat_path: Path, dest: Path, inos: list[int], value: bytes) -> Catalog:
+    shutil.copyfile(cat_path, dest)
+    db = sqlite3.connect(dest)
+    db.executemany("INSERT INTO xattrs (ino, name, value) VALUES (?,?,?)",
+                   [(ino, b"user.too-big", value) for ino in inos])
+    db.commit()
+    db.close()
+    return Catalog(dest)
+
+
+def test_an_xattr_the_target_refuses_is_reported_and_the_restore_goes_on(tmp_path):
+    """A 70 KB xattr (more than any Linux file system takes) on a file and on a directory: each is
+    reported for its entry, every file is restored, and no file is 0600 nor directory 0700 afterwards
+    (before the fix: a traceback, every file 0600 and every directory 0700)."""
+    src = tmp_path / "src"
+    _plain_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    cat = Catalog(repo.catalog_path(m["id"]))
+    file_ino = cat.resolve(os.fsencode(src / "z.txt")).ino
+    dir_ino = cat.resolve(os.fsencode(src / "d1")).ino
+    forged = _with_xattr(repo.catalog_path(m["id"]), tmp_path / "x.sqlite", [file_ino, dir_ino], b"v" * 70_000)
+    out = tmp_path / "out"
+    r = Restorer(forged, repo.read_pack_range, os.fsencode(out), workers=2)
+    r.run()
+    assert r.failed == {}
+    for p in (src / "z.txt", src / "d1"):
+        assert "xattr user.too-big not set" in r.metadata_problems[os.fsencode(_under(out, p))]
+    assert (_under(out, src) / "z.txt").read_bytes() == b"z\n"
+    assert stat.S_IMODE((_under(out, src) / "z.txt").stat().st_mode) == stat.S_IMODE((src / "z.txt").stat().st_mode)
+    _no_owner_only_dirs(out, src)
+
+
+def test_cli_reports_a_refused_xattr_in_one_line_and_exits_partial(cli_repo, tmp_path):
+    env, src, sid = cli_repo
+    repo = Repository.open(env["OGREFS_REPO"], cache_root=Path(env["OGREFS_CACHE_DIR"]) / "probe")
+    cat_path = repo.catalog_path(sid)
+    ino = Catalog(cat_path).resolve(os.fsencode(src / "f000")).ino
+    forged = _with_xattr(cat_path, tmp_path / "forged.sqlite", [ino], b"v" * 70_000)
+    fid = secrets.token_hex(32)
+    repo.put_catalog(fid, forged.path)
+    repo.put_manifest({**repo.load_manifest(sid), "id": fid})
+    proc = _cli(["restore", fid, str(tmp_path / "out")], env)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "xattr user.too-big not set" in line]
+    assert (_under(tmp_path / "out", src) / "f000").read_bytes() == (src / "f000").read_bytes()
