@@ -462,3 +462,138 @@ def test_cli_reports_a_refused_xattr_in_one_line_and_exits_partial(cli_repo, tmp
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
     assert [line for line in proc.stderr.splitlines() if "xattr user.too-big not set" in line]
     assert (_under(tmp_path / "out", src) / "f000").read_bytes() == (src / "f000").read_bytes()
+
+
+# -- 14.20: snapshot and restore ride through an outage as long as the mount does ---------------------
+def test_retrying_store_with_a_time_budget_retries_until_it_is_spent():
+    """``retry_for``: attempts are not counted; the call is retried until the budget (fake clock) is spent."""
+    from ogrefs.store import FaultyStore, MemoryStore, RetryingStore
+
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        now[0] += s
+
+    faulty = FaultyStore(MemoryStore(f"budget-{secrets.token_hex(4)}"))
+    faulty.inner.put("k", b"v")
+    store = RetryingStore(faulty, base_delay=0.01, max_delay=1.0, retry_for=60.0, sleep=sleep, clock=lambda: now[0])
+    faulty.fail_next(20)  # 20 failures: far more than the 6 attempts without a budget
+    assert store.get("k") == b"v" and faulty.calls["get"] == 21
+    faulty.down = True
+    now[0], sleeps[:] = 0.0, []
+    with pytest.raises(TransientError) as info:
+        store.get("k")
+    assert "gave up after 60 s" in str(info.value)
+    assert 60.0 - 1e-6 <= sum(sleeps) <= 60.0 + 1e-6  # the last wait is cut to the budget
+
+
+@pytest.mark.s3
+def test_snapshot_and_restore_ride_through_an_s3_outage_with_retry_for(tmp_path, seaweed):
+    """The server is down when each command starts and comes back ~10 s later (a restart on the same ports):
+    with --retry-for both finish exactly (before: they gave up after ~6 s)."""
+    seaweed.ensure_running()
+    env = dict(os.environ, **seaweed.env(), OGREFS_REPO=f"s3://{seaweed.new_bucket()}/repo",
+               OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    _many_files(src, 5)
+    assert _cli(["-q", "init"], env).returncode == 0
+    try:
+        for args in (["-q", "snapshot", "--retry-for", "120", str(src)],
+                     ["-q", "restore", "--retry-for", "120", "latest", str(tmp_path / "out")]):
+            seaweed.stop(grace=0)
+            proc = subprocess.Popen([sys.executable, "-m", "ogrefs", *args], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                time.sleep(1.0)  # (not an assertion: lets the command meet the outage before the restart)
+                seaweed.start()  # on this thread: the server dies with the thread that started it
+                out, err = proc.communicate(timeout=180)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert proc.returncode == 0, err
+    finally:
+        seaweed.ensure_running()
+    for p in src.iterdir():
+        assert (_under(tmp_path / "out", src) / p.name).read_bytes() == p.read_bytes()
+
+
+# -- 14.10: a malformed blob location under a writable mount ------------------------------------------
+@root_only
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or shutil.which("unshare") is None, reason="no FUSE here")
+def test_a_forged_pack_name_fails_only_its_file_under_a_writable_mount(tmp_path):
+    """One file's chunk names a pack no store accepts (``../../etc``): a writable mount (materializing in
+    the background, prefetching a directory's small files together) reads that file as EIO and lives on,
+    serving its sibling (before: the ValueError escaped the fetcher and the daemon died)."""
+    src = tmp_path / "box" / "proj"
+    src.mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (src / name).write_bytes(name.encode() * 100)
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    env.pop("OGREFS_S3_ENDPOINT", None)
+    assert _cli(["-q", "init"], env).returncode == 0
+    sid = json.loads(_cli(["-q", "snapshot", "--json", str(src)], env).stdout)["id"]
+    repo = Repository.open(env["OGREFS_REPO"], cache_root=tmp_path / "probe")
+    cat_path = repo.catalog_path(sid)
+    forged = tmp_path / "forged.sqlite"
+    shutil.copyfile(cat_path, forged)
+    ino = Catalog(cat_path).resolve(os.fsencode(src / "b.txt")).ino
+    db = sqlite3.connect(forged)
+    db.execute("INSERT INTO packs (id, name) VALUES (?, '../../etc')", (1 + db.execute("SELECT max(id) FROM packs").fetchone()[0],))
+    assert db.execute("UPDATE blobs SET pack=(SELECT id FROM packs WHERE name='../../etc') "
+                      "WHERE id IN (SELECT blob FROM extents WHERE ino=?)", (ino,)).rowcount == 1
+    fid = secrets.token_hex(32)
+    db.execute("UPDATE meta SET value=? WHERE key='snapshot_id'", (fid,))
+    db.commit()
+    db.close()
+    repo.put_catalog(fid, forged)
+    repo.put_manifest({**repo.load_manifest(sid), "id": fid})
+    script = f"""
+set -u
+mount -t tmpfs fresh-box {src.parent}
+{sys.executable} -m ogrefs mount {fid} / || exit 10
+cat {src}/a.txt > /dev/null || {{ ls -la {src.parent} {src}; {sys.executable} -m ogrefs status; cat /proc/self/mountinfo | tail -5; exit 11; }}
+if cat {src}/b.txt > /dev/null 2> {tmp_path}/b.err; then exit 12; fi
+grep -q "Input/output error" {tmp_path}/b.err || exit 13
+sleep 1
+[ "$(cat {src}/c.txt)" = "{'c.txt' * 100}" ] || exit 14
+{sys.executable} -m ogrefs status / > {tmp_path}/status.txt 2>&1 || {{ cat {tmp_path}/status.txt; exit 15; }}
+[ "$(cat {src}/a.txt)" = "{"a.txt" * 100}" ] || exit 17
+{sys.executable} -m ogrefs unmount / || exit 16
+"""
+    try:
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", script], env=env,
+                              capture_output=True, text=True, timeout=150)
+    finally:
+        for reg in (tmp_path / "run").rglob("*.json"):
+            with __import__("contextlib").suppress(OSError, ValueError, AttributeError, TypeError):
+                os.kill(json.loads(reg.read_text()).get("pid"), signal.SIGKILL)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_a_forged_pack_name_fails_only_its_file_in_a_restore(tmp_path):
+    src = tmp_path / "src"
+    _plain_tree(src)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    cat_path = repo.catalog_path(m["id"])
+    forged = tmp_path / "forged.sqlite"
+    shutil.copyfile(cat_path, forged)
+    ino = Catalog(cat_path).resolve(os.fsencode(src / "z.txt")).ino
+    db = sqlite3.connect(forged)
+    db.execute("INSERT INTO packs (id, name) VALUES (?, '../../etc')", (1 + db.execute("SELECT max(id) FROM packs").fetchone()[0],))
+    assert db.execute("UPDATE blobs SET pack=(SELECT id FROM packs WHERE name='../../etc') "
+                      "WHERE id IN (SELECT blob FROM extents WHERE ino=?)", (ino,)).rowcount == 1
+    db.commit()
+    db.close()
+    out = tmp_path / "out"
+    r = Restorer(Catalog(forged), repo.read_pack_range, os.fsencode(out), workers=2)
+    r.run()
+    assert list(r.failed) == [os.fsencode(_under(out, src / "z.txt"))]
+    assert "malformed" in r.failed[os.fsencode(_under(out, src / "z.txt"))]
+    assert not (_under(out, src) / "z.txt").exists()
+    assert (_under(out, src) / "d2" / "y.txt").read_bytes() == b"y\n"
+    _no_owner_only_dirs(out, src)

@@ -33,7 +33,7 @@ import threading
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import sqlite_utils
 
@@ -562,31 +562,52 @@ class Catalog:
             "packs": self._rows("SELECT count(*) FROM packs")[0][0],
         }
 
-    def all_blobs(self) -> Iterator[tuple[bytes, str, int, int, int]]:
-        """(chunk, pack, offset, stored_len, raw_len) for every blob, pack by pack."""
+    def all_blobs(self, *, skip_malformed: bool = False) -> Iterator[tuple[bytes, str, int, int, int]]:
+        """(chunk, pack, offset, stored_len, raw_len) for every blob, pack by pack.
+
+        A malformed row raises CorruptObject, or is left out with ``skip_malformed`` (a prefetch: the
+        file it belongs to fails on its own when it is read, the rest of the snapshot is fetched)."""
         for row in self._iter(
                 "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM blobs b JOIN packs p ON p.id = b.pack "
                 "ORDER BY p.name, b.offset"):
-            _check_location(row[0], row[1], row[2], row[3], self.path.name)
-            if not _int_in(row[4], 0, _U32):
-                raise CorruptObject(f"catalog {self.path.name}: a blob length is malformed")
+            try:
+                _check_location(row[0], row[1], row[2], row[3], self.path.name)
+                if not _int_in(row[4], 0, _U32):
+                    raise CorruptObject(f"catalog {self.path.name}: a blob length is malformed")
+            except CorruptObject:
+                if skip_malformed:
+                    continue
+                raise
             yield row
 
-    def all_extents(self) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
+    def all_extents(self, *, on_malformed: Callable[[int], None] | None = None
+                    ) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
         """(ino, file offset, length, chunk, pack, pack offset, stored_len) for every extent, file by file.
 
-        Each file's layout is checked as in :meth:`extents`.
+        Each file's layout is checked as in :meth:`extents`.  A malformed row raises CorruptObject; with
+        ``on_malformed`` that file's remaining rows are left out and ``on_malformed(ino)`` is called
+        instead, so that the caller fails that file alone (restore, materialization) and never treats it
+        as complete with a hole where the bad extent was.
         """
-        prev_ino, end = None, 0
+        prev_ino, end, bad = None, 0, False
         for row in self._iter(
                 "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size "
                 "FROM extents e JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino "
                 "LEFT JOIN packs p ON p.id = b.pack ORDER BY e.ino, e.offset"):
             if row[0] != prev_ino:
-                prev_ino, end = row[0], 0
-            end = self._check_layout(row[0], row[1], row[2], row[7], row[8], end)
-            if row[4] is not None:
-                _check_location(row[3], row[4], row[5], row[6], self.path.name)
+                prev_ino, end, bad = row[0], 0, False
+            if bad:
+                continue
+            try:
+                end = self._check_layout(row[0], row[1], row[2], row[7], row[8], end)
+                if row[4] is not None:
+                    _check_location(row[3], row[4], row[5], row[6], self.path.name)
+            except CorruptObject:
+                if on_malformed is None or type(row[0]) is not int:
+                    raise
+                on_malformed(row[0])
+                bad = True
+                continue
             yield row[:7]
 
 

@@ -615,14 +615,20 @@ class Materializer:
         db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
         # the plan: every extent of every file in the tree, each distinct chunk once
         rows: list[tuple] = []
-        for ino, off, length, chunk, pack, poff, slen in self.catalog.all_extents():
+        bad: set[int] = set()  # files whose data the catalog locates wrongly: never local, read lazily (EIO)
+        for ino, off, length, chunk, pack, poff, slen in self.catalog.all_extents(on_malformed=bad.add):
             if pack is None:
-                raise CorruptObject(f"catalog {self.catalog.path.name}: a chunk has no location")
+                bad.add(ino)
+                continue
             rows.append((ino, off, length, chunk, pack, poff, slen))
             if len(rows) >= 2000:
                 self._add_extents(db, rows)
                 rows.clear()
         self._add_extents(db, rows)
+        if bad:
+            log.error("materialization: %d file(s) have malformed data locations in the catalog; they are "
+                      "not materialized (reading them fails)", len(bad))
+            db.executemany("DELETE FROM files WHERE ino=?", [(ino,) for ino in bad])
         db.execute("DELETE FROM targets WHERE ino NOT IN (SELECT ino FROM files)")
         db.execute("DELETE FROM chunks WHERE chunk NOT IN (SELECT chunk FROM targets)")
         db.execute("UPDATE files SET pending = (SELECT count(*) FROM targets t WHERE t.ino = files.ino)")

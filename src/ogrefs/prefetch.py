@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from .errors import CorruptObject
 from .catalog import Catalog
 from .fetcher import ChunkRef, Fetcher, Keep, Priority
 from .materialize import CLASSES, Materializer
@@ -91,7 +92,11 @@ def hint_refs(catalog: Catalog, max_bytes: int | None = None) -> list[ChunkRef]:
         for f in files:
             if not f.size:
                 continue
-            for ext in catalog.extents(f.ino):
+            try:
+                extents = catalog.extents(f.ino)
+            except CorruptObject:  # a malformed row: that file fails when it is read; the others are prefetched
+                continue
+            for ext in extents:
                 if ext.chunk in seen:
                     continue
                 if max_bytes is not None and total + ext.length > max_bytes:
@@ -162,7 +167,7 @@ def rest_refs(catalog: Catalog, skip: frozenset[bytes], max_bytes: int) -> list[
     """
     out: list[ChunkRef] = []
     total = 0
-    for chunk, pack, offset, stored_len, raw_len in catalog.all_blobs():
+    for chunk, pack, offset, stored_len, raw_len in catalog.all_blobs(skip_malformed=True):
         if chunk in skip:
             continue
         if total >= max_bytes:

@@ -266,12 +266,14 @@ class Restorer:
         """Ranges to fetch, the writes each file waits for (``_pending``), and the bytes to be written."""
         by_chunk: dict[bytes, tuple[str, int, int, int, list[tuple[int, int]]]] = {}
         self._pending: dict[int, int] = {}
+        self._malformed: set[int] = set()  # files whose data the catalog locates wrongly: they fail alone
         needed = 0
-        for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents():
+        for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents(on_malformed=self._malformed.add):
             if ino not in wanted:
                 continue
             if pack is None:
-                raise CorruptObject(f"catalog is damaged: a chunk of inode {ino} has no location")
+                self._malformed.add(ino)
+                continue
             entry = by_chunk.get(chunk)
             if entry is None:
                 entry = by_chunk[chunk] = (pack, poff, slen, length, [])
@@ -314,8 +316,9 @@ class Restorer:
                     self._bad_dirs[path] = path
                     self._below_bad[path] = 0
             self._tick()
+        self._fail(self._malformed, "the catalog's location of its data is malformed")
         for ino, f in list(self._files.items()):
-            if not self._pending.get(ino):
+            if not self._pending.get(ino) and not f.failed:
                 self._complete(f)  # nothing to fetch: empty, or all holes
 
     def _make(self, path: bytes, node: Inode) -> None:
