@@ -579,7 +579,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         from .hostpaths import HostView
 
         view = HostView(catalog, opts.host_paths.hidden)  # host-owned entries: this box's show through
-    fs = SnapshotFS(view, fetcher, recorder=recorder, local=materializer,
+    fs = SnapshotFS(view, fetcher, recorder=recorder, local=materializer, chunk_id=repo.codec.chunk_id,
                     page_cache=fuse_ops.store_in_page_cache if materializer is not None else None)
     prefetch = Prefetch(catalog, fetcher, trace_entries=opts.trace_entries, materializer=materializer,
                         idle_for=fs.idle_for)

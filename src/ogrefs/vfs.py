@@ -57,6 +57,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import trio
 
+from . import codec
 from .catalog import ROOT_INO, Catalog, Extent, Inode
 from .errors import OgrefsError
 from .fetcher import ChunkRef, FetchError, Fetcher, Priority
@@ -137,6 +138,7 @@ class VfsStats:
     read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
     local_opens: int = 0  # opens served from the local copy (materialization)
     local_reads: int = 0
+    local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
     page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
 
 
@@ -167,19 +169,23 @@ class LocalCopy(Protocol):
 
 class _OpenFile:
     __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
-                 "partial_fd")
+                 "partial_fd", "verified")
 
     def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
         self.ino = ino
         self.size = size
-        self.extents = extents
-        self.starts = [e.offset for e in extents]
-        self.refs = [ChunkRef.from_extent(e) for e in extents]
+        self.set_extents(extents)
+        self.verified: set[int] = set()  # indices of extents whose local bytes were read and found right
         self.next_offset = 0  # where a sequential reader reads next
         self.window = 0  # read-ahead distance; 0 until reads look sequential
         self.ahead = 0  # index of the first extent not yet requested by read-ahead
         self.local_fd: int | None = None  # the complete local copy, when there is one
         self.partial_fd: int | None = None  # the incomplete local copy, opened for its done chunks
+
+    def set_extents(self, extents: list[Extent]) -> None:
+        self.extents = extents
+        self.starts = [e.offset for e in extents]
+        self.refs = [ChunkRef.from_extent(e) for e in extents]
 
 
 class _OpenDir:
@@ -265,7 +271,8 @@ class _CatalogExtra:
 
 
 def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list[int]], dict[int, bytes]],
-                candidates: tuple[tuple[int, int], ...]) -> int:
+                candidates: tuple[tuple[int, int], ...],
+                is_right: Callable[[int, bytes], bool] = lambda ino, data: True) -> int:
     """Worker thread: hand the bytes of the complete local copies among ``candidates`` (ino, size) to ``store``.
 
     In listing order, up to ``PUSH_DIR_MAX`` bytes.  Files go in batches: each batch is opened and announced to the kernel's
@@ -299,7 +306,7 @@ def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list
             for ino, fd, size in fds:
                 try:
                     data = os.pread(fd, size + 1, 0)
-                    if len(data) == size:
+                    if len(data) == size and is_right(ino, data):  # a damaged copy is not pushed
                         store(ino, data)
                         done += 1
                 except OSError:
@@ -345,8 +352,12 @@ class SnapshotFS:
     def __init__(self, catalog: Catalog, fetcher: Fetcher, *, readahead_max: int = 32 * MiB,
                  readahead_min: int = 4 * MiB, recorder: AccessRecorder | None = None,
                  local: LocalCopy | None = None,
-                 page_cache: Callable[[int, bytes], None] | None = None) -> None:
+                 page_cache: Callable[[int, bytes], None] | None = None,
+                 chunk_id: Callable[[bytes], bytes] = codec.chunk_id) -> None:
         self.catalog = catalog
+        # Names a chunk from its bytes (the repository's: keyed when encrypted); every chunk read from the
+        # local copy is checked with it once per open file, in a worker thread (docs/reliability.md).
+        self.chunk_id = chunk_id
         self.fetcher = fetcher
         self.recorder = recorder  # told the first chunks each read touches (access trace)
         self.local = local  # complete local copies of files are read from there, never from the store
@@ -622,7 +633,15 @@ class SnapshotFS:
         candidates = tuple((ino, size) for ino, size in rows if ino != opened and ino in self._lookups)
         if candidates:
             self.stats.page_cache_pushed += await trio.to_thread.run_sync(
-                _push_files, self.page_cache, self.local.local_paths, candidates)
+                _push_files, self.page_cache, self.local.local_paths, candidates, self._holds_catalog_bytes)
+
+    def _holds_catalog_bytes(self, ino: int, data: bytes) -> bool:
+        """Worker thread: whether ``data`` is file ``ino`` as the catalog names it, chunk by chunk."""
+        try:
+            extents = self.catalog.extents(ino)
+        except OgrefsError:
+            return False
+        return all(self.chunk_id(data[e.offset:e.end]) == e.chunk for e in extents)
 
     def _open_local(self, node: Inode) -> int | None:
         """An fd of the complete local copy of ``node``, or None (then the store serves it).
@@ -674,7 +693,9 @@ class SnapshotFS:
         if offset >= end:
             return b""
         if f.local_fd is not None:
-            return await self._read_local(f, offset, end)
+            local_data = await self._read_local(f, offset, end)
+            if local_data is not None:
+                return local_data
         first = max(0, bisect_right(f.starts, offset) - 1)
         last = first
         while last < len(f.extents) and f.extents[last].offset < end:
@@ -703,7 +724,7 @@ class SnapshotFS:
                 if self.fetcher.is_cached_in_memory(chunk):
                     data = await self.fetcher.get(f.refs[k], Priority.READ)
                 elif local is not None and local.chunk_done(chunk) and (
-                        tree := await self._read_done_chunk(f, ext)) is not None:
+                        tree := await self._read_done_chunk(f, ext, k)) is not None:
                     data = tree
                 elif local is not None and (held := local.chunk_in_hand(chunk)) is not None:
                     data = held  # fetched by the materializer, on its way into the tree
@@ -725,13 +746,51 @@ class SnapshotFS:
         self.stats.bytes_read += end - offset
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _read_local(self, f: _OpenFile, offset: int, end: int) -> bytes:
-        """A read served from the complete local copy (pread in a worker thread)."""
+    async def _verify_local(self, f: _OpenFile, offset: int, end: int) -> bool:
+        """Whether every chunk of ``[offset, end)`` in the complete local copy holds the catalog's bytes.
+
+        Each chunk is read whole and named (BLAKE3, in a worker thread) the first time this handle
+        reads it; afterwards the handle trusts it.  A copy damaged on disk since it was written is
+        never served: False, and the caller reads through the store.
+        """
+        assert f.local_fd is not None
+        if not f.extents and f.size:
+            f.set_extents(await trio.to_thread.run_sync(self.catalog.extents, f.ino))
+        first = max(0, bisect_right(f.starts, offset) - 1)
+        k = first
+        while k < len(f.extents) and f.extents[k].offset < end:
+            ext = f.extents[k]
+            if k not in f.verified and ext.end > offset:
+                data = await _pread(f.local_fd, ext.length, ext.offset)
+                if len(data) != ext.length or await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
+                    return False
+                f.verified.add(k)
+            k += 1
+        return True
+
+    async def _read_local(self, f: _OpenFile, offset: int, end: int) -> bytes | None:
+        """A read served from the complete local copy (pread in a worker thread), its chunks verified first.
+
+        None when the copy is damaged: the handle then reads through the store for good.
+        """
+        assert f.local_fd is not None
+        try:
+            right = await self._verify_local(f, offset, end)
+        except OSError as exc:
+            log.error("read of the local copy of inode %d failed: %s", f.ino, exc.strerror)
+            right = False
+        if not right:
+            self.stats.local_corrupt += 1
+            log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
+                      "reading it from the store", f.ino, offset)
+            os.close(f.local_fd)
+            f.local_fd = None
+            f.verified.clear()
+            return None
         if self.recorder is not None and self.recorder.active:
             granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
             for off in range(offset - offset % granule, end, granule):
                 self.recorder.record(f.ino, off)
-        assert f.local_fd is not None
         try:
             data = await _pread(f.local_fd, end - offset, offset)
         except OSError as exc:
@@ -747,12 +806,15 @@ class SnapshotFS:
         self.stats.bytes_read += len(data)
         return data
 
-    async def _read_done_chunk(self, f: _OpenFile, ext: Extent) -> bytes | None:
-        """A chunk the materializer has written into this file's incomplete local copy; None if unreadable.
+    async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
+        """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
+        or not the chunk's bytes (then it comes from the store).
 
         The materializer records a chunk done only once it is durable at
-        every place it belongs, so the bytes at the extent's offset are the
-        chunk's (verified before they were written).
+        every place it belongs, and its bytes were verified before they were
+        written; a disk may still change them afterwards, so the bytes read
+        back are named again (BLAKE3, in a worker thread) the first time this
+        handle reads them.
         """
         assert self.local is not None
         if f.partial_fd is None:
@@ -772,6 +834,13 @@ class SnapshotFS:
             return None
         if len(data) != ext.length:
             return None
+        if k not in f.verified:
+            if await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
+                self.stats.local_corrupt += 1
+                log.error("local copy of inode %d: the chunk at offset %d is damaged; reading it from the store",
+                          f.ino, ext.offset)
+                return None
+            f.verified.add(k)
         self.stats.local_reads += 1
         return data
 
