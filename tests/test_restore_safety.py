@@ -593,7 +593,7 @@ def test_a_forged_pack_name_fails_only_its_file_in_a_restore(tmp_path):
     r = Restorer(Catalog(forged), repo.read_pack_range, os.fsencode(out), workers=2)
     r.run()
     assert list(r.failed) == [os.fsencode(_under(out, src / "z.txt"))]
-    assert "malformed" in r.failed[os.fsencode(_under(out, src / "z.txt"))]
+    assert "location is malformed" in r.failed[os.fsencode(_under(out, src / "z.txt"))]
     assert not (_under(out, src) / "z.txt").exists()
     assert (_under(out, src) / "d2" / "y.txt").read_bytes() == b"y\n"
     _no_owner_only_dirs(out, src)

@@ -580,12 +580,12 @@ class Catalog:
                 raise
             yield row
 
-    def all_extents(self, *, on_malformed: Callable[[int], None] | None = None
+    def all_extents(self, *, on_malformed: Callable[[int, str], None] | None = None
                     ) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
         """(ino, file offset, length, chunk, pack, pack offset, stored_len) for every extent, file by file.
 
         Each file's layout is checked as in :meth:`extents`.  A malformed row raises CorruptObject; with
-        ``on_malformed`` that file's remaining rows are left out and ``on_malformed(ino)`` is called
+        ``on_malformed`` that file's remaining rows are left out and ``on_malformed(ino, reason)`` is called
         instead, so that the caller fails that file alone (restore, materialization) and never treats it
         as complete with a hole where the bad extent was.
         """
@@ -602,10 +602,10 @@ class Catalog:
                 end = self._check_layout(row[0], row[1], row[2], row[7], row[8], end)
                 if row[4] is not None:
                     _check_location(row[3], row[4], row[5], row[6], self.path.name)
-            except CorruptObject:
+            except CorruptObject as exc:
                 if on_malformed is None or type(row[0]) is not int:
                     raise
-                on_malformed(row[0])
+                on_malformed(row[0], str(exc))
                 bad = True
                 continue
             yield row[:7]

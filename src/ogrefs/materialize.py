@@ -616,7 +616,8 @@ class Materializer:
         # the plan: every extent of every file in the tree, each distinct chunk once
         rows: list[tuple] = []
         bad: set[int] = set()  # files whose data the catalog locates wrongly: never local, read lazily (EIO)
-        for ino, off, length, chunk, pack, poff, slen in self.catalog.all_extents(on_malformed=bad.add):
+        for ino, off, length, chunk, pack, poff, slen in self.catalog.all_extents(
+                on_malformed=lambda ino, _why: bad.add(ino)):
             if pack is None:
                 bad.add(ino)
                 continue

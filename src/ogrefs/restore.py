@@ -266,13 +266,15 @@ class Restorer:
         """Ranges to fetch, the writes each file waits for (``_pending``), and the bytes to be written."""
         by_chunk: dict[bytes, tuple[str, int, int, int, list[tuple[int, int]]]] = {}
         self._pending: dict[int, int] = {}
-        self._malformed: set[int] = set()  # files whose data the catalog locates wrongly: they fail alone
+        # files whose data the catalog lays out or locates wrongly (ino -> why): they fail alone
+        self._malformed: dict[int, str] = {}
         needed = 0
-        for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents(on_malformed=self._malformed.add):
+        for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents(
+                on_malformed=self._malformed.setdefault):
             if ino not in wanted:
                 continue
             if pack is None:
-                self._malformed.add(ino)
+                self._malformed.setdefault(ino, f"catalog {self.cat.path.name}: a chunk has no location")
                 continue
             entry = by_chunk.get(chunk)
             if entry is None:
@@ -316,7 +318,8 @@ class Restorer:
                     self._bad_dirs[path] = path
                     self._below_bad[path] = 0
             self._tick()
-        self._fail(self._malformed, "the catalog's location of its data is malformed")
+        for ino, why in self._malformed.items():
+            self._fail({ino}, why)
         for ino, f in list(self._files.items()):
             if not self._pending.get(ino) and not f.failed:
                 self._complete(f)  # nothing to fetch: empty, or all holes
