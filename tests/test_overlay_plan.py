@@ -33,3 +33,13 @@ def test_whole_box_reports_every_top_level_directory_it_leaves_alone(tmp_path):
                          top_level=["usr", "proc", "boot", "tmp", "etc"], skipped=skipped)
     assert [o.target for o in plans] == ["/etc", "/usr"]
     assert sorted(s["path"] for s in skipped) == ["/boot", "/proc", "/tmp"]
+
+
+def test_a_snapshot_of_a_mounted_box_never_takes_entries_below_a_host_owned_directory():
+    from ogrefs.mounted import Layer, OwnMount
+
+    m = OwnMount("snap", "file:///r", b"/state", False, None, host_owned=frozenset({b"/lib/modules", b"/etc/hostname"}))
+    layer = Layer(b"/lib", b"/nonexistent-upper", b"/lib", m)
+    assert layer.origin(b"/lib/modules/6.1.0/kernel/x.ko") is None  # this box's modules, not the snapshot's
+    assert layer.origin(b"/lib/modules") is None
+    assert layer.origin(b"/lib/x86_64-linux-gnu/libc.so.6").cat_path == b"/lib/x86_64-linux-gnu/libc.so.6"

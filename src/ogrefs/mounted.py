@@ -61,6 +61,18 @@ class OwnMount:
     layers: list["Layer"] = field(default_factory=list)
     _complete: set[bytes] | None = None
 
+    def is_host_owned(self, cat_path: bytes) -> bool:
+        """``cat_path`` or a directory above it is host-owned (a whole ``/lib/modules`` is this box's)."""
+        if not self.host_owned:
+            return False
+        p = cat_path
+        while True:
+            if p in self.host_owned:
+                return True
+            if p in (b"/", b""):
+                return False
+            p = os.path.dirname(p)
+
     def tree_path(self, cat_path: bytes) -> bytes:
         return self.state_dir + b"/tree" + cat_path
 
@@ -111,7 +123,7 @@ class Layer:
         if self._below_redirect(os.path.dirname(rel) if rel else b""):
             return None
         cat_path = (self.prefix + rel) or b"/"
-        if cat_path in self.mount.host_owned:
+        if self.mount.is_host_owned(cat_path):
             return None  # the box's own file shows here, never the snapshot's entry
         if self.merged is not None and os.path.lexists(self.merged + rel):
             return None  # a host file shown above the snapshot's: not the snapshot's entry
