@@ -491,3 +491,16 @@ def test_status_wait_returns_when_complete_and_fails_with_the_reason(monkeypatch
 
     statuses({"mountpoint": "/m", "materialize": {"mode": "cache", "state": "done", "complete": False}})
     assert mount_mod.wait_background(Path("/m"), poll=0)[1] is None  # a cache-only mount: its prefetch ended
+
+
+def test_busy_read_only_unmount_says_so_and_keeps_the_mount(tmp_path, tree_repo, mounter):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x").write_text("hello")
+    m = snapshot(tree_repo, src)
+    mp = mounter.mount(m["id"], tmp_path / "mnt")
+    with open(under(mp, src) / "x") as held:  # an open file keeps the mount busy
+        res = mounter.cli("unmount", str(mp), check=False)
+        assert res.returncode != 0 and "busy" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+        assert mounted_fstype(mp) == "fuse.ogrefs" and held.read() == "hello"
+    mounter.unmount(mp)

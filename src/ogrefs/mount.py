@@ -813,6 +813,15 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> N
             _wait_exit(pid, timeout, mp)
             return
         raise UsageError(f"{mp} is not mounted")
+    if os.geteuid() == 0:  # by system call: nothing spawned, whatever covers the programs' paths
+        err = mountsys.umount(str(mp), lazy=lazy)
+        if err == "target is busy":
+            raise MountError(f"{mp} is busy (files or directories in use); close them or use --lazy")
+        if err:
+            raise MountError(f"cannot unmount {mp}: {err}")
+        if pid and pid_alive(pid):
+            _wait_exit(pid, timeout, mp)
+        return
     if shutil.which("fusermount3"):
         cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(mp)]
     else:
