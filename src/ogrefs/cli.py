@@ -66,7 +66,8 @@ def _prompt_new_passphrase():
     from .repo.keys import Secret
 
     if not os.isatty(0):
-        raise UsageError("--encrypt needs OGREFS_PASSWORD, --password-file, --key-file or a terminal to ask on")
+        raise UsageError("--encrypt needs OGREFS_PASSWORD, --password-file, --password-command, --key-file "
+                         "or a terminal to ask on")
     value = click.prompt("new repository passphrase", hide_input=True, confirmation_prompt=True)
     if not value:
         raise UsageError("an empty passphrase protects nothing")

@@ -193,6 +193,9 @@ def run_main(group: click.Group, argv: list[str] | None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError" and not as_json:  # `ogrefs` alone: its help, as click shows it
+            click.echo(exc.format_message(), err=True)
+            sys.exit(exc.exit_code)
         fail(_click_message(exc), exc.exit_code, as_json)
     except OgrefsError as exc:
         fail(str(exc), exc.exit_code, as_json)

@@ -75,7 +75,8 @@ class Secret:
             import click
 
             return cls(click.prompt("repository passphrase", hide_input=True).encode(), "scrypt")
-        raise UsageError("repository is encrypted: set OGREFS_PASSWORD, or use --password-file or --key-file")
+        raise UsageError("repository is encrypted: set OGREFS_PASSWORD, or use --password-file, --password-command "
+                     "or --key-file")
 
 
 #: Environment variables through which a user hands over a secret (the CLI's options come on top).
