@@ -75,7 +75,7 @@ def _probe_openat2() -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         how = _OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
-        fd = libc.syscall(_SYS_OPENAT2, -100, b"/", ctypes.byref(how), ctypes.sizeof(how))
+        fd = libc.syscall(_SYS_OPENAT2, -100, b".", ctypes.byref(how), ctypes.sizeof(how))  # (beneath the cwd)
     except (OSError, AttributeError):
         return False
     if fd < 0:
