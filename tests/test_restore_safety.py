@@ -254,7 +254,10 @@ def _many_files(src: Path, n: int = 40) -> None:
         (src / f"f{i:03}").write_bytes(os.urandom(64 * 1024 + i))
 
 
-def test_a_signal_stops_the_restore_and_leaves_no_full_size_wrong_file(tmp_path):
+def test_a_signal_stops_the_restore_and_leaves_no_full_size_wrong_file(tmp_path, monkeypatch):
+    from ogrefs import restore
+
+    monkeypatch.setattr(restore, "MAX_RANGE", 64 * 1024)  # one range per file: many are queued when it stops
     src = tmp_path / "src"
     _many_files(src)
     repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache", pack_target_size=MiB)

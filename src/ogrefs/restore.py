@@ -372,6 +372,8 @@ class Restorer:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-restore") as pool:
             futures = [pool.submit(self._fetch, r) for r in ranges]
             for fut in as_completed(futures):
+                if fut.cancelled():  # (stopped: never started)
+                    continue
                 fut.result()
                 self._tick()
                 if self._stop.is_set():
