@@ -143,7 +143,7 @@ def test_tag_add_remove_set_gives_a_new_id(box, tmp_path):
     assert_one_line_error(_text(ogrefs(["tag", "latest"], env, check=False)), "nothing to change")
 
 
-@pytest.mark.parametrize("src_enc, dst_enc", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("src_enc, dst_enc", [(False, False), (False, True), (True, False), (True, True)])
 def test_copy_sends_only_missing_chunks(box, tmp_path, src_enc, dst_enc):
     env, src, snap = box  # the destination is the fixture's repository (file or S3)
     if dst_enc:  # the fixture's repository is plain: make a fresh encrypted destination next to it

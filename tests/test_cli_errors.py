@@ -142,3 +142,9 @@ def test_password_command_opens_the_repository(tmp_path, env):
     assert proc.returncode == EXIT_WRONG_PASSWORD
     proc = run(["snapshots", "--password-command", "exit 7"], plain, check=False)
     assert_one_line_error(proc, "failed (exit 7)")
+
+
+def test_ogrefs_alone_shows_its_help_and_exits_2(env):
+    proc = run([], env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("Usage: ogrefs") and "\nCommands:\n" in proc.stderr  # click's help, not one line
