@@ -658,3 +658,33 @@ def test_a_flipped_byte_in_the_local_copy_is_not_served(tmp_path_factory, tmp_pa
     run_trio(fetcher, read)
     assert bytes(got) == (box.src / rel).read_bytes()
     assert fs.stats.local_corrupt >= 1 and log.calls  # detected, and the damaged chunk came from the store
+
+
+def test_a_signal_during_an_outage_ends_the_retry_wait_and_fetches_nothing_more(tmp_path):
+    """The store is down and restore waits to retry (a 60 s budget, waits of seconds): SIGINT ends the wait
+    at once and no further request is made (before: the retries ran on until the budget was spent)."""
+    from ogrefs.restore import interruptible_sleep
+    from ogrefs.store import FaultyStore, RetryingStore
+
+    src = tmp_path / "src"
+    _many_files(src, 4)
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = _snap(repo, src)
+    stop = threading.Event()
+    faulty = FaultyStore(repo.store)
+    faulty.down = True
+    signalled = []
+
+    def sleep(seconds: float) -> None:
+        if not signalled:
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while this worker waits to retry
+        interruptible_sleep(stop)(seconds)
+
+    store = RetryingStore(faulty, base_delay=20.0, max_delay=20.0, retry_for=60.0, sleep=sleep)
+    r = _restorer(repo, m, tmp_path / "out", workers=1, stop_event=stop,
+                  read_range=lambda p, o, n: store.get_range(f"packs/{p[:2]}/{p}", o, n))
+    with pytest.raises(Interrupted), stop_on_signals(r.stop):
+        r.run()
+    assert faulty.calls["get_range"] == 1
+    assert not any(p.name.startswith(".ogrefs-restore-") for p in (tmp_path / "out").rglob("*"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any, Callable
 
 import click
@@ -397,10 +398,11 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, f
     """Restore snapshot SNAP below TARGET (paths keep their absolute layout)."""
     from .catalog import Catalog
     from .compat import environment_warning
-    from .restore import Restorer, stop_on_signals
+    from .restore import Restorer, interruptible_sleep, stop_on_signals
     from .selection import resolve_snapshot
 
-    repo = obj.open(retry_for=retry_for)
+    stop = threading.Event()  # set by SIGINT/SIGTERM: no range is fetched after it, retry waits end
+    repo = obj.open(retry_for=retry_for, sleep=interruptible_sleep(stop))
     lock = click.get_current_context().with_resource(repo.lock("shared", "restore"))  # prune keeps what we read
     m = resolve_snapshot(repo, snap)
     lock.set_snapshot(m["id"])
@@ -410,7 +412,7 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, f
     cat = Catalog(repo.catalog_path(m["id"]))
     line = ProgressLine(enabled=not (as_json or obj.quiet))
     r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore,
-                 decode_blob=repo.codec.decode_blob, check_space=not force)
+                 decode_blob=repo.codec.decode_blob, check_space=not force, stop_event=stop)
     try:
         with stop_on_signals(r.stop):
             stats = r.run()

@@ -60,14 +60,15 @@ class Context:
             raise UsageError("no repository given: use --repo URL or set OGREFS_REPO")
         return self.repo_url
 
-    def open(self, retry_for: float | None = None):
-        """The repository; ``retry_for``: seconds each store call may keep retrying an outage (None: a few tries)."""
+    def open(self, retry_for: float | None = None, sleep: Callable[[float], None] | None = None):
+        """The repository; ``retry_for``: seconds each store call may keep retrying an outage (None: a few
+        tries); ``sleep``: the retry wait (one that a stop request ends)."""
         from .repo import Repository
         from .repo.keys import secret_configured
         from .store import open_store
 
         store = None if retry_for is None else open_store(self.url(), s3_endpoint=self.s3_endpoint,
-                                                          retry_for=retry_for)
+                                                          retry_for=retry_for, sleep=sleep)
         # a passphrase given means "encrypted": a plaintext config is then refused (issue 14.2)
         return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret, store=store,
                                expect_encrypted=self.has_secret_source()

@@ -100,6 +100,15 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
             signal.signal(sig, h)
 
 
+def interruptible_sleep(stop: threading.Event) -> Callable[[float], None]:
+    """A ``sleep`` for :class:`~ogrefs.store.RetryingStore` that ends a retry wait when ``stop`` is set:
+    a restore stopped during an outage fetches nothing more and exits at once."""
+    def sleep(seconds: float) -> None:
+        if stop.wait(seconds):
+            raise StoreError("interrupted while waiting to retry")
+    return sleep
+
+
 @dataclass
 class _File:
     """A regular file being restored: its names (the first holds the temporary file) and its missing writes."""
@@ -188,7 +197,7 @@ class Restorer:
                  includes: list[bytes] | None = None, workers: int = 8,
                  progress: Callable[[RestoreStats], None] | None = None,
                  decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob,
-                 check_space: bool = True) -> None:
+                 check_space: bool = True, stop_event: threading.Event | None = None) -> None:
         self.cat = catalog
         self.read_range = read_range
         self.decode_blob = decode_blob
@@ -199,7 +208,7 @@ class Restorer:
         self.check_space = check_space
         self.stats = RestoreStats()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = stop_event or threading.Event()  # (shared with the store's retry waits: see interruptible_sleep)
         self.failed: dict[bytes, str] = {}  # restored path -> reason it is not there
         self.metadata_problems: dict[bytes, str] = {}  # restored path -> metadata that could not be set
         self.skipped: list[str] = []  # catalog entries not restored because they are unsafe or malformed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 from .base import (InvalidStoreURL, NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
                    validate_key, validate_prefix)
@@ -32,7 +33,7 @@ S3_ENDPOINT_ENV = "OGREFS_S3_ENDPOINT"
 
 
 def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True,
-               retry_for: float | None = None) -> Store:
+               retry_for: float | None = None, sleep: Callable[[float], None] | None = None) -> Store:
     """Open the store at ``url``; wrapped in RetryingStore unless ``retry=False``
     (``retry_for``: seconds each call may retry an outage; None: a few attempts).
 
@@ -42,7 +43,9 @@ def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True,
     ValueError), with a one-line message, for a URL no backend understands.
     """
     backend = _open_backend(url, s3_endpoint)
-    return RetryingStore(backend, retry_for=retry_for) if retry else backend
+    if not retry:
+        return backend
+    return RetryingStore(backend, retry_for=retry_for, **({"sleep": sleep} if sleep is not None else {}))
 
 
 #: Schemes people type (ours, and other tools' that a user of restic or rclone may try).
