@@ -510,23 +510,28 @@ def _format_env_changes(changes: dict, prefix: str = "") -> list[str]:
 
 @cli.command()
 @click.option("--read-data", is_flag=True, help="Download and verify every chunk.")
+@click.option("--read-data-subset", "subset_text", metavar="N/T|P%|SIZE",
+              help="Download and verify only part of the packs: the N-th of T slices (1/5 .. 5/5 cover all), "
+                   "a random P percent, or random packs up to SIZE (e.g. 2G).")
 @json_option
 @click.pass_obj
-def check(obj: Context, read_data: bool, as_json: bool) -> None:
-    """Verify the repository's structure (and data with --read-data)."""
-    from .check import check_repository
+def check(obj: Context, read_data: bool, subset_text: str | None, as_json: bool) -> None:
+    """Verify the repository's structure (and data with --read-data or --read-data-subset)."""
+    from .check import Subset, check_repository
 
+    subset = Subset.parse(subset_text) if subset_text is not None else None
     repo = obj.open()
-    report = check_repository(repo, read_data=read_data,
+    report = check_repository(repo, read_data=read_data, subset=None if read_data else subset,
                               progress=None if (as_json or obj.quiet) else lambda s: click.echo(f"checking {s}", err=True))
     if as_json:
         emit_json({"ok": report.ok, "snapshots": report.snapshots, "packs": report.packs, "blobs": report.blobs,
-                   "read_bytes": report.read_bytes, "problems": report.problems})
+                   "packs_read": report.packs_read, "read_bytes": report.read_bytes, "problems": report.problems})
     else:
         for p in report.problems:
             click.echo(f"error: {p}", err=True)
         verdict = "no errors" if report.ok else f"{len(report.problems)} problems"
-        what = f", {report.blobs} chunks verified ({human_bytes(report.read_bytes)})" if read_data else ""
+        what = (f", {report.blobs} chunks in {report.packs_read} packs verified ({human_bytes(report.read_bytes)})"
+                if read_data or subset else "")
         click.echo(f"checked {report.snapshots} snapshots, {report.packs} packs{what}: {verdict}")
     if not report.ok:
         sys.exit(1)
