@@ -111,18 +111,18 @@ class Box:
         return self.sh(script, **kw).stdout
 
     def namespace_pids(self) -> list[int]:
-        """Every process in the box's mount namespace (the holder's)."""
-        if self.holder is None:
+        """Every process of the box: its PID namespace (a daemon in a mount namespace of its own too)."""
+        if self.init_pid is None:
             return []
         try:
-            ns = os.readlink(f"/proc/{self.holder.pid}/ns/mnt")
+            ns = os.readlink(f"/proc/{self.init_pid}/ns/pid")
         except OSError:
             return []
         pids = []
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
-                    if os.readlink(f"/proc/{entry}/ns/mnt") == ns:
+                    if os.readlink(f"/proc/{entry}/ns/pid") == ns:
                         pids.append(int(entry))
                 except OSError:
                     continue
