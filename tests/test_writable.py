@@ -218,9 +218,14 @@ def _check_other_user(box, proj, tmp, snap):
     in_namespace(box, f"""
         mount -t tmpfs -o mode=755 fresh-box {proj.parent}
         {OGREFS} mount {snap} /
-        setpriv --reuid=65534 --regid=65534 --clear-groups cat {proj}/small.txt > /dev/null     # 0644: readable
-        ! setpriv --reuid=65534 --regid=65534 --clear-groups cat {proj}/private 2>/dev/null     # 0600 root: not
+        # the other user reaches the box through a 0755 path of its own: pytest run by anyone on this machine
+        # resets /tmp/pytest-of-root to 0700 at any moment, which would deny the walk there for other reasons
+        alias=$(mktemp -d /tmp/ogrefs-perm.XXXXXX); chmod 755 $alias
+        mount --rbind {proj.parent} $alias
+        setpriv --reuid=65534 --regid=65534 --clear-groups cat $alias/{proj.name}/small.txt > /dev/null   # 0644: readable
+        ! setpriv --reuid=65534 --regid=65534 --clear-groups cat $alias/{proj.name}/private 2>/dev/null   # 0600 root: not
         ! setpriv --reuid=65534 --regid=65534 --clear-groups ls {box['env']['OGREFS_STATE_DIR']}/* 2>/dev/null
         stat -c %a {box['env']['OGREFS_STATE_DIR']}/* > {tmp}/state-mode
+        umount -l $alias && rmdir $alias
         {OGREFS} unmount /
     """)
