@@ -139,13 +139,42 @@ def test_daemon_killed_then_remount_with_same_state_dir(box):
         echo "survives" > {proj}/kept
         pid=$({sys.executable} -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" {tmp}/run/mounts/*.status.json)
         kill -9 "$pid"
-        sleep 0.2
+        {OGREFS} mount {snap} /                            # at once: it waits for the keeper's teardown
+        test "$(cat {proj}/kept)" = "survives"
+        {OGREFS} unmount /
+        {OGREFS} mount {snap} /
+        pid=$({sys.executable} -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" {tmp}/run/mounts/*.status.json)
+        kill -9 "$pid"
+        sleep 0.5
         ! cat {proj}/small.txt 2>/dev/null                # the lower is gone ...
         {OGREFS} mount {snap} /                            # ... and a remount recovers
         test "$(cat {proj}/kept)" = "survives"
         test "$(cat {proj}/small.txt)" = "hello ogrefs"
         {OGREFS} unmount /
     """)
+
+
+def test_lazy_unmount_with_a_file_held_open_then_remount(box):
+    """A whole box cannot be unmounted while its own processes run from it; --lazy detaches and says so."""
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    out = in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        {OGREFS} mount --no-materialize {snap} /
+        echo "local write" > {proj}/kept
+        sleep 600 3<{proj}/small.txt &                     # a process that still holds a file of the snapshot
+        holder=$!
+        ! {OGREFS} unmount / 2> {tmp}/busy.txt              # plain unmount: busy, nothing unmounted
+        grep -q "nothing was unmounted" {tmp}/busy.txt
+        test "$(cat {proj}/small.txt)" = "hello ogrefs"
+        {OGREFS} unmount --lazy /                          # detached: exit 0 although the daemon still serves
+        ! test -e {proj}/small.txt                         # the box shows its own tree at once
+        test "$(cat /proc/$holder/fd/3)" = "hello ogrefs"  # ... and the holder keeps its file
+        kill $holder; wait $holder || true
+        {OGREFS} mount --no-materialize {snap} /           # the old daemon exits once its last user left
+        test "$(cat {proj}/kept)" = "local write"
+        {OGREFS} unmount /
+    """)
+    assert "goes on serving" in out.stderr, out.stderr
 
 
 def test_materialize_then_finalize_runs_without_daemon_or_store(box):

@@ -136,7 +136,9 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
 
 @click.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
-@click.option("--lazy", is_flag=True, help="Detach now even if busy; unmount when the last user leaves.")
+@click.option("--lazy", is_flag=True,
+              help="Detach now even if busy (a whole box whose own shells run from the overlays): the box shows its "
+                   "own tree at once; the daemon serves what is still open and exits when the last user leaves.")
 @click.option("--timeout", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
               help="Seconds to wait for the daemon to exit.")
 @json_option
@@ -144,9 +146,11 @@ def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None
     """Unmount an ogrefs mount and wait for its daemon to exit."""
     from .mount import unmount as do_unmount
 
-    do_unmount(mountpoint, lazy=lazy, timeout=timeout)
+    note = do_unmount(mountpoint, lazy=lazy, timeout=timeout)
     if as_json:
-        emit_json({"unmounted": str(mountpoint), "lazy": lazy})
+        emit_json({"unmounted": str(mountpoint), "lazy": lazy, "daemon_exited": note is None})
+    elif note:
+        click.echo(note, err=True)
 
 
 @click.command()

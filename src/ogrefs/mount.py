@@ -55,6 +55,10 @@ KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", 
 STATUS_INTERVAL = 0.5
 #: A status file older than this means the daemon stopped answering (it is rewritten every STATUS_INTERVAL).
 STALE_AFTER = 30.0
+#: A mount of a state directory whose previous mount is going away (see _lock_state_dir) waits this long.
+STATE_LOCK_WAIT_S = 10.0
+#: A lazy unmount waits this long for the daemon; one still serving open files after it is not an error.
+LAZY_EXIT_WAIT_S = 2.0
 
 
 class MountError(OgrefsError):
@@ -389,7 +393,7 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
 
             opts.top_files = topfiles.planned(catalog)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
-    opts.state_lock = _lock_state_dir(state)
+    opts.state_lock = _lock_state_dir(state, Registration.for_mountpoint(target))
     from . import topfiles
 
     topfiles.hide(state)
@@ -409,21 +413,32 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
     opts.overlays = plans
 
 
-def _lock_state_dir(state: Path) -> int:
+def _lock_state_dir(state: Path, reg: "Registration", wait_s: float = STATE_LOCK_WAIT_S) -> int:
     """Hold ``state/mount.lock`` (flock) for as long as a mount of this state directory lives.
 
     The descriptor is inherited by the keeper and the daemon; the lock goes
     with the last of them. A second mount of the same state directory is
-    refused here, before it touches anything of the live one.
+    refused here, before it touches anything of the live one. A mount that is
+    going away still holds it for a moment (the keeper detaching after its
+    daemon was killed, a lazily unmounted daemon whose last user just left):
+    when the registration says so (``died``, ``detached``, or a daemon that
+    is gone), the lock is waited for, at most ``wait_s`` seconds.
     """
     fd = os.open(state / "mount.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UsageError(f"the state directory {state} is in use by a live mount; unmount it first, "
-                         "or give this mount another --state-dir") from None
-    return fd
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            info = reg.read() or {}
+            going = (info.get("state_dir") == str(state)
+                     and (info.get("died") or info.get("detached") or not pid_alive(info.get("pid") or 0)))
+            if not going or time.monotonic() > deadline:
+                os.close(fd)
+                raise UsageError(f"the state directory {state} is in use by a live mount; unmount it first, "
+                                 "or give this mount another --state-dir") from None
+            time.sleep(0.05)
 
 
 def _daemonize_and_wait(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
@@ -800,14 +815,14 @@ def _tune_readahead(mountpoint: Path, kb: int) -> None:
 
 
 # -- unmount and status -----------------------------------------------------------------------------
-def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> None:
+def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> str | None:
+    """Unmount; with ``lazy``, a note when the daemon outlives the detach (it serves what is still open)."""
     mp = Path(os.path.abspath(mountpoint))
     reg = Registration.for_mountpoint(mp)
     info = reg.read()
     pid = info.get("pid") if info else None
     if info and (info.get("writable") or info.get("finalized")):
-        _unmount_writable(mp, reg, info, lazy, timeout)
-        return
+        return _unmount_writable(mp, reg, info, lazy, timeout)
     if mounted_fstype(mp) is None:
         if pid and pid_alive(pid):
             _wait_exit(pid, timeout, mp)
@@ -836,7 +851,7 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> N
         _wait_exit(pid, timeout, mp)
 
 
-def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, timeout: float) -> None:
+def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, timeout: float) -> str | None:
     """Overlays in reverse order, then the FUSE lower; the upper directories stay for the next mount."""
     from . import overlay
 
@@ -854,11 +869,23 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
     if info.get("finalized") or not (pid and pid_alive(pid)):
         mountsys.umount(str(state / "lower"), lazy=True)
         reg.remove()
-        return
+        return None
     err = mountsys.umount(str(state / "lower"), lazy=lazy)
     if err:
         raise MountError(f"cannot unmount {state / 'lower'}: {err} (the overlays are down; use --lazy)")
-    _wait_exit(pid, timeout, mp)
+    if not lazy:
+        _wait_exit(pid, timeout, mp)
+        return None
+    # Detached: processes that still hold files of the snapshot (a shell started from the /usr
+    # overlay, the unmount command itself) keep them, served by the daemon, which exits when the
+    # last of them lets go (the kernel's DESTROY). The box itself shows its own tree already.
+    try:
+        _wait_exit(pid, min(timeout, LAZY_EXIT_WAIT_S), mp)
+        return None
+    except MountError:
+        reg.write({**(reg.read() or info), "detached": True})
+        return (f"{mp} is detached; its daemon (pid {pid}) goes on serving the processes that still use "
+                "the snapshot's files and exits when the last of them does")
 
 
 def finalize(target: Path, timeout: float = 30.0) -> list[str]:
