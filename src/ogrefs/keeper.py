@@ -91,7 +91,7 @@ def own_directories(opts: Any, reg: Any) -> list[str]:
 def bring_up(opts: Any, reg: Any) -> dict[str, Any]:
     """After the FUSE lower answers: host layers, overlays, bind-backs, linker cache; what was done."""
     state = Path(opts.state_dir)
-    _tune_readahead(state / "lower", opts.readahead_kb)
+    mountsys.tune_readahead(state / "lower", opts.readahead_kb)
     keep = own_directories(opts, reg)
     host = hostpaths.prepare(opts.overlays, state, opts.host_paths)  # opens host files before they are covered
     up = overlay.mount_all(host.overlays, state, keep=keep)
@@ -190,16 +190,6 @@ def _answer(fd: int | None, line: str) -> None:
     with contextlib.suppress(OSError):
         os.write(fd, (line + "\n").encode())
         os.close(fd)
-
-
-def _tune_readahead(mountpoint: Path, kb: int) -> None:
-    """Raise the kernel's read-ahead for this mount (its bdi) so sequential reads arrive as 1 MiB requests."""
-    try:
-        dev = os.stat(mountpoint).st_dev
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as fh:
-            fh.write(str(kb))
-    except OSError as exc:
-        log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
 
 
 def describe(info: dict[str, Any]) -> str:

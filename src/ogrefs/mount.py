@@ -676,7 +676,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         if keeper is not None:  # the keeper brings the box up; this process only serves
             os.write(keeper[0], b"fuse-ready\n")
         else:
-            await trio.to_thread.run_sync(_tune_readahead, opts.mountpoint, opts.readahead_kb)
+            await trio.to_thread.run_sync(mountsys.tune_readahead, opts.mountpoint, opts.readahead_kb)
         if opts.overlays and keeper is None:
             from . import overlay
 
@@ -802,16 +802,6 @@ def _own_namespace(mountpoint: Path) -> None:
     if err:
         raise MountError(f"cannot detach the daemon's copy of {mountpoint}: {err}")
     log.info("daemon in its own mount namespace; the overlays are invisible to it")
-
-
-def _tune_readahead(mountpoint: Path, kb: int) -> None:
-    """Raise the kernel's read-ahead for this mount (its bdi) so sequential reads arrive as 1 MiB requests."""
-    try:
-        dev = os.stat(mountpoint).st_dev
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as fh:
-            fh.write(str(kb))
-    except OSError as exc:
-        log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
 
 
 # -- unmount and status -----------------------------------------------------------------------------
