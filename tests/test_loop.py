@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from .daemons import kill_registered_daemons
 from .treegen import compare_trees
 
 pytestmark = [
@@ -66,14 +66,7 @@ def loop(tmp_path, store_url):
     (tmp_path / "train.py").write_text(TRAIN)
     subprocess.run([PY, "-m", "ogrefs", "-q", "init"], env=env, check=True, timeout=60)
     yield {"env": env, "tmp": tmp_path}
-    mounts = tmp_path / "run" / "mounts"
-    for reg in mounts.glob("*.json") if mounts.exists() else []:
-        try:
-            pid = json.loads(reg.read_text()).get("pid")
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError, AttributeError):
-            pass
+    kill_registered_daemons(tmp_path / "run")
 
 
 def box(loop: dict, script: str, disk: Path | None = None) -> str:
@@ -203,14 +196,7 @@ def encrypted_loop(tmp_path):
     subprocess.run([PY, "-m", "ogrefs", "-q", "--repo", f"file://{tmp_path}/other", "init"], env=env, check=True,
                    timeout=60)
     yield {"env": env, "tmp": tmp_path}
-    mounts = tmp_path / "run" / "mounts"
-    for reg in mounts.glob("*.json") if mounts.exists() else []:
-        try:
-            pid = json.loads(reg.read_text()).get("pid")
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError, AttributeError):
-            pass
+    kill_registered_daemons(tmp_path / "run")
 
 
 def test_after_finalize_and_into_another_repository(encrypted_loop):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from .daemons import kill_registered_daemons
 from .treegen import compare_trees, make_fidelity_tree
 
 pytestmark = [
@@ -43,13 +43,7 @@ def box(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(proj)], env=env,
                          check=True, capture_output=True, text=True).stdout
     yield {"env": env, "proj": proj, "snap": json.loads(out)["id"], "tmp": tmp_path}
-    for reg in (tmp_path / "run" / "mounts").glob("*.json") if (tmp_path / "run" / "mounts").exists() else []:
-        try:
-            pid = json.loads(reg.read_text()).get("pid")
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError, AttributeError):
-            pass
+    kill_registered_daemons(tmp_path / "run")
 
 
 def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
