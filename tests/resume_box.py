@@ -17,10 +17,10 @@ from typing import Callable
 
 import trio
 
-from ogrefs.catalog import Catalog
-from ogrefs.fetcher import ChunkRef, Fetcher
+from ogrefs.repo.catalog import Catalog
+from ogrefs.lazy.fetcher import ChunkRef, Fetcher
 from ogrefs.repo import Repository
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
 from .treegen import make_fidelity_tree
 

@@ -118,13 +118,13 @@ def test_unreadable_file_exit_code(tmp_path, env):
     run(["init"], env)
     # Root reads everything, so make open() fail for one path in the child process.
     code = (
-        "import os, ogrefs.snapshot as s\n"
+        "import os, ogrefs.snapshot.pipeline as s\n"
         "real = os.open\n"
         "def fake(p, *a, **k):\n"
         "    if os.fsencode(p).endswith(b'/secret'): raise PermissionError(13, 'Permission denied', p)\n"
         "    return real(p, *a, **k)\n"
         "s.os.open = fake\n"
-        "from ogrefs.cli import main\n"
+        "from ogrefs.cli.app import main\n"
         f"main(['snapshot', {str(src)!r}])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

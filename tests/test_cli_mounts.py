@@ -101,7 +101,7 @@ def test_a_read_only_mount_fetches_only_what_is_read(box):
 
 
 def test_status_lines_on_a_terminal_have_no_full_bar_for_an_empty_class_and_keep_words_apart():
-    from ogrefs.cli_mount import _prefetch_lines
+    from ogrefs.cli.mount import _prefetch_lines
 
     m = {"mode": "cache", "state": "done", "complete": False, "bytes_done": 10, "bytes_total": 20, "rate_bps": 0,
          "classes": {"trace": {"bytes_done": 0, "bytes_total": 0}, "hint": {"bytes_done": 10, "bytes_total": 20}}}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs import codec
+from ogrefs.repo import codec
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 
@@ -78,7 +78,7 @@ def test_tampered_and_swapped_objects_are_detected(tmp_path, enc):
     fresh = dict(enc, OGREFS_CACHE_DIR=str(tmp_path / "cache2"))
     assert_one_line_error(run(["show", a], fresh, check=False), "authentication failed")
     # a flipped bit inside a blob of a pack: the file it holds fails, nothing wrong is written
-    from ogrefs.catalog import Catalog
+    from ogrefs.repo.catalog import Catalog
     from ogrefs.repo.keys import Secret
 
     r = Repository.open(str(repo), cache_root=tmp_path / "cache3", secret=Secret(enc["OGREFS_PASSWORD"].encode(), "scrypt"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from ogrefs import codec
-from ogrefs.catalog import Catalog
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import Catalog
 from ogrefs.repo import Repository
 
 from .test_cli import assert_one_line_error, run

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from ogrefs import codec
-from ogrefs.chunkcache import ChunkCache
-from ogrefs.fetcher import ChunkCorrupt, ChunkMissing, ChunkRef, Fetcher, Keep, Priority, StoreUnavailable
+from ogrefs.repo import codec
+from ogrefs.lazy.chunkcache import ChunkCache
+from ogrefs.lazy.fetcher import ChunkCorrupt, ChunkMissing, ChunkRef, Fetcher, Keep, Priority, StoreUnavailable
 from ogrefs.store.base import NotFound, RangeReader, TransientError
 
 KiB = 1024
@@ -536,7 +536,7 @@ def test_prefetch_pauses_while_a_reader_has_enough_on_its_way(read_size, priorit
 def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
     import random
 
-    from ogrefs.fetcher import _BlobReader
+    from ogrefs.lazy.fetcher import _BlobReader
 
     data = os.urandom(3 * 1024 * KiB)
     rng = random.Random(5)

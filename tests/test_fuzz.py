@@ -31,8 +31,8 @@ import pytest
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from ogrefs import codec
-from ogrefs.catalog import Catalog
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject, OgrefsError, RepositoryError
 from ogrefs.repo import Repository
 from ogrefs.repo.config import RepoConfig
@@ -40,7 +40,7 @@ from ogrefs.repo.index import decode_index, encode_index
 from ogrefs.repo.locks import LockInfo, _encode, read_locks, remove_stale_locks
 from ogrefs.repo.pack import TAIL_SIZE, PackBuilder, pack_key, parse_header, parse_trailer_tail
 from ogrefs.restore import Restorer
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.store import MemoryStore, StoreError
 
 pytestmark = pytest.mark.timeout(240)
@@ -530,7 +530,7 @@ def test_cli_reports_damaged_objects_in_one_line(tmp_path):
 # -- access traces (traces/<snapshot>/<name>; the module may not exist in older trees) ------------------
 
 def _trace_module():
-    return pytest.importorskip("ogrefs.trace")
+    return pytest.importorskip("ogrefs.lazy.trace")
 
 
 def _decode_trace(data: bytes) -> None:
@@ -607,7 +607,7 @@ VALID_TRASH = {"packs": {"ab" * 32: 1796000000.5, "cd" * 32: 1796000001}, "reade
 
 
 def _trash(obj: bytes, rc=None) -> None:
-    from ogrefs.prune import load_trash
+    from ogrefs.maint.prune import load_trash
 
     warnings: list[str] = []
     trash = load_trash(_trash_repo([obj], rc), warn=warnings.append)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.catalog import Catalog
-from ogrefs.prune import prune
+from ogrefs.repo.catalog import Catalog
+from ogrefs.maint.prune import prune
 from ogrefs.repo import Repository
 from ogrefs.repo.locks import HeldLock, LockInfo, _encode, read_locks, remove_stale_locks
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
 from .test_cli import run
 from .treegen import make_fidelity_tree

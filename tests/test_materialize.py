@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from ogrefs.catalog import ROOT_INO
-from ogrefs.chunkcache import ChunkCache
-from ogrefs.fetcher import Fetcher, Priority
-from ogrefs.materialize import Materializer
-from ogrefs.prefetch import Prefetch
-from ogrefs.vfs import SnapshotFS
+from ogrefs.repo.catalog import ROOT_INO
+from ogrefs.lazy.chunkcache import ChunkCache
+from ogrefs.lazy.fetcher import Fetcher, Priority
+from ogrefs.lazy.materialize import Materializer
+from ogrefs.lazy.prefetch import Prefetch
+from ogrefs.lazy.vfs import SnapshotFS
 
 from .resume_box import Box, CallLog, make_box, run_trio
 from .treegen import compare_trees
@@ -40,7 +40,7 @@ def box(tmp_path_factory) -> Box:
 
 def all_refs(box: Box):
     """Every distinct chunk of the snapshot, by chunk id."""
-    from ogrefs.fetcher import ChunkRef
+    from ogrefs.lazy.fetcher import ChunkRef
 
     out = {}
     for _ino, off, length, chunk, pack, poff, slen in box.catalog.all_extents():
@@ -156,9 +156,9 @@ def test_hints_come_before_background_and_the_trace_before_both(box, tmp_path):
 _CHILD = r"""
 import sys, time, trio
 from pathlib import Path
-from ogrefs.catalog import Catalog
-from ogrefs.fetcher import Fetcher
-from ogrefs.materialize import Materializer
+from ogrefs.repo.catalog import Catalog
+from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.materialize import Materializer
 from ogrefs.repo import Repository
 
 url, cache_root, snap, state = sys.argv[1:5]
@@ -217,7 +217,7 @@ def test_kill_9_then_restart_fetches_no_done_chunk_and_ends_exact(box, tmp_path)
 
 def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkeypatch):
     """The third batch is written torn (garbage) and the process "dies" at its fdatasync, before the commit."""
-    import ogrefs.materialize as mz
+    import ogrefs.lazy.materialize as mz
 
     crash: dict = {"on": False, "chunks": []}
     real_pwrite, real_sync = mz.pwrite_all, os.fdatasync
@@ -525,7 +525,7 @@ def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
     assert st["classes"]["hint"]["bytes_done"] == st["classes"]["hint"]["bytes_total"] > 4 * MiB
     assert st["classes"]["background"]["bytes_total"] == 0
     # a budget bounds what is prefetched (room for the first hint chunk, whatever its random size)
-    from ogrefs.prefetch import hint_refs
+    from ogrefs.lazy.prefetch import hint_refs
 
     first = hint_refs(box.catalog)[0].raw_len
     fetcher2 = Fetcher(box.repo.read_pack_range, ChunkCache(tmp_path / "c2", 1 << 30))
@@ -539,9 +539,9 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
         box, tmp_path, monkeypatch, with_trace):
     """Materializing mounts stream the trace at once (the tree takes seconds to build) and write it from memory;
     without a trace the hints (python, checkpoint) stream the same way."""
-    from ogrefs.prefetch import hint_refs
+    from ogrefs.lazy.prefetch import hint_refs
 
-    from ogrefs import prefetch
+    from ogrefs.lazy import prefetch
 
     monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 2 * MiB)
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
@@ -632,7 +632,7 @@ def test_an_application_reading_past_its_trace_starts_the_materializer(box, tmp_
                                                                        reads_past_trace):
     """A busy application that has left its traced start-up (reads what the trace did not hold) is not waited for:
     the tree is built at once, so what it reads next is adopted."""
-    from ogrefs import prefetch
+    from ogrefs.lazy import prefetch
 
     monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 0)
     fetcher = Fetcher(box.repo.read_pack_range)
@@ -699,8 +699,8 @@ def test_the_traces_chunks_stay_in_the_page_cache(box, tmp_path):
 
 def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path, monkeypatch):
     """Chunks streamed into memory before the tree existed are written while the link fetches what follows."""
-    from ogrefs.fetcher import Keep
-    from ogrefs.prefetch import hint_refs
+    from ogrefs.lazy.fetcher import Keep
+    from ogrefs.lazy.prefetch import hint_refs
 
     window = 1 * MiB
     log = CallLog(box.repo.read_pack_range)
@@ -903,12 +903,12 @@ _MOUNT_CHILD = r"""
 import os, sys, trio
 from pathlib import Path
 from ogrefs import fuse_ops
-from ogrefs.catalog import Catalog
-from ogrefs.fetcher import Fetcher
-from ogrefs.materialize import Materializer
+from ogrefs.repo.catalog import Catalog
+from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.materialize import Materializer
 from ogrefs.repo import Repository
 from ogrefs.store.base import NotFound
-from ogrefs.vfs import SnapshotFS
+from ogrefs.lazy.vfs import SnapshotFS
 
 url, cache_root, snap, state, mp = sys.argv[1:6]
 repo = Repository.open(url, cache_root=Path(cache_root))

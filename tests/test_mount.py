@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.catalog import Catalog
-from ogrefs.mount import mounted_fstype
+from ogrefs.repo.catalog import Catalog
+from ogrefs.mount.core import mounted_fstype
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
 from . import treegen
 from .treegen import compare_trees, make_fidelity_tree
@@ -63,7 +63,7 @@ class Mounter:
         self.mounts: list[Path] = []
 
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-        res = subprocess.run([sys.executable, "-m", "ogrefs.cli_mount", "--repo", self.repo_url, *self.global_args,
+        res = subprocess.run([sys.executable, "-m", "ogrefs", "--repo", self.repo_url, *self.global_args,
                               *args], env=self.env, capture_output=True, text=True, timeout=timeout,
                              stdin=subprocess.DEVNULL)
         if check and res.returncode != 0:
@@ -361,7 +361,7 @@ def test_a_snapshot_without_xattrs_says_not_supported_and_one_with_them_shows_th
 
 
 def test_missing_dev_fuse_is_reported(monkeypatch, tmp_path):
-    from ogrefs import mount as mount_mod
+    from ogrefs.mount import core as mount_mod
 
     real = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: False if p == "/dev/fuse" else real(p))
@@ -385,7 +385,7 @@ def test_signals_unmount_cleanly(tmp_path, tree_repo, mounter):
     assert not list((tmp_path / "run" / "mounts").glob("*.status.json"))
 
     # --foreground: stays attached, reports readiness on stdout, Ctrl-C unmounts
-    proc = subprocess.Popen([sys.executable, "-m", "ogrefs.cli_mount", "--repo", mounter.repo_url, "mount", m["id"],
+    proc = subprocess.Popen([sys.executable, "-m", "ogrefs", "--repo", mounter.repo_url, "mount", m["id"],
                              str(mp), "--read-only", "--foreground"], env=mounter.env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -471,7 +471,7 @@ def test_encrypted_repository_mounts_with_its_passphrase(tmp_path, monkeypatch):
 
 def test_status_wait_returns_when_complete_and_fails_with_the_reason(monkeypatch):
     """``ogrefs status --wait``: polls until the copy is complete, or says why it never will be."""
-    from ogrefs import mount as mount_mod
+    from ogrefs.mount import core as mount_mod
 
     def statuses(*seq):
         it = iter(seq)

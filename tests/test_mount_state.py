@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs import mount as mount_mod
-from ogrefs.mount import MountError, Registration
+from ogrefs.mount import core as mount_mod
+from ogrefs.mount.core import MountError, Registration
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from ogrefs.mounted import Layer, OwnMount, OwnMounts
+from ogrefs.snapshot.mounted import Layer, OwnMount, OwnMounts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need root")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs import overlay
+from ogrefs.mount import overlay
 from ogrefs.errors import UsageError
 
 
@@ -36,7 +36,7 @@ def test_whole_box_reports_every_top_level_directory_it_leaves_alone(tmp_path):
 
 
 def test_a_snapshot_of_a_mounted_box_never_takes_entries_below_a_host_owned_directory():
-    from ogrefs.mounted import Layer, OwnMount
+    from ogrefs.snapshot.mounted import Layer, OwnMount
 
     m = OwnMount("snap", "file:///r", b"/state", False, None, host_owned=frozenset({b"/lib/modules", b"/etc/hostname"}))
     layer = Layer(b"/lib", b"/nonexistent-upper", b"/lib", m)

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from ogrefs import codec
-from ogrefs.catalog import ROOT_INO, Catalog
-from ogrefs.fetcher import Fetcher
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.restore import Restorer
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
-from ogrefs.vfs import FsError, SnapshotFS
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+from ogrefs.lazy.vfs import FsError, SnapshotFS
 
 pytestmark = pytest.mark.timeout(60)  # a directory loop must not make a walk endless
 
@@ -171,7 +171,7 @@ def test_bad_names_are_skipped_and_nothing_escapes(base, tmp_path, sandbox, capl
     f.link(f.src_ino, name, ino)
     f.link(ROOT_INO, name, ino)  # at the top of the tree too
     cat = f.close()
-    with caplog.at_level(logging.WARNING, logger="ogrefs.catalog"):
+    with caplog.at_level(logging.WARNING, logger="ogrefs.repo.catalog"):
         r = _restore(cat, repo, target)
     check()
     _good_entries_restored(target, src)
@@ -350,7 +350,7 @@ def test_real_mount_of_a_forged_snapshot_stays_inside(base, tmp_path):
     mp = tmp_path / "mnt"
     mp.mkdir()
     env = dict(os.environ, OGREFS_RUNTIME_DIR=str(tmp_path / "run"), OGREFS_CACHE_DIR=str(tmp_path / "xdg2"))
-    cmd = [sys.executable, "-m", "ogrefs.cli_mount", "--repo", repo.store.url]
+    cmd = [sys.executable, "-m", "ogrefs", "--repo", repo.store.url]
     res = subprocess.run([*cmd, "mount", forged_id, str(mp), "--read-only"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -370,7 +370,7 @@ def test_real_mount_of_a_forged_snapshot_stays_inside(base, tmp_path):
 
 def test_check_read_data_reports_entries_restore_would_refuse(base, tmp_path):
     """A forged catalog stored as a snapshot: ``check --read-data`` names each entry restore would skip."""
-    from ogrefs.check import check_repository
+    from ogrefs.maint.check import check_repository
 
     _, _, src = base
     repo = Repository.init(f"memory://paths-check-{secrets.token_hex(4)}", cache_root=tmp_path / "xdg")

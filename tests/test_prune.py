@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ogrefs.catalog import Catalog
-from ogrefs.check import check_repository
-from ogrefs.forget import Policy, apply_policy
-from ogrefs.prune import prune
+from ogrefs.repo.catalog import Catalog
+from ogrefs.maint.check import check_repository
+from ogrefs.maint.forget import Policy, apply_policy
+from ogrefs.maint.prune import prune
 from ogrefs.repo import Repository
 from ogrefs.repo.locks import HeldLock, LockedError, LockInfo, _encode, read_locks, remove_stale_locks
 from ogrefs.restore import Restorer
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
 from .treegen import compare_trees
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.catalog import Catalog
+from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import OgrefsError
 from ogrefs.repo import Repository
 from ogrefs.restore import Interrupted, Restorer, stop_on_signals
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.store.base import TransientError
 
 pytestmark = pytest.mark.timeout(240)
@@ -615,9 +615,9 @@ def test_a_flipped_byte_in_the_local_copy_is_not_served(tmp_path_factory, tmp_pa
     """After materialization a byte of a local file changes on disk (before finalize): reads through the
     mount return the snapshot's bytes, fetched from the store, never the damaged ones; the damage is
     counted.  ``incomplete``: the file is not yet complete, its chunks are served one by one from the tree."""
-    from ogrefs.fetcher import Fetcher
-    from ogrefs.materialize import Materializer
-    from ogrefs.vfs import SnapshotFS
+    from ogrefs.lazy.fetcher import Fetcher
+    from ogrefs.lazy.materialize import Materializer
+    from ogrefs.lazy.vfs import SnapshotFS
 
     from .resume_box import CallLog, make_box, run_trio
 

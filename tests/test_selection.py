@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ogrefs.errors import SnapshotNotFound
-from ogrefs.selection import box_of, checkpoint_of, resolve_snapshot, split_selector
+from ogrefs.snapshot.selection import box_of, checkpoint_of, resolve_snapshot, split_selector
 
 
 class _Repo:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.catalog import Catalog
+from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import SnapshotNotFound
 from ogrefs.repo import Repository
 from ogrefs.restore import Restorer
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
 from .treegen import compare_trees, make_fidelity_tree
 
@@ -154,7 +154,7 @@ def test_changed_during_snapshot_is_flagged(repo, tmp_path, monkeypatch):
     src.mkdir()
     f = src / "growing.log"
     f.write_bytes(os.urandom(MiB))
-    import ogrefs.snapshot as snapmod
+    import ogrefs.snapshot.pipeline as snapmod
 
     real = snapmod.data_extents
 
@@ -173,7 +173,7 @@ def test_unreadable_file_continues(repo, tmp_path, monkeypatch):
     src.mkdir()
     (src / "ok").write_text("fine")
     (src / "bad").write_text("secret")
-    import ogrefs.snapshot as snapmod
+    import ogrefs.snapshot.pipeline as snapmod
 
     real_open = os.open
 
@@ -223,7 +223,7 @@ def test_interrupted_snapshot_leaves_valid_repo_and_rerun_reuses_packs(tmp_path)
         "    orig(self, key, data)\n"
         "    if key.startswith('packs/'): time.sleep(0.15)\n"
         "f.FileStore.put = slow\n"
-        "from ogrefs.cli import main\n"
+        "from ogrefs.cli.app import main\n"
         f"main(['-q', 'snapshot', {str(src)!r}])\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
@@ -241,7 +241,7 @@ def test_interrupted_snapshot_leaves_valid_repo_and_rerun_reuses_packs(tmp_path)
     # every pack that made it into the store is reused, including those whose
     # index object the kill prevented (they are recovered from pack trailers)
     assert m["totals"]["new_raw_bytes"] <= 40 * MiB - (len(packs_before) - 1) * MiB
-    from ogrefs.check import check_repository
+    from ogrefs.maint.check import check_repository
 
     assert check_repository(repo, read_data=True).problems == []
 
@@ -257,7 +257,7 @@ def test_store_unreachable_is_clean_error(tmp_path, seaweed):
 
 
 def test_check_reports_a_missing_pack_once(repo, tmp_path):
-    from ogrefs.check import check_repository
+    from ogrefs.maint.check import check_repository
 
     src = tmp_path / "src"
     src.mkdir()

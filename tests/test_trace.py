@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from ogrefs import trace as trace_mod
-from ogrefs.catalog import Catalog
+from ogrefs.lazy import trace as trace_mod
+from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject
-from ogrefs.fetcher import ChunkRef, Fetcher, Priority
+from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Priority
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
-from ogrefs.trace import Recorder, Replayer, find_trace, load_trace, save_trace, save_when_recorded
-from ogrefs.vfs import SnapshotFS
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+from ogrefs.lazy.trace import Recorder, Replayer, find_trace, load_trace, save_trace, save_when_recorded
+from ogrefs.lazy.vfs import SnapshotFS
 
 from .resume_box import CallLog, run_trio
 
@@ -246,7 +246,7 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
 
 def test_spare_cpu_waits_while_the_box_is_busy_and_goes_once_cores_are_idle(tmp_path):
     """Background streaming paces itself by the box's idle CPU (/proc/stat: idle + iowait over all)."""
-    from ogrefs.prefetch import SpareCpu
+    from ogrefs.lazy.prefetch import SpareCpu
 
     stat = tmp_path / "stat"
     counters = {"busy": 0, "idle": 0}

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from ogrefs import codec
-from ogrefs.catalog import Catalog
-from ogrefs.chunkcache import ChunkCache
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import Catalog
+from ogrefs.lazy.chunkcache import ChunkCache
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 
@@ -273,9 +273,9 @@ def test_forged_pack_blob_cannot_make_restore_allocate(box, gib_bomb):
 
 
 def test_locks_and_trash_records_are_sealed_in_encrypted_repositories(tmp_path):
-    from ogrefs.prune import load_trash, prune
+    from ogrefs.maint.prune import load_trash, prune
     from ogrefs.repo.locks import LockInfo, _encode, read_locks
-    from ogrefs.snapshot import SnapshotOptions, take_snapshot
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
     repo = Repository.init(str(tmp_path / "repo"), cache_root=tmp_path / "c", secret=Secret(b"pw", "scrypt"),
                            pack_target_size=MiB)
@@ -302,8 +302,8 @@ def test_locks_and_trash_records_are_sealed_in_encrypted_repositories(tmp_path):
 
 # -- 14.6: pack headers are sealed ------------------------------------------------------------------------------
 def test_pack_headers_are_sealed_and_version_1_repositories_stay_readable(tmp_path):
-    from ogrefs.check import check_repository
-    from ogrefs.snapshot import SnapshotOptions, take_snapshot
+    from ogrefs.maint.check import check_repository
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
     src = tmp_path / "src"
     src.mkdir()

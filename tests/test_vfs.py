@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from ogrefs import vfs as vfs_mod
-from ogrefs.catalog import ROOT_INO, Catalog
-from ogrefs.fetcher import Fetcher
+from ogrefs.lazy import vfs as vfs_mod
+from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
-from ogrefs.snapshot import SnapshotOptions, take_snapshot
-from ogrefs.vfs import FsError, SnapshotFS
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+from ogrefs.lazy.vfs import FsError, SnapshotFS
 
 from .treegen import make_fidelity_tree
 
@@ -248,7 +248,7 @@ def test_lost_pack_fails_only_its_files_with_eio(snap, caplog):
 
 def test_errno_mapping_is_total():
     from ogrefs.errors import CorruptObject
-    from ogrefs.fetcher import ChunkRef, StoreUnavailable
+    from ogrefs.lazy.fetcher import ChunkRef, StoreUnavailable
     from ogrefs.store.base import StoreError
 
     ref = ChunkRef(b"\0" * 32, "p", 0, 1, 1)

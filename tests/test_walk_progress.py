@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import io
 
-from ogrefs.progress import ProgressLine, human_bytes
-from ogrefs.snapshot import Stats, normalize_roots
-from ogrefs.walk import WHOLE_BOX_SKIP, MountPoint, WalkRules, _unescape_mountinfo, mounts
+from ogrefs.cli.progress import ProgressLine
+from ogrefs.units import human_bytes
+from ogrefs.snapshot.pipeline import Stats, normalize_roots
+from ogrefs.snapshot.walk import WHOLE_BOX_SKIP, MountPoint, WalkRules, _unescape_mountinfo, mounts
 
 
 def test_whole_box_skips_pseudo_and_volatile_but_records_mountpoints():
@@ -90,7 +91,7 @@ def test_progress_line_only_on_tty():
 def test_progress_lines_show_elapsed_percent_total_and_eta_as_restic():
     from types import SimpleNamespace
 
-    from ogrefs.progress import restore_line, snapshot_line
+    from ogrefs.cli.progress import restore_line, snapshot_line
 
     s = Stats(files=120, dirs=3, bytes=450 * 1024 * 1024, read_bytes=300 * 1024 * 1024, started=100.0)
     counting = snapshot_line(s, None, now=103.0)

@@ -1,3 +1,3 @@
-from .cli import main
+from ogrefs.cli.app import main
 
 main()

@@ -38,8 +38,8 @@ import stat
 from dataclasses import dataclass
 from typing import Iterator
 
-from .catalog import Inode
-from .errors import OgrefsError
+from ogrefs.repo.catalog import Inode
+from ogrefs.errors import OgrefsError
 
 __all__ = ["LocalTree", "PathConflict", "MetadataProblem", "pwrite_all", "split"]
 

@@ -36,7 +36,7 @@ fetched, and :class:`Interrupted` is raised once directories are finished.
 
 Nothing is written outside the target: the catalog reader skips entries whose
 name is not a plain file name (``..``, ``a/b``, empty, NUL) and directories met
-twice (see :class:`ogrefs.catalog.Catalog`); those are listed in
+twice (see :class:`ogrefs.repo.catalog.Catalog`); those are listed in
 :attr:`Restorer.skipped`.  Every step goes through :class:`ogrefs.localtree.LocalTree`
 (directory fds, no symlink followed, metadata set on open fds), so a local
 user swapping a restored directory for a symlink cannot redirect a write, a
@@ -61,12 +61,19 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from . import codec
-from .catalog import ROOT_INO, Catalog, Inode
-from .errors import CorruptObject, OgrefsError, UsageError
-from .localtree import LocalTree, MetadataProblem, PathConflict, apply_fd_metadata, pwrite_all, split
-from .progress import human_bytes
-from .store.base import StoreError
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import ROOT_INO, Catalog, Inode
+from ogrefs.errors import CorruptObject, OgrefsError, UsageError
+from ogrefs.localtree import (
+    LocalTree,
+    MetadataProblem,
+    PathConflict,
+    apply_fd_metadata,
+    pwrite_all,
+    split,
+)
+from ogrefs.units import human_bytes
+from ogrefs.store.base import StoreError
 
 MAX_RANGE = 16 * 1024 * 1024
 MAX_GAP = 1024 * 1024

@@ -227,7 +227,7 @@ def install_ogrefs(root: Path, src: Path | None = None) -> None:
     site = next((root / VENV.lstrip("/") / "lib").glob("python3*/site-packages"))
     (site / "ogrefs-lab.pth").write_text("/opt/ogrefs/src\n")
     exe = root / "usr/local/bin/ogrefs"
-    exe.write_text(f"#!{VENV}/bin/python\nimport sys\nfrom ogrefs.cli import main\nsys.exit(main())\n")
+    exe.write_text(f"#!{VENV}/bin/python\nimport sys\nfrom ogrefs.cli.app import main\nsys.exit(main())\n")
     exe.chmod(0o755)
 
 

@@ -2,5 +2,5 @@
 
 Modules: :mod:`.loop` (the agent: triggers, one snapshot at a time, retention,
 status), :mod:`.watch` (new coherent checkpoints), :mod:`.notices` (AWS, GCP,
-Azure preemption notices).  The command line is in :mod:`ogrefs.cli_agent`.
+Azure preemption notices).  The command line is in :mod:`ogrefs.cli.agent`.
 """

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import OgrefsError
-from .notices import Notice, NoticeSource
-from .watch import Checkpoint, CheckpointWatch, run_dirs_of
+from ogrefs.errors import OgrefsError
+from ogrefs.agent.notices import Notice, NoticeSource
+from ogrefs.agent.watch import Checkpoint, CheckpointWatch, run_dirs_of
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class AgentOptions:
 
 
 def status_path() -> Path:
-    from ..mount import runtime_dir
+    from ogrefs.mount.core import runtime_dir
 
     return runtime_dir() / "agent.json"
 
@@ -138,7 +138,7 @@ class Agent:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        from ..selection import checkpoint_of, default_box
+        from ogrefs.snapshot.selection import checkpoint_of, default_box
 
         self.status["box"] = self.opts.box or default_box(self.repo)
         watch = CheckpointWatch(self.opts.watch_dirs, self.opts.quiet_s)
@@ -215,7 +215,7 @@ class Agent:
                 event["before_deadline_s"] = round(notice.deadline - ended, 3)
         if ck is not None:
             event["checkpoint"] = ck.as_dict()
-        from ..selection import checkpoint_of
+        from ogrefs.snapshot.selection import checkpoint_of
 
         held = checkpoint_of(manifest)
         self._taken.put((run_dirs_of(manifest), held and Checkpoint(held["run"], held["step"], held["epoch"],
@@ -229,8 +229,8 @@ class Agent:
         self._write_status()
 
     def _take(self, ck: Checkpoint | None) -> dict:
-        from ..snapshot import take_snapshot
-        from ..snapshot_setup import snapshot_options
+        from ogrefs.snapshot.pipeline import take_snapshot
+        from ogrefs.snapshot.setup import snapshot_options
 
         tags = ["agent"] + ([ck.tag()] if ck is not None else [])
         opts = snapshot_options(self.repo, list(self.opts.paths), whole_box=self.opts.whole_box, tags=tags,
@@ -238,7 +238,7 @@ class Agent:
         return take_snapshot(self.repo, opts)
 
     def _last_of_box(self) -> dict | None:
-        from ..selection import box_of
+        from ogrefs.snapshot.selection import box_of
 
         mine = [m for m in self.repo.list_snapshots(on_error=lambda *_: None) if box_of(m) == self.status["box"]]
         return mine[-1] if mine else None
@@ -247,8 +247,8 @@ class Agent:
         """Forget this box's snapshots the policy does not keep (manifests and catalogs; prune frees packs)."""
         if self.opts.policy is None or self.opts.policy.empty():
             return []
-        from ..forget import apply_policy
-        from ..selection import box_of
+        from ogrefs.maint.forget import apply_policy
+        from ogrefs.snapshot.selection import box_of
 
         mine = [m for m in self.repo.list_snapshots(on_error=lambda *_: None) if box_of(m) == self.status["box"]]
         _kept, removed = apply_policy(mine, self.opts.policy)
@@ -269,8 +269,8 @@ class Agent:
 
 
 def read_status(path: Path | None = None) -> dict:
-    from ..errors import UsageError
-    from ..mount import pid_alive
+    from ogrefs.errors import UsageError
+    from ogrefs.mount.core import pid_alive
 
     p = path or status_path()
     try:

@@ -21,8 +21,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..inspect._deadline import Deadline
-from ..inspect.checkpoints import analyze_checkpoints, is_candidate_name
+from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.checkpoints import analyze_checkpoints, is_candidate_name
 
 MAX_DEPTH = 3
 JUDGE_DEADLINE_S = 20.0

@@ -4,6 +4,6 @@ It sits on a :class:`ogrefs.store.base.Store` and knows the repository format
 (docs/format.md); it knows nothing about file trees or FUSE.
 """
 
-from .repository import Repository, default_cache_dir
+from ogrefs.repo.repository import Repository, default_cache_dir
 
 __all__ = ["Repository", "default_cache_dir"]

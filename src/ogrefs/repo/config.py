@@ -7,7 +7,7 @@ import re
 import secrets
 from dataclasses import asdict, dataclass, field
 
-from ..errors import RepositoryError
+from ogrefs.errors import RepositoryError
 
 FORMAT_NAME = "ogrefs-repository"
 #: Version 2 (encrypted repositories only): the config carries a MAC under a key derived from the

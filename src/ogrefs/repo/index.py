@@ -38,11 +38,11 @@ from typing import Iterable, Iterator
 
 import blake3
 
-from .. import codec
-from ..localdb import wal_connect
-from ..errors import CorruptObject
-from ..store.base import NotFound, Store
-from .pack import BlobLocation
+from ogrefs.repo import codec
+from ogrefs.repo.localdb import wal_connect
+from ogrefs.errors import CorruptObject
+from ogrefs.store.base import NotFound, Store
+from ogrefs.repo.pack import BlobLocation
 
 log = logging.getLogger(__name__)
 

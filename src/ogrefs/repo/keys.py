@@ -27,8 +27,8 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import EXIT_WRONG_PASSWORD, OgrefsError, UsageError
-from ..store.base import NotFound, Store
+from ogrefs.errors import EXIT_WRONG_PASSWORD, OgrefsError, UsageError
+from ogrefs.store.base import NotFound, Store
 
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1
 _AAD = b"ogrefs master key v1"

@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import codec
-from ..errors import EXIT_LOCKED, CorruptObject, OgrefsError
-from ..store.base import NotFound, Store, StoreError
+from ogrefs.repo import codec
+from ogrefs.errors import EXIT_LOCKED, CorruptObject, OgrefsError
+from ogrefs.store.base import NotFound, Store, StoreError
 
 REFRESH_S = 300.0
 #: Upper bound on a lock object's size (it is a few hundred bytes of JSON).

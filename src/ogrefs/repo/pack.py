@@ -23,8 +23,8 @@ from typing import Protocol
 
 import zstandard
 
-from ..codec import inflate
-from ..errors import CorruptObject
+from ogrefs.repo.codec import inflate
+from ogrefs.errors import CorruptObject
 
 TRAILER_MAGIC = b"OGRFPK01"
 SEALED_TRAILER_MAGIC = b"OGRFPK02"

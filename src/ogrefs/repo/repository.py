@@ -28,15 +28,15 @@ from typing import Any, Callable
 
 import blake3
 
-from .. import codec
-from ..errors import CorruptObject, NoRepository, RepositoryError, SnapshotNotFound
-from ..store import open_store
-from ..store.base import NotFound, RangeReader, Store, StoreError
-from .config import RepoConfig
-from .index import ChunkIndex, IndexEntry, encode_index
-from .keys import Secret, add_key, open_master
-from .locks import HeldLock
-from .pack import PackBuilder, pack_key, read_header
+from ogrefs.repo import codec
+from ogrefs.errors import CorruptObject, NoRepository, RepositoryError, SnapshotNotFound
+from ogrefs.store import open_store
+from ogrefs.store.base import NotFound, RangeReader, Store, StoreError
+from ogrefs.repo.config import RepoConfig
+from ogrefs.repo.index import ChunkIndex, IndexEntry, encode_index
+from ogrefs.repo.keys import Secret, add_key, open_master
+from ogrefs.repo.locks import HeldLock
+from ogrefs.repo.pack import PackBuilder, pack_key, read_header
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,21 @@ import os
 import re
 from collections.abc import Callable
 
-from .base import (InvalidStoreURL, NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
-                   validate_key, validate_prefix)
-from .faults import FaultyStore
-from .file import FileStore
-from .memory import MemoryStore, named_memory_store
-from .retry import RetryingStore
+from ogrefs.store.base import (
+    InvalidStoreURL,
+    NotFound,
+    PermissionDenied,
+    ShortRead,
+    Store,
+    StoreError,
+    TransientError,
+    validate_key,
+    validate_prefix,
+)
+from ogrefs.store.faults import FaultyStore
+from ogrefs.store.file import FileStore
+from ogrefs.store.memory import MemoryStore, named_memory_store
+from ogrefs.store.retry import RetryingStore
 
 __all__ = [
     "open_store", "Store", "StoreError", "NotFound", "TransientError", "PermissionDenied", "ShortRead",
@@ -74,7 +83,7 @@ def _open_backend(url: str, s3_endpoint: str | None) -> Store:
             raise InvalidStoreURL(f"memory URL needs a name (memory://name): {url!r}")
         return named_memory_store(rest)
     if scheme == "s3":
-        from .s3 import S3Store, parse_s3_url  # boto3 is slow to import; only pay for it when used
+        from ogrefs.store.s3 import S3Store, parse_s3_url  # boto3 is slow to import; only pay for it when used
 
         bucket, prefix = parse_s3_url(url)
         endpoint = s3_endpoint or os.environ.get(S3_ENDPOINT_ENV) or None

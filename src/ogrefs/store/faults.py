@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 
-from .base import Store, StoreError, TransientError
+from ogrefs.store.base import Store, StoreError, TransientError
 
 __all__ = ["FaultyStore", "ALL_OPS"]
 

@@ -31,8 +31,17 @@ import secrets
 import stat
 from collections.abc import Iterator
 
-from .base import (NotFound, PermissionDenied, ShortRead, Store, StoreError, TransientError,
-                   check_range, validate_key, validate_prefix)
+from ogrefs.store.base import (
+    NotFound,
+    PermissionDenied,
+    ShortRead,
+    Store,
+    StoreError,
+    TransientError,
+    check_range,
+    validate_key,
+    validate_prefix,
+)
 
 __all__ = ["FileStore", "TMP_PREFIX"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from .base import NotFound, ShortRead, Store, check_range, validate_key, validate_prefix
+from ogrefs.store.base import NotFound, ShortRead, Store, check_range, validate_key, validate_prefix
 
 __all__ = ["MemoryStore", "named_memory_store", "forget_memory_stores"]
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from .base import RangeReader, Store, TransientError
+from ogrefs.store.base import RangeReader, Store, TransientError
 
 __all__ = ["RetryingStore"]
 

@@ -33,8 +33,20 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config
 
-from .base import (BytesRange, InvalidStoreURL, NotFound, PermissionDenied, RangeReader, ShortRead, Store, StoreError,
-                   TransientError, check_range, validate_key, validate_prefix)
+from ogrefs.store.base import (
+    BytesRange,
+    InvalidStoreURL,
+    NotFound,
+    PermissionDenied,
+    RangeReader,
+    ShortRead,
+    Store,
+    StoreError,
+    TransientError,
+    check_range,
+    validate_key,
+    validate_prefix,
+)
 
 __all__ = ["S3Store", "parse_s3_url"]
 

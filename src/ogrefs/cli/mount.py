@@ -1,0 +1,270 @@
+"""``ogrefs mount``, ``ogrefs unmount`` and ``ogrefs status``.
+
+Registered on the main group by :func:`register`; the work is in
+:mod:`ogrefs.mount.core`.  Errors are OgrefsError subclasses, which ``cli.main``
+turns into one line on stderr.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from ogrefs.cli.base import emit_json, json_option
+from ogrefs.errors import UsageError
+from ogrefs.units import human_bytes as _human
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``10G``, ``512MiB``, ``1048576`` -> bytes (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"{text!r} is not a size (examples: 10G, 512M, 1048576)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+@click.command()
+@click.argument("snap")
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--read-only", "read_only", is_flag=True,
+              help="Browse: a read-only FUSE mount. Without it, writes land on local disk (overlayfs).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Upper dirs, local copy and fetch state of a writable mount "
+                   "(default /var/lib/ogrefs/mounts/<snapshot>-<target>); the same dir resumes.")
+@click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
+@click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
+@click.option("--encrypt-cache", is_flag=True,
+              help="Encrypted repositories: keep the local chunk cache encrypted too (AES-256-GCM).")
+@click.option("--no-materialize", is_flag=True,
+              help="Writable mounts: do not copy everything to local disk in the background (lazy only).")
+@click.option("--save-trace/--no-save-trace", default=None,
+              help="Record which chunks are read in the first minutes and store the trace for the next mount "
+                   "(default: on for writable mounts).")
+@click.option("--replay-trace/--no-replay-trace", default=True, show_default=True,
+              help="Prefetch in the order of the recorded access trace of this snapshot's paths, if there is one "
+                   "(off: hints only, e.g. when the workload has changed).")
+@click.option("--host-path", "host_path", multiple=True, metavar="[KIND:]PATH",
+              help="Mounting at /: also keep PATH (a glob) from this box; KIND is host, prefer-host, accounts "
+                   "or merge (docs/mount.md). Repeatable.")
+@click.option("--no-host-path", "no_host_path", multiple=True, metavar="PATH",
+              help="Mounting at /: take PATH from the snapshot after all (drops a default rule). Repeatable.")
+@click.option("--no-host-paths", is_flag=True,
+              help="Mounting at /: keep nothing of this box; the snapshot covers identity, network, logins, driver.")
+@click.option("--host-paths-file", multiple=True, type=click.Path(dir_okay=False),
+              help="More host-path rules, one `[KIND] /pattern` or `-/pattern` a line (besides /etc/ogrefs/host-paths).")
+@click.option("--prefetch/--no-prefetch", default=None,
+              help="Fetch the prefetch hints (venv, newest checkpoint) and the trace in the background "
+                   "(default: on for writable mounts; a read-only mount fetches only what is read).")
+@click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
+@click.option("--cache-size", default=None,
+              help="Bound of the chunk cache, e.g. 20G (default: 10G or 1/4 of free space).")
+@click.option("--allow-other", is_flag=True, help="Let other users see the mount (needs user_allow_other).")
+@click.option("--retry-for", type=click.FloatRange(0, 86400), default=60.0, show_default=True,
+              help="Seconds to keep retrying an unreachable store before a read fails with EIO.")
+@click.option("--max-requests", type=click.IntRange(3, 256), default=8, show_default=True,
+              help="Concurrent store requests.")
+@click.option("--debug", is_flag=True, help="Verbose log.")
+@json_option
+@click.pass_obj
+def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
+          encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
+          no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None) -> None:
+    """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
+
+    At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
+    its original place; at any other directory the snapshot's tree appears
+    below it. Without --read-only, writes land on local disk.
+
+    MOUNTPOINT must exist: neither kind of mount creates it. Neither hides
+    what is there: a writable mount keeps a non-empty target's content
+    visible below the snapshot's (overlayfs); a read-only mount cannot merge,
+    so it refuses a non-empty MOUNTPOINT. A read-only mount fetches only what
+    is read (--prefetch to warm the cache from the hints and the trace).
+    `ogrefs mounts` lists mounts and the state they leave.
+    """
+    from ogrefs.inspect.compat import environment_warning
+    from ogrefs.mount.core import MountOptions, mount as do_mount
+
+    opts = MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=mountpoint, s3_endpoint=obj.s3_endpoint,
+                        chunk_cache=cache_dir, cache_size=parse_size(cache_size) if cache_size else None,
+                        foreground=foreground, allow_other=allow_other, retry_for=retry_for,
+                        max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
+                        read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
+                        save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
+                        prefetch=prefetch)
+    if not read_only:
+        from ogrefs.mount.hostpaths import load_rules
+
+        opts.host_rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path,
+                                     drop=no_host_path)
+
+    def open_repo():
+        from ogrefs.snapshot.selection import resolve_snapshot
+
+        repo = obj.open()
+        manifest = resolve_snapshot(repo, snap)  # `latest` is this box's: the mount then names it by id
+        opts.snapshot = manifest["id"]
+        warning = environment_warning(manifest, strict)
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+        return repo
+
+    do_mount(opts, open_repo=open_repo)
+    if as_json and not foreground:
+        emit_json({"snapshot": snap, "target": str(opts.target or opts.mountpoint), "read_only": read_only,
+                   "state_dir": None if read_only else str(opts.state_dir)})
+    elif not foreground and not getattr(obj, "quiet", False):
+        where = opts.target or opts.mountpoint
+        mode = "read-only" if read_only else f"writable, local state in {opts.state_dir}"
+        click.echo(f"mounted {snap} at {where} ({mode})")
+        if not read_only:
+            from ogrefs.mount.keeper import describe
+            from ogrefs.mount.core import Registration
+
+            kept = describe(Registration.for_mountpoint(where).read() or {})
+            if kept:
+                click.echo(kept)
+
+
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--lazy", is_flag=True,
+              help="Detach now even if busy (a whole box whose own shells run from the overlays): the box shows its "
+                   "own tree at once; the daemon serves what is still open and exits when the last user leaves.")
+@click.option("--timeout", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
+              help="Seconds to wait for the daemon to exit.")
+@json_option
+def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None:
+    """Unmount an ogrefs mount and wait for its daemon to exit."""
+    from ogrefs.mount.core import unmount as do_unmount
+
+    note = do_unmount(mountpoint, lazy=lazy, timeout=timeout)
+    if as_json:
+        emit_json({"unmounted": str(mountpoint), "lazy": lazy, "daemon_exited": note is None})
+    elif note:
+        click.echo(note, err=True)
+
+
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@json_option
+@click.option("--wait", is_flag=True,
+              help="Wait until the background copy is complete (exit 0) or cannot complete (exit 1), "
+                   "then report.")
+@click.option("--timeout", type=click.FloatRange(0), default=None,
+              help="With --wait: give up (exit 1) after this many seconds.")
+def status(mountpoint: Path, as_json: bool, wait: bool, timeout: float | None) -> None:
+    """What a mount has fetched, served and failed."""
+
+    from ogrefs.mount.core import read_status, wait_background
+
+    if wait:
+        st, problem = wait_background(mountpoint, timeout=timeout,
+                                      progress=None if as_json or not sys.stderr.isatty() else _progress_line)
+    else:
+        st, problem = read_status(mountpoint), None
+    if wait and not as_json and sys.stderr.isatty():
+        sys.stderr.write("\n")
+    _report(st, as_json)
+    if problem:
+        from ogrefs.mount.core import MountError
+
+        raise MountError(problem)
+
+
+def _progress_line(st: dict) -> None:
+    m = st.get("materialize") or {}
+    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
+    eta = m.get("eta_s")
+    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
+    sys.stderr.write(f"\r{_bar(done, total)}{_human(done)} / {_human(total)} at "
+                     f"{_human(m.get('rate_bps') or 0)}/s{eta_s} ({m.get('state', '?')})\x1b[K")
+    sys.stderr.flush()
+
+
+def _report(st: dict, as_json: bool) -> None:
+    import json
+
+    if as_json:
+        click.echo(json.dumps(st, indent=2, sort_keys=True))
+        return
+    if st.get("finalized"):
+        click.echo(f"ogrefs mount of snapshot {st['snapshot'][:12]} at {st['mountpoint']}: finalized, "
+                   f"runs from local disk ({st['state_dir']}/tree) with no daemon")
+        return
+    up = st["time"] - st["started"]
+    amp = st["bytes_fetched"] / st["bytes_read"] if st["bytes_read"] else 0.0
+    lines = [
+        f"ogrefs mount of snapshot {st['snapshot'][:12]} at {st['mountpoint']} (pid {st['pid']}, up {up:.0f} s)",
+        f"  read by applications  {_human(st['bytes_read'])} in {st['reads']} reads, {st['open_files']} files open",
+        f"  fetched from store    {_human(st['bytes_fetched'])} in {st['requests']} requests"
+        f" ({st['chunks_fetched']} chunks, {amp:.2f} bytes fetched per byte read)",
+        f"  chunk cache           {st['cache_hits']} hits ({st['cache_hits_memory']} memory,"
+        f" {st['cache_hits_disk']} disk), {st['cache_misses']} misses",
+        f"  in flight             {st['chunks_in_flight']} chunks, {st['chunks_queued']} queued",
+        f"  errors                {st['errors']} ({st['read_errors']} failed reads, {st['corrupt']} corrupt chunks,"
+        f" {st['retries']} retried requests)",
+    ]
+    lines.extend(_prefetch_lines(st.get("materialize") or {}, sys.stdout.isatty()))
+    click.echo("\n".join(lines))
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    """A progress bar; an empty class (nothing to fetch) has none, rather than a full one."""
+    if not total:
+        return ""
+    filled = int(width * done / total)
+    return "[" + "#" * filled + "." * (width - filled) + "] "
+
+
+def _prefetch_lines(m: dict, tty: bool) -> list[str]:
+    """Per priority class: bytes done / total, and for the whole: rate and ETA (a bar on a terminal)."""
+    if not m:
+        return []
+    what = "materialized to local disk" if m.get("mode") == "materialize" else "prefetched into the cache"
+    state = m.get("state", "?") + (f": {m['reason']}" if m.get("reason") else "")
+    out = [f"  {what:27} {'complete' if m.get('complete') else state}"]
+    for name, c in (m.get("classes") or {}).items():
+        done, total = c.get("bytes_done", 0), c.get("bytes_total", 0)
+        if not total:
+            out.append(f"    {name:11}        -")
+            continue
+        bar = _bar(done, total) if tty else ""
+        out.append(f"    {name:11}        {bar}{_human(done)} / {_human(total)}")
+    rate, eta = m.get("rate_bps") or 0, m.get("eta_s")
+    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
+    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
+    bar = _bar(done, total) if tty else ""
+    out.append(f"    all                {bar}{_human(done)} / {_human(total)} at {_human(rate)}/s{eta_s}")
+    return out
+
+
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@json_option
+def finalize(mountpoint: Path, as_json: bool) -> None:
+    """Once everything is local, run MOUNTPOINT from local disk alone (no daemon, no store)."""
+    from ogrefs.mount.core import finalize as do_finalize
+
+    targets = do_finalize(mountpoint)
+    if as_json:
+        emit_json({"finalized": str(mountpoint), "targets": list(targets)})
+        return
+    click.echo(f"finalized {mountpoint}: {', '.join(targets)} now run from local disk; the daemon has exited")
+
+
+def register(group: click.Group) -> None:
+    for cmd in (mount, unmount, status, finalize):
+        group.add_command(cmd)
+    from ogrefs.cli.run import register as register_run
+
+    register_run(group)
+

@@ -1,0 +1,78 @@
+"""``ogrefs run SNAP -- CMD`` and ``ogrefs shell SNAP`` (the work is in :mod:`ogrefs.mount.run`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+
+def _options(f):
+    for opt in reversed([
+        click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+                     help="Where writes land (default: the snapshot's own, kept for the next run)."),
+        click.option("--nspawn", is_flag=True, help="Enter with systemd-nspawn instead of chroot."),
+        click.option("--materialize", is_flag=True, help="Copy the whole snapshot to local disk meanwhile."),
+        click.option("--host-path", "host_path", multiple=True, metavar="[KIND:]PATH",
+                     help="Also keep PATH from this box (see `ogrefs mount --help`)."),
+        click.option("--no-host-path", "no_host_path", multiple=True, metavar="PATH",
+                     help="Take PATH from the snapshot after all."),
+        click.option("--no-host-paths", is_flag=True, help="Keep nothing of this box but /proc, /sys, /dev, /run."),
+        click.option("--host-paths-file", multiple=True, type=click.Path(dir_okay=False),
+                     help="More host-path rules (docs/mount.md)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _run(obj, snap: str, command: list[str], state_dir, nspawn, materialize, host_path, no_host_path,
+         no_host_paths, host_paths_file) -> None:
+    from ogrefs.inspect.compat import environment_warning
+    from ogrefs.mount.hostpaths import load_rules
+    from ogrefs.mount.core import MountOptions
+    from ogrefs.mount.run import run
+
+    rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path)
+
+    def build(root: Path) -> MountOptions:
+        return MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=root, s3_endpoint=obj.s3_endpoint,
+                            read_only=False, state_dir=state_dir, materialize=materialize, box_root=True,
+                            host_rules=rules, save_trace=False)
+
+    def open_repo():
+        repo = obj.open()
+        warning = environment_warning(repo.resolve(snap), False)
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+        return repo
+
+    code = run(build, open_repo, lambda repo: repo.resolve(snap)["id"], command, nspawn=nspawn)
+    sys.exit(code)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("snap")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@_options
+@click.pass_obj
+def run_cmd(obj, snap: str, command: tuple, **kw) -> None:
+    """Run COMMAND inside snapshot SNAP's box (its root over this box's, this box's identity, network and
+    GPU driver), in a private mount namespace; everything is taken down when it exits, its exit code is
+    passed through. Example: ogrefs run latest -- python train.py"""
+    _run(obj, snap, list(command), **kw)
+
+
+@click.command()
+@click.argument("snap")
+@_options
+@click.pass_obj
+def shell(obj, snap: str, **kw) -> None:
+    """An interactive shell inside snapshot SNAP's box (see `ogrefs run`)."""
+    _run(obj, snap, [os.environ.get("OGREFS_SHELL") or "/bin/bash", "-l"], **kw)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(run_cmd, name="run")
+    group.add_command(shell)

@@ -1,0 +1,880 @@
+"""Fetch chunks on demand: memory → disk cache → one ranged GET per run of adjacent chunks.
+
+The fetch path every lazy reader shares (the FUSE mount today; prefetch from a
+recorded trace, hints and background materialization next):
+
+1. ``get(ref)`` answers from a small in-memory LRU of verified chunks, or from
+   the chunks a replay holds in memory for the materializer (:meth:`Fetcher.hold`).
+2. Otherwise the chunk gets exactly one *pending* entry, however many readers
+   want it; later callers wait on the same entry (single flight) and a caller
+   with a more urgent priority raises the entry's priority.
+3. New entries are looked up in the disk cache (:class:`ChunkCache`) in a
+   worker thread, all entries of one request at once; hits are loaded and
+   verified there, a few per thread call, and finish their entries.
+4. A miss goes into a priority queue.  The dispatcher starts store requests in
+   priority order with at most ``max_requests`` in flight, of which
+   ``reserved_for_read`` can only be used by ``Priority.READ``: a reader never
+   waits behind prefetch or materialization.  When it starts a request it
+   takes every queued chunk near it in the same pack (gaps of up to
+   ``max_gap`` bytes are fetched and dropped; up to ``max_range`` bytes in
+   all) into the same ranged GET: packs keep the files of a directory
+   together, so read-ahead and prefetch cost few requests.
+5. The response is read as it arrives; each blob is decoded and
+   BLAKE3-verified in the reading worker thread as soon as its bytes are in,
+   handed to its waiters, put in the memory LRU and written to the
+   disk cache (also in a thread) without delaying the readers.  A blob that
+   fails verification is fetched once more on its own; if it fails again the
+   waiters get :class:`ChunkCorrupt`.  A store that is unreachable is retried
+   with exponential backoff for ``retry_for`` seconds before
+   :class:`StoreUnavailable`; an object the store no longer has is
+   :class:`ChunkMissing` at once, and a location the store refuses as a key
+   or range (a forged pack name in a catalog: ``ValueError``) is
+   :class:`ChunkCorrupt` for its chunks only.  The store (RetryingStore) already retries
+   each call a few times; the fetcher's retry is a *deadline*, not a count:
+   it asks again until ``retry_for`` has passed, so an outage costs a reader
+   at most ``retry_for`` plus one store call, never a product of attempts.  Failures are not remembered: the next read
+   tries again.
+
+Who owns what: all state of a Fetcher (pending table, queue, memory LRU, held chunks,
+counters) belongs to the trio loop and is only touched by trio tasks, so it
+needs no locks.  Worker threads get immutable inputs (a pack name and range; a
+read-only view of downloaded bytes; a chunk id and its bytes) and return new
+objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
+store request, cache probe and cache write run; cancelling it stops them all.
+The ``adopter`` hook (materialization) is called on the loop, with a chunk
+just fetched for a caller that keeps it; when it takes the chunk, the chunk
+cache does without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from bisect import bisect_left, insort
+import math
+import logging
+import os
+import sqlite3
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import trio
+
+from ogrefs.repo import codec
+from ogrefs.lazy.chunkcache import ChunkCache
+from ogrefs.errors import CorruptObject, OgrefsError
+from ogrefs.store.base import (
+    BytesRange,
+    NotFound,
+    PermissionDenied,
+    RangeReader,
+    ShortRead,
+    StoreError,
+    TransientError,
+)
+
+if TYPE_CHECKING:
+    from ogrefs.repo.catalog import Extent
+
+log = logging.getLogger(__name__)
+
+#: After an application's last store read, hints and background wait this long before taking the link back.
+READ_QUIET_S = 0.05
+#: Readers with this many bytes on their way keep the link full by themselves: prefetch pauses.
+READ_FILLS_LINK = 4 * 1024 * 1024
+#: While an application reads from the store, a prefetch request covers at most this much.
+PREFETCH_RANGE_WHILE_READING = 4 * 1024 * 1024
+
+MiB = 1024 * 1024
+
+ReadRange = Callable[[str, int, int], bytes]
+#: (pack, offset, length) -> a stream of the range (``Repository.open_pack_range``)
+OpenRange = Callable[[str, int, int], "RangeReader"]
+#: (blob, raw length, chunk id) -> verified plaintext; raises CorruptObject.  ``Repository.codec.decode_blob``
+#: for an encrypted repository.
+DecodeBlob = Callable[[memoryview, int, bytes], bytes]
+
+#: A failing cache never fails a read: it only costs a fetch.
+_CACHE_ERRORS = (OSError, sqlite3.Error)
+#: Cached chunks loaded and verified by one worker-thread call.
+_PROBE_BATCH = 4
+#: A streaming GET hands decoded chunks to the trio loop once this many bytes are ready (or at its end).
+_DELIVER_BYTES = 256 * 1024
+#: ... and reads its body at least this much at a time (small blobs are cut from the piece).
+_READ_PIECE = 256 * 1024
+
+
+class _BlobReader:
+    """Exact-size reads from a range, in pieces of at least ``_READ_PIECE`` bytes.
+
+    A pack range of small files holds thousands of blobs of a few KiB; one
+    call into the HTTP stack per blob costs more CPU than the bytes do.
+    Owned by the one worker thread that reads the range.
+    """
+
+    def __init__(self, body: "RangeReader") -> None:
+        self._body = body
+        self._buf = b""
+        self._pos = 0
+
+    def read_exact(self, n: int) -> bytes:
+        have = len(self._buf) - self._pos
+        if n <= have:
+            out = self._buf[self._pos:self._pos + n]
+            self._pos += n
+            return out
+        parts = [self._buf[self._pos:]] if have else []
+        need = n - have
+        self._buf, self._pos = b"", 0
+        while need > 0:
+            piece = self._body.read(max(need, _READ_PIECE))
+            if not piece:
+                raise TransientError(f"the store's answer ended {need} bytes early")
+            if len(piece) > need:  # keep the rest for the next blobs
+                parts.append(piece[:need])
+                self._buf, self._pos = piece, need
+                need = 0
+            else:
+                parts.append(piece)
+                need -= len(piece)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class Keep(enum.IntEnum):
+    """Where a fetched chunk is kept besides the callers waiting for it."""
+
+    NONE = 0  # nowhere (materialization writes it to its file)
+    MEMORY = 1  # the memory LRU
+    ALL = 2  # the memory LRU and the disk cache
+
+
+class Priority(enum.IntEnum):
+    """Why a chunk is wanted; lower is more urgent."""
+
+    READ = 0  # an application is waiting (and read-ahead of a sequential reader)
+    TRACE = 1  # replay of a recorded access trace
+    HINT = 2  # catalog hints: python, cuda, checkpoints
+    BACKGROUND = 3  # materialization of everything else
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """Everything needed to fetch and verify one chunk."""
+
+    chunk: bytes  # BLAKE3-256 of the plaintext
+    pack: str
+    offset: int  # of the blob in the pack
+    stored_len: int
+    raw_len: int
+
+    @classmethod
+    def from_extent(cls, ext: "Extent") -> "ChunkRef":
+        """The chunk behind a catalog extent (an extent is always one whole chunk)."""
+        return cls(ext.chunk, ext.pack, ext.pack_offset, ext.stored_len, ext.length)
+
+
+class FetchError(OgrefsError):
+    """A chunk could not be delivered; its reader gets EIO, never wrong bytes."""
+
+    def __init__(self, ref: ChunkRef, reason: str) -> None:
+        super().__init__(f"chunk {ref.chunk.hex()[:16]} (pack {ref.pack[:16]} at {ref.offset}): {reason}")
+        self.ref = ref
+        self.reason = reason
+
+
+class ChunkCorrupt(FetchError):
+    """The bytes in the store do not decode to the chunk the catalog names."""
+
+
+class ChunkMissing(FetchError):
+    """The store no longer has the pack that holds the chunk."""
+
+
+class StoreUnavailable(FetchError):
+    """The store kept failing (unreachable, refusing) for longer than the retry window."""
+
+
+@dataclass
+class FetchStats:
+    hits_memory: int = 0  # chunk requests answered from the memory LRU
+    hits_disk: int = 0  # ... from the disk cache
+    misses: int = 0  # chunks that needed a store request
+    requests: int = 0  # ranged GETs that returned data
+    bytes_fetched: int = 0  # bytes those GETs returned
+    bytes_bridged: int = 0  # of those, bytes of gaps read across and dropped (bridged requests)
+    chunks_fetched: int = 0  # chunks decoded and verified from the store
+    read_missed_bytes: int = 0  # plaintext bytes of chunks an application read that were not in memory
+    retries: int = 0  # store requests repeated after a transient failure
+    corrupt: int = 0  # blobs that failed verification
+    errors: int = 0  # chunk deliveries that failed
+    cache_write_errors: int = 0
+
+
+class _Pending:
+    """One chunk on its way; the single flight every reader of the chunk waits on."""
+
+    __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep", "bridge", "hold")
+
+    def __init__(self, ref: ChunkRef, priority: Priority, keep: int = 2) -> None:
+        self.ref = ref
+        self.priority = priority
+        self.keep = keep  # Keep level: where the chunk goes once fetched (the most any caller asked for)
+        self.bridge = False  # its GET may read across gaps of unwanted blobs (see Fetcher.request)
+        self.hold = False  # held in memory until taken (a replay for the materializer; see Fetcher.hold)
+        self.seq = 0
+        self.state = "probe"  # probe -> queued -> fetching -> (removed)
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: FetchError | None = None
+
+
+class Ticket:
+    """One chunk asked for with :meth:`Fetcher.request`; it holds the result until it is awaited."""
+
+    __slots__ = ("ref", "_pending", "_data")
+
+    def __init__(self, ref: ChunkRef, pending: _Pending | None, data: bytes | None) -> None:
+        self.ref = ref
+        self._pending = pending
+        self._data = data
+
+    @property
+    def ready(self) -> bool:
+        """Whether the chunk came from memory at once (nothing to wait for, nothing on its way)."""
+        return self._data is not None
+
+    def peek(self) -> bytes | None:
+        """The chunk's verified plaintext if it has arrived, else None (never waits, never raises)."""
+        if self._data is not None:
+            return self._data
+        p = self._pending
+        return p.data if p is not None and p.error is None else None
+
+    async def result(self) -> bytes:
+        """The chunk's verified plaintext; raises :class:`FetchError`."""
+        if self._data is not None:
+            return self._data
+        p = self._pending
+        assert p is not None
+        await p.done.wait()
+        if p.error is not None:
+            raise type(p.error)(p.error.ref, p.error.reason)
+        assert p.data is not None
+        return p.data
+
+
+class Fetcher:
+    """Delivers verified chunk plaintext to trio tasks; see the module docstring."""
+
+    def __init__(self, read_range: ReadRange, cache: ChunkCache | None = None, *, max_requests: int = 8,
+                 reserved_for_read: int = 2, max_range: int = 16 * MiB, max_gap: int = 256 * 1024,
+                 memory_bytes: int = 128 * MiB,
+                 retry_for: float = 60.0, decode_threads: int | None = None,
+                 decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None) -> None:
+        if not 0 <= reserved_for_read < max_requests:
+            raise ValueError("reserved_for_read must be below max_requests")
+        self._read_range = read_range
+        self._open_range: OpenRange = open_range or (lambda pack, off, n: BytesRange(read_range(pack, off, n)))
+        self._decode_blob = decode
+        # Called on the loop with every chunk fetched from the store for a caller that keeps it (a
+        # reader, its read-ahead); True means it was taken (materialization writes it to its tree)
+        # and the chunk cache can do without it.
+        self.adopter: Callable[[ChunkRef, bytes], bool] | None = None
+        self.cache = cache
+        self.max_requests = max_requests
+        self.reserved_for_read = reserved_for_read
+        self.max_range = max_range
+        self.max_gap = max_gap
+        self.memory_bytes = memory_bytes
+        self.retry_for = retry_for
+        self.stats = FetchStats()
+        self._pending: dict[bytes, _Pending] = {}
+        self._heap: list[tuple[int, int, _Pending]] = []
+        self._by_start: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob offset)
+        self._offsets: dict[str, list[int]] = {}  # queued blob offsets per pack, sorted
+        self._seq = 0
+        self._active = 0  # store requests in flight
+        self._reads_active = 0  # of which started for an application's read
+        self._read_bytes = 0  # bytes those read requests have still to deliver
+        self._last_read_want = -math.inf  # trio time of the last chunk an application had to wait for
+        self._queued = 0
+        self._fetching = 0  # chunks inside requests in flight
+        self._mem: OrderedDict[bytes, bytes] = OrderedDict()
+        self._mem_size = 0
+        self._held: dict[bytes, bytes] = {}  # replayed chunks kept until taken (see hold())
+        self._held_size = 0
+        self.hold_bytes = 0  # bound of _held; 0: nothing is held
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._net_limiter = trio.CapacityLimiter(max_requests)
+        self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
+        self._cache_limiter = trio.CapacityLimiter(4)  # cache loads: a reader may be waiting
+        self._cache_write_limiter = trio.CapacityLimiter(2)  # writes with fsync, bookkeeping: nobody waits
+
+    # -- lifetime ------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; start with ``await nursery.start(fetcher.run)``."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._dispatch)
+                nursery.start_soon(self._flush_ticker)
+                task_status.started()
+        finally:
+            self._nursery = None
+            if self.cache is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.cache.flush)
+
+    # -- the public API --------------------------------------------------------------------
+    async def get(self, ref: ChunkRef, priority: Priority = Priority.READ) -> bytes:
+        """The chunk's verified plaintext; raises :class:`FetchError`."""
+        data = self._mem_get(ref.chunk)
+        if data is not None:
+            self.stats.hits_memory += 1
+            return data
+        p = self._want([ref], priority)[0]
+        await p.done.wait()
+        if p.error is not None:
+            raise type(p.error)(p.error.ref, p.error.reason)  # one instance per waiter: tracebacks stay apart
+        assert p.data is not None
+        return p.data
+
+    def prefetch(self, refs: Iterable[ChunkRef], priority: Priority) -> int:
+        """Schedule chunks without waiting for them; returns how many were not already on their way.
+
+        Chunks scheduled by one call are probed in the disk cache together and
+        queued together, so the misses among them that are neighbours in a
+        pack share one ranged GET.
+        """
+        before = len(self._pending)
+        self._want([r for r in refs if not self.is_cached_in_memory(r.chunk)], priority)
+        return len(self._pending) - before
+
+    def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True,
+                bridge: bool = False, hold: bool = False, take: bool = False) -> list[Ticket]:
+        """Schedule chunks like :meth:`prefetch` and return one :class:`Ticket` per ref, in order.
+
+        A ticket holds its chunk until awaited, so nothing is fetched twice however
+        long the caller takes.  ``keep`` says where the chunks go besides the
+        tickets: ``True``/``Keep.ALL`` the memory LRU and the disk cache,
+        ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
+        materializer, which writes them to disk itself), ``False``/``Keep.NONE``
+        neither (materialization: every chunk goes to its own file), unless
+        another caller wants the same chunk kept.  ``bridge=True``: the GETs of
+        these chunks may read across gaps of up to ``max_gap`` bytes of blobs
+        nobody asked for, which are dropped; only for callers who know none of
+        those blobs is already on local disk (a trace replayed before anything
+        is materialized), since it fetches bytes again.  ``hold=True``: the
+        chunks are held in memory (see :meth:`hold`) until a caller with
+        ``take=True`` gets them, which releases them.
+        """
+        out: list[Ticket] = []
+        missing: list[ChunkRef] = []
+        for ref in refs:
+            data = self._held.pop(ref.chunk, None) if take else None
+            if data is not None:
+                self._held_size -= len(data)
+            else:
+                data = self._mem_get(ref.chunk)
+                if data is not None and hold:
+                    self._hold_put(ref.chunk, data)  # (the LRU may drop it before the materializer takes it)
+            if data is not None:
+                self.stats.hits_memory += 1
+            else:
+                missing.append(ref)
+            out.append(Ticket(ref, None, data))
+        pending = iter(self._want(missing, priority, Keep.ALL if keep is True else Keep(int(keep)), bridge, hold))
+        for t in out:
+            if t._data is None:
+                t._pending = next(pending)
+        return out
+
+    def set_memory_limit(self, limit: int) -> None:
+        """Resize the memory LRU."""
+        self.memory_bytes = limit
+        while self._mem_size > self.memory_bytes and self._mem:
+            _, old = self._mem.popitem(last=False)
+            self._mem_size -= len(old)
+
+    def hold(self, limit: int) -> None:
+        """Keep chunks requested with ``hold=True`` in memory, up to ``limit`` bytes, until taken.
+
+        A trace (or the hints) replayed before the materializer's tree exists
+        is held here, apart from the memory LRU: an application reading
+        gigabytes meanwhile neither evicts it nor makes the LRU grow with it.
+        Readers find held chunks like any in memory; the materializer takes
+        them (``request(..., take=True)``), which releases them.  What does not
+        fit goes to the LRU as before.  ``hold(0)`` releases everything.
+        """
+        self.hold_bytes = limit
+        if limit <= 0:
+            self._held.clear()
+            self._held_size = 0
+
+    @property
+    def held_size(self) -> int:
+        """Bytes held now (see :meth:`hold`)."""
+        return self._held_size
+
+    def held_chunks(self) -> frozenset[bytes]:
+        """The chunks held now (a copy: for a worker thread)."""
+        return frozenset(self._held)
+
+    def is_cached_in_memory(self, chunk: bytes) -> bool:
+        return chunk in self._held or chunk in self._mem
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks inside store requests that have not answered yet."""
+        return self._fetching
+
+    @property
+    def queued(self) -> int:
+        """Chunks waiting for a free store request slot."""
+        return self._queued
+
+    def snapshot_stats(self) -> dict[str, int]:
+        out = asdict(self.stats)
+        out.update(in_flight=self._fetching, queued=self._queued, active_requests=self._active,
+                   pending=len(self._pending), memory_bytes=self._mem_size, held_bytes=self._held_size)
+        return out
+
+    # -- single flight -------------------------------------------------------------------------
+    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2, bridge: bool = False,
+              hold: bool = False) -> list[_Pending]:
+        out, new = [], []
+        for ref in refs:
+            p = self._pending.get(ref.chunk)
+            if p is not None:
+                p.keep = max(p.keep, keep)
+                p.hold = p.hold or hold
+                if priority < p.priority:
+                    p.priority = priority
+                    if p.state == "queued":
+                        self._push(p)
+            else:
+                p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
+                p.bridge = bridge
+                p.hold = hold
+                new.append(p)
+            out.append(p)
+        if priority == Priority.READ and new:
+            self._last_read_want = trio.current_time()
+            self.stats.read_missed_bytes += sum(p.ref.raw_len for p in new)
+        if new:
+            if self._nursery is None:
+                for p in new:
+                    del self._pending[p.ref.chunk]
+                raise RuntimeError("Fetcher.run() is not running")
+            self._nursery.start_soon(self._probe, new)
+        return out
+
+    async def _probe(self, batch: list[_Pending]) -> None:
+        """Sort new entries into disk-cache hits and misses (one stat each, one thread hop).
+
+        The misses are queued together, so neighbours among them share a GET;
+        the hits are loaded and verified in small batches in parallel, so the
+        first ones are served before the last are read.
+        """
+        present = [False] * len(batch)
+        if self.cache is not None:
+            try:
+                present = await trio.to_thread.run_sync(self._present, [p.ref.chunk for p in batch],
+                                                        limiter=self._cache_limiter)
+            except _CACHE_ERRORS as exc:
+                log.warning("chunk cache unreadable (%s); fetching from the store", exc)
+        self._enqueue([p for p, hit in zip(batch, present) if not hit])
+        hits = [p for p, hit in zip(batch, present) if hit]
+        assert self._nursery is not None
+        for i in range(0, len(hits), _PROBE_BATCH):
+            self._nursery.start_soon(self._load, hits[i:i + _PROBE_BATCH])
+
+    async def _load(self, batch: list[_Pending]) -> None:
+        found: list[bytes | None] = [None] * len(batch)
+        try:
+            found = await trio.to_thread.run_sync(self._load_many, [(p.ref.chunk, p.ref.raw_len) for p in batch],
+                                                  limiter=self._cache_limiter)
+        except _CACHE_ERRORS as exc:
+            log.warning("chunk cache unreadable (%s); fetching from the store", exc)
+        for p, data in zip(batch, found):
+            if data is not None:
+                self.stats.hits_disk += 1
+                self._finish(p, data)
+            else:  # evicted or damaged since the stat: fetch it
+                self._enqueue([p])
+
+    def _enqueue(self, batch: list[_Pending]) -> None:
+        for p in batch:
+            self.stats.misses += 1
+            p.state = "queued"
+            self._queued += 1
+            self._by_start[(p.ref.pack, p.ref.offset)] = p
+            insort(self._offsets.setdefault(p.ref.pack, []), p.ref.offset)
+            self._push(p)
+
+    def _present(self, chunks: list[bytes]) -> list[bool]:
+        """Worker thread: which chunks have a file in the disk cache."""
+        assert self.cache is not None
+        return [self.cache.contains(c) for c in chunks]
+
+    def _load_many(self, keys: list[tuple[bytes, int]]) -> list[bytes | None]:
+        """Worker thread: read and verify cached chunks."""
+        assert self.cache is not None
+        return [self.cache.load(chunk, raw_len) for chunk, raw_len in keys]
+
+    def _finish(self, p: _Pending, data: bytes) -> None:
+        p.data = data
+        self._pending.pop(p.ref.chunk, None)
+        if not (p.hold and self._hold_put(p.ref.chunk, data)) and p.keep >= Keep.MEMORY:
+            self._mem_put(p.ref.chunk, data)
+        p.done.set()
+
+    def _adopted(self, p: _Pending, data: bytes) -> bool:
+        """Offer a chunk fetched from the store for a keeping caller to the adopter (materialization)."""
+        return self.adopter is not None and self.adopter(p.ref, data)
+
+    def _fail(self, p: _Pending, error: FetchError) -> None:
+        p.error = error
+        self.stats.errors += 1
+        self._pending.pop(p.ref.chunk, None)
+        p.done.set()
+
+    # -- the queue -------------------------------------------------------------------------------
+    def _push(self, p: _Pending) -> None:
+        self._seq += 1
+        p.seq = self._seq
+        heapq.heappush(self._heap, (int(p.priority), p.seq, p))
+        self._changed.set()
+
+    def _peek(self) -> _Pending | None:
+        while self._heap:
+            prio, seq, p = self._heap[0]
+            if p.state == "queued" and p.seq == seq:
+                return p
+            heapq.heappop(self._heap)  # superseded by a priority raise, or already taken by a neighbour
+        return None
+
+    def _reads_hot(self) -> bool:
+        """An application is reading from the store right now (or was, a moment ago)."""
+        return self._reads_active > 0 or trio.current_time() - self._last_read_want < READ_QUIET_S
+
+    def _may_start(self, priority: Priority) -> bool:
+        if priority == Priority.READ:
+            return self._active < self.max_requests
+        if self._active >= self.max_requests - self.reserved_for_read:
+            return False
+        # Prefetch yields the link to readers.  While an application's requests have enough bytes
+        # outstanding to fill the link (a big file read sequentially), nothing else starts, not even
+        # the trace.  Otherwise a recorded trace keeps going (it is what the reader needs next), and
+        # hints and materialization keep at most one request in flight while an application waits on
+        # the store: enough to keep the link busy when it reads many small files one by one.
+        if not self._reads_hot():
+            return True
+        if self._read_bytes >= READ_FILLS_LINK:
+            return False
+        return priority == Priority.TRACE or self._active - self._reads_active < 1
+
+    async def _dispatch(self) -> None:
+        assert self._nursery is not None
+        while True:
+            p = self._peek()
+            if p is None or not self._may_start(p.priority):
+                changed = self._changed
+                # held back only by a reader? look again once the reads have gone quiet
+                with trio.move_on_after(READ_QUIET_S if p is not None and self._reads_hot() else math.inf):
+                    await changed.wait()
+                if self._changed is changed and changed.is_set():
+                    self._changed = trio.Event()
+                continue
+            heapq.heappop(self._heap)
+            batch = self._take_run(p)
+            self._active += 1
+            is_read = p.priority == Priority.READ
+            if is_read:
+                self._reads_active += 1
+                self._read_bytes += sum(q.ref.stored_len for q in batch)
+            self._nursery.start_soon(self._fetch_run, batch, is_read)
+
+    def _unqueue(self, p: _Pending) -> None:
+        p.state = "fetching"
+        self._queued -= 1
+        self._fetching += 1
+        del self._by_start[(p.ref.pack, p.ref.offset)]
+        offsets = self._offsets[p.ref.pack]
+        del offsets[bisect_left(offsets, p.ref.offset)]
+        if not offsets:
+            del self._offsets[p.ref.pack]
+
+    def _take_run(self, p: _Pending) -> list[_Pending]:
+        """``p`` plus the queued chunks near it in its pack, up to ``max_range`` bytes.
+
+        Chunks requested with ``bridge`` take neighbours across gaps of up to
+        ``max_gap`` bytes (blobs no one asked for, read and dropped): a few KiB
+        more on the wire is far cheaper than another request, and the small
+        files an import touches sit between ones it does not.  Others take
+        only exact neighbours.
+        """
+        pack = p.ref.pack
+        self._unqueue(p)
+        gap = self.max_gap if p.bridge else 0
+        # while an application reads, prefetch requests stay short: one that starts just before the
+        # reader's read-ahead fills the link gives the link back within ~35 ms, not ~270 ms
+        limit = self.max_range if p.priority == Priority.READ or not self._reads_hot() else \
+            min(self.max_range, PREFETCH_RANGE_WHILE_READING)
+        run = [p]
+        start, end = p.ref.offset, p.ref.offset + p.ref.stored_len
+        offsets = self._offsets.get(pack, [])
+        while offsets:
+            i = bisect_left(offsets, end)
+            if i == len(offsets) or offsets[i] - end > (gap if self._by_start[(pack, offsets[i])].bridge else 0):
+                break
+            q = self._by_start[(pack, offsets[i])]
+            if q.ref.offset + q.ref.stored_len - start > limit:
+                break
+            self._unqueue(q)
+            run.append(q)
+            end = q.ref.offset + q.ref.stored_len
+        while offsets:
+            i = bisect_left(offsets, start) - 1
+            if i < 0:
+                break
+            q = self._by_start[(pack, offsets[i])]
+            q_end = q.ref.offset + q.ref.stored_len
+            if start - q_end > (gap if q.bridge else 0) or end - q.ref.offset > limit:
+                break
+            self._unqueue(q)
+            run.insert(0, q)
+            start = q.ref.offset
+        return run
+
+    # -- store requests ----------------------------------------------------------------------------
+    async def _fetch_run(self, run: list[_Pending], is_read: bool = False) -> None:
+        """One ranged GET for a run of neighbouring chunks, handed out one by one as they arrive.
+
+        The response is read in a worker thread that decodes and verifies each
+        blob as soon as its bytes are in and hands finished blobs to the trio
+        loop in small batches: a reader waiting for the first chunk of a long
+        run never waits for the last.  A stream that breaks part way is asked
+        for again from the first chunk not yet delivered, within ``retry_for``.
+        """
+        delivered = [False] * len(run)
+        deadline = trio.current_time() + self.retry_for
+        delay = 0.1
+
+        def deliver(batch: list[tuple[int, bytes | CorruptObject]]) -> None:  # on the trio thread
+            for i, result in batch:
+                if i < 0:  # bytes of a gap, read and dropped
+                    self.stats.bytes_fetched += result  # type: ignore[operator]
+                    self.stats.bytes_bridged += result  # type: ignore[operator]
+                    continue
+                delivered[i] = True
+                p = run[i]
+                if is_read:
+                    self._read_bytes -= p.ref.stored_len
+                self.stats.bytes_fetched += p.ref.stored_len
+                if isinstance(result, CorruptObject):
+                    self.stats.corrupt += 1
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._retry_corrupt, p, str(result))
+                    continue
+                self._fetching -= 1
+                self.stats.chunks_fetched += 1
+                self._finish(p, result)
+                if p.keep >= Keep.ALL and not self._adopted(p, result) and self.cache is not None:
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._store, p.ref.chunk, result)
+
+        failure: FetchError | None = None
+        try:
+            while True:
+                todo = [i for i, d in enumerate(delivered) if not d]
+                if not todo:
+                    break
+                first = run[todo[0]].ref
+                start = first.offset
+                last = run[todo[-1]].ref
+                blobs = tuple((i, run[i].ref.offset - start, run[i].ref.stored_len, run[i].ref.raw_len,
+                               run[i].ref.chunk) for i in todo)
+                try:
+                    await trio.to_thread.run_sync(self._stream_blobs, first.pack, start,
+                                                  last.offset + last.stored_len - start, blobs, deliver,
+                                                  limiter=self._net_limiter)
+                    self.stats.requests += 1
+                except NotFound:
+                    failure = ChunkMissing(first, f"pack {first.pack} is missing from the repository")
+                except ShortRead as exc:
+                    failure = ChunkCorrupt(first, f"pack {first.pack} is shorter than the catalog says ({exc})")
+                except PermissionDenied as exc:
+                    failure = StoreUnavailable(first, f"permission denied: {exc}")
+                except (TransientError, ConnectionError, TimeoutError) as exc:
+                    if trio.current_time() + delay > deadline:
+                        failure = StoreUnavailable(first, f"store unreachable for {self.retry_for:.0f} s ({exc})")
+                    else:
+                        self.stats.retries += 1
+                        log.warning("store request failed (%s); retrying in %.1f s", exc, delay)
+                        await trio.sleep(delay)
+                        delay = min(delay * 2, 5.0)
+                        continue
+                except StoreError as exc:
+                    failure = StoreUnavailable(first, str(exc))
+                except ValueError as exc:  # a location no store accepts (a forged pack name, a negative offset)
+                    failure = ChunkCorrupt(first, f"the catalog's location is invalid: {exc}")
+                break
+        finally:
+            self._active -= 1
+            if is_read:
+                self._reads_active -= 1
+                self._read_bytes -= sum(p.ref.stored_len for p, d in zip(run, delivered) if not d)
+                self._last_read_want = trio.current_time()
+            self._changed.set()
+        if failure is not None:
+            left = [p for p, d in zip(run, delivered) if not d]
+            log.error("fetch of %d chunk(s) from pack %s failed: %s", len(left), run[0].ref.pack, failure.reason)
+            for p in left:
+                self._fetching -= 1
+                self._fail(p, type(failure)(p.ref, failure.reason))
+
+    def _stream_blobs(self, pack: str, start: int, length: int,
+                      blobs: tuple[tuple[int, int, int, int, bytes], ...],
+                      deliver: Callable[[list[tuple[int, bytes | CorruptObject]]], None]) -> None:
+        """Worker thread: read one range, decode and verify each blob, hand results to the trio loop.
+
+        ``blobs``: (index, offset in the range, stored length, raw length, chunk
+        id), in range order.  Results go to ``deliver`` on the trio thread
+        (``trio.from_thread``) in batches of about ``_DELIVER_BYTES``, and
+        whatever was decoded is delivered before an error propagates.
+        """
+        batch: list[tuple[int, bytes | CorruptObject]] = []
+        batch_bytes = 0
+        try:
+            with self._open_range(pack, start, length) as body:
+                reader = _BlobReader(body)
+                pos = 0
+                for i, off, slen, rlen, cid in blobs:
+                    if off > pos:
+                        reader.read_exact(off - pos)  # blobs in a gap nobody asked for (max_gap)
+                        batch.append((-1, off - pos))  # type: ignore[arg-type]
+                    raw = reader.read_exact(slen)
+                    pos = off + slen
+                    try:
+                        result: bytes | CorruptObject = self._decode_blob(memoryview(raw), rlen, cid)
+                    except CorruptObject as exc:
+                        result = exc
+                    batch.append((i, result))
+                    batch_bytes += slen
+                    if batch_bytes >= _DELIVER_BYTES:
+                        trio.from_thread.run_sync(deliver, batch)
+                        batch, batch_bytes = [], 0
+        finally:
+            if batch:
+                trio.from_thread.run_sync(deliver, batch)
+
+    async def _retry_corrupt(self, p: _Pending, reason: str) -> None:
+        """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
+        log.warning("chunk %s failed verification (%s); fetching it again", p.ref.chunk.hex()[:16], reason)
+        try:
+            data = await self._refetch(p.ref)
+        except FetchError as exc:
+            log.error("%s", exc)
+            self._fail(p, exc)
+        else:
+            self.stats.chunks_fetched += 1
+            self._finish(p, data)
+            if p.keep >= Keep.ALL and not self._adopted(p, data) and self.cache is not None:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._store, p.ref.chunk, data)
+        finally:
+            self._fetching -= 1
+
+    async def _refetch(self, ref: ChunkRef) -> bytes:
+        """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
+        body = await self._get_range(ref, ref.offset, ref.stored_len)
+        self.stats.requests += 1
+        self.stats.bytes_fetched += len(body)
+        return await self._decode(memoryview(body), ref)
+
+    async def _decode(self, view: memoryview, ref: ChunkRef) -> bytes:
+        if len(view) != ref.stored_len:
+            self.stats.corrupt += 1
+            raise ChunkCorrupt(ref, f"store returned {len(view)} bytes, expected {ref.stored_len}")
+        try:
+            return await trio.to_thread.run_sync(self._decode_blob, view, ref.raw_len, ref.chunk,
+                                                 limiter=self._cpu_limiter)
+        except CorruptObject as exc:
+            self.stats.corrupt += 1
+            raise ChunkCorrupt(ref, str(exc)) from None
+
+    async def _get_range(self, ref: ChunkRef, offset: int, length: int) -> bytes:
+        deadline = trio.current_time() + self.retry_for
+        delay = 0.1
+        while True:
+            try:
+                return await trio.to_thread.run_sync(self._read_range, ref.pack, offset, length,
+                                                     limiter=self._net_limiter)
+            except NotFound:
+                raise ChunkMissing(ref, f"pack {ref.pack} is missing from the repository") from None
+            except ShortRead as exc:
+                raise ChunkCorrupt(ref, f"pack {ref.pack} is shorter than the catalog says ({exc})") from None
+            except PermissionDenied as exc:
+                raise StoreUnavailable(ref, f"permission denied: {exc}") from None
+            except (TransientError, ConnectionError, TimeoutError) as exc:
+                if trio.current_time() + delay > deadline:
+                    raise StoreUnavailable(ref, f"store unreachable for {self.retry_for:.0f} s ({exc})") from None
+                self.stats.retries += 1
+                log.warning("store request failed (%s); retrying in %.1f s", exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except StoreError as exc:
+                raise StoreUnavailable(ref, str(exc)) from None
+            except ValueError as exc:  # a location no store accepts: this chunk's reader gets EIO, the mount lives
+                raise ChunkCorrupt(ref, f"the catalog's location is invalid: {exc}") from None
+
+    # -- caches -------------------------------------------------------------------------------------
+    async def _store(self, chunk: bytes, data: bytes) -> None:
+        assert self.cache is not None
+        try:
+            # shielded: an unmount waits for chunks already fetched to reach the cache, so a remount reuses them
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_write_limiter)
+        except _CACHE_ERRORS as exc:
+            self.stats.cache_write_errors += 1
+            log.warning("chunk cache write failed (%s); serving without caching", exc)
+
+    async def _flush_ticker(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            if self.cache is not None:
+                try:
+                    await trio.to_thread.run_sync(self.cache.flush, limiter=self._cache_write_limiter)
+                except _CACHE_ERRORS as exc:
+                    log.warning("chunk cache bookkeeping failed: %s", exc)
+
+    def _hold_put(self, chunk: bytes, data: bytes) -> bool:
+        """Hold ``chunk`` if there is room (see :meth:`hold`); True if it is held now."""
+        if chunk in self._held:
+            return True
+        if self._held_size + len(data) > self.hold_bytes:
+            return False
+        self._held[chunk] = data
+        self._held_size += len(data)
+        return True
+
+    def _mem_get(self, chunk: bytes) -> bytes | None:
+        data = self._held.get(chunk)
+        if data is not None:
+            return data
+        data = self._mem.get(chunk)
+        if data is not None:
+            self._mem.move_to_end(chunk)
+        return data
+
+    def _mem_put(self, chunk: bytes, data: bytes) -> None:
+        if chunk in self._mem or len(data) > self.memory_bytes:
+            return
+        self._mem[chunk] = data
+        self._mem_size += len(data)
+        while self._mem_size > self.memory_bytes:
+            _, old = self._mem.popitem(last=False)
+            self._mem_size -= len(old)

@@ -1,0 +1,874 @@
+"""A snapshot as a read-only file system: protocol-free, async, testable without mounting.
+
+Metadata comes from the snapshot's SQLite catalog alone, one query at a time:
+there is no in-memory tree, so a snapshot of a million files mounts as fast as
+one of a thousand and memory does not grow with the file count.  Inode numbers
+are the catalog's: stable across mounts, shared by hardlinks.  File data comes
+from the :class:`~ogrefs.lazy.fetcher.Fetcher`.
+
+Catalog access, decided: point queries (one inode, one directory entry, the
+xattrs of one inode) run inline on the trio thread.  They are indexed lookups
+in a local, immutable SQLite file and take microseconds, less than the hop to
+a worker thread would.  Queries that scale with the data (a page of a
+directory listing, the extent list of a file at open) run in a worker thread.
+The same rule holds for complete local copies: a read of up to
+``LOCAL_INLINE_READ`` bytes is one ``pread`` inline (a thread hop costs more
+than the read when a crawl opens thousands of small files) when the page cache
+holds it (``RWF_NOWAIT``: :func:`pread_if_cached`); a read that would wait for
+the disk, and every larger read, goes to a worker thread.
+
+Per-open-file state (:class:`_OpenFile`) holds the file's extents, their
+cumulative start offsets (bisect maps a read offset to its chunk) and the
+read-ahead position, computed once at open.  A read that continues where the
+previous one ended is sequential: the handle then asks the fetcher for the
+chunks of the next ``window`` bytes (doubling up to ``readahead_max``), which
+the fetcher coalesces into few ranged GETs.
+
+Fewer round trips: a snapshot without extended attributes answers getxattr
+with ENOSYS (the kernel stops asking), and the small complete local copies of
+a directory a program is crawling go into the kernel's page cache ahead of
+their reads (:meth:`SnapshotFS._push_siblings`; docs/mount.md).
+
+Who owns what: a SnapshotFS, its lookup counts and its handle tables belong to
+the trio loop; every method is called from trio tasks only.  Worker threads
+get the Catalog (thread-safe: one SQLite connection per thread) and an inode
+number or name, and return fresh lists.  The push channel belongs to the loop
+too: :meth:`SnapshotFS._queue_push` sends, :meth:`SnapshotFS.run_pushes` (a
+task in the mount's nursery) receives; its worker thread gets a tuple of
+(inode, size) and two thread-safe functions: the adapter's store and the
+local copy's path query (its own SQLite connection per thread).
+
+Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
+place that turns any exception into an errno for an adapter.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import stat
+import threading
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple, Protocol
+
+import trio
+
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import ROOT_INO, Catalog, Extent, Inode
+from ogrefs.errors import OgrefsError
+from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
+from ogrefs.store.base import StoreError
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+#: The snapshot never changes, so the kernel may cache names and attributes "forever".
+CACHE_TIMEOUT = 24 * 3600.0
+#: The first page of a listing is read inline (most directories are small: one
+#: indexed query beats a thread hop); later pages, READDIR_PAGE entries each, in a thread.
+READDIR_FIRST_PAGE = 64
+READDIR_PAGE = 512
+#: Files up to this size (a few dozen chunks) load their extent list inline at open.
+INLINE_EXTENTS_BELOW = 16 * MiB
+#: Directory read-ahead: files up to this size are fetched with their small neighbours ...
+SIBLING_FILE_MAX = 256 * 1024
+#: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
+SIBLING_BYTES_MAX = 4 * MiB
+BLOCK_SIZE = 4096
+#: Reads of complete local copies up to this size are served inline (see the module docstring).
+LOCAL_INLINE_READ = 128 * 1024
+#: Page-cache push: complete local copies of files up to this size ...
+PUSH_FILE_MAX = 128 * 1024
+#: ... up to this many bytes per directory, go into the kernel's page cache together.
+PUSH_DIR_MAX = 16 * MiB
+PUSH_BATCH = 64  # files opened and read ahead at once
+
+
+#: Extended attributes overlayfs interprets on its lower layers (metacopy, redirect, opaque, origin):
+#: a snapshot of an overlay's upper directory carries them, and served as they are they make
+#: overlayfs read a file as a metadata-only copy (EPERM) or follow a redirect. The mount never
+#: serves them (restore still writes them); docs/mount.md.
+OVERLAY_XATTRS = (b"trusted.overlay.", b"user.overlay.")
+
+class FsError(Exception):
+    """A file-system answer that is an errno (ENOENT, EIO, ...)."""
+
+    def __init__(self, err: int, detail: str = "") -> None:
+        super().__init__(err, detail or os.strerror(err))
+        self.errno = err
+
+
+def errno_for(exc: BaseException) -> int:
+    """The errno an adapter replies for ``exc``: the single exception-to-errno mapping."""
+    if isinstance(exc, FsError):
+        return exc.errno
+    if isinstance(exc, (FetchError, StoreError, OgrefsError, sqlite3.Error)):
+        return errno.EIO
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    return errno.EIO
+
+
+class Attr(NamedTuple):
+    """What stat() shows for an inode: the catalog row plus the blocks its data occupies."""
+
+    node: Inode
+    blocks: int  # 512-byte blocks of data; holes take none
+
+
+class StatFs(NamedTuple):
+    bsize: int
+    blocks: int
+    files: int
+    namemax: int
+
+
+@dataclass
+class VfsStats:
+    lookups: int = 0
+    opens: int = 0
+    reads: int = 0
+    bytes_read: int = 0  # bytes returned to applications (the kernel)
+    read_errors: int = 0
+    read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
+    local_opens: int = 0  # opens served from the local copy (materialization)
+    local_reads: int = 0
+    local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
+    page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
+
+
+class AccessRecorder(Protocol):
+    """What the vfs tells about reads (``ogrefs.lazy.trace.Recorder``): first touches of chunks."""
+
+    active: bool
+
+    def record(self, ino: int, offset: int) -> None: ...
+
+
+class LocalCopy(Protocol):
+    """Where a complete local copy of a file is, and which chunks of incomplete ones are in place
+    (``ogrefs.lazy.materialize.Materializer``)."""
+
+    def local_path(self, ino: int) -> bytes | None: ...
+
+    def chunk_done(self, chunk: bytes) -> bool: ...
+
+    def chunk_in_hand(self, chunk: bytes) -> bytes | None: ...
+
+    def tree_path(self, ino: int) -> bytes | None: ...
+
+    def local_paths(self, inos: list[int]) -> dict[int, bytes]:
+        """Blocking, thread-safe (worker threads): the complete local copies among ``inos``."""
+        ...
+
+
+class _OpenFile:
+    __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
+                 "partial_fd", "verified")
+
+    def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
+        self.ino = ino
+        self.size = size
+        self.set_extents(extents)
+        self.verified: set[int] = set()  # indices of extents whose local bytes were read and found right
+        self.next_offset = 0  # where a sequential reader reads next
+        self.window = 0  # read-ahead distance; 0 until reads look sequential
+        self.ahead = 0  # index of the first extent not yet requested by read-ahead
+        self.local_fd: int | None = None  # the complete local copy, when there is one
+        self.partial_fd: int | None = None  # the incomplete local copy, opened for its done chunks
+
+    def set_extents(self, extents: list[Extent]) -> None:
+        self.extents = extents
+        self.starts = [e.offset for e in extents]
+        self.refs = [ChunkRef.from_extent(e) for e in extents]
+
+
+class _OpenDir:
+    __slots__ = ("ino", "base", "entries", "complete", "listed")
+
+    def __init__(self, ino: int) -> None:
+        self.ino = ino
+        self.listed = False  # the kernel has been told the end of the listing
+        self.base = 0  # directory position of entries[0]
+        self.entries: list[tuple[bytes, Attr]] = []
+        self.complete = False  # entries reach the end of the directory
+
+
+class _CatalogExtra:
+    """Queries the mount needs that Catalog does not offer (yet): data size, a path for logs.
+
+    Same access mode as Catalog: one read-only connection per thread.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._uri = f"file:{path}?mode=ro&immutable=1"
+        self._local = threading.local()
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+        return db
+
+    def data_bytes(self, ino: int) -> int:
+        return self._db().execute("SELECT coalesce(sum(length), 0) FROM extents WHERE ino=?", (ino,)).fetchone()[0]
+
+    def data_bytes_many(self, inos: list[int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        db = self._db()
+        for i in range(0, len(inos), 500):
+            part = inos[i:i + 500]
+            out.update(db.execute(f"SELECT ino, sum(length) FROM extents WHERE ino IN ({','.join('?' * len(part))})"
+                                  " GROUP BY ino", part).fetchall())
+        return out
+
+    def parent_of(self, ino: int) -> int:
+        row = self._db().execute("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        return row[0] if row else ROOT_INO
+
+    def small_files(self, parent: int, max_size: int, limit: int = 8192) -> list[tuple[int, int]]:
+        """(ino, size) of the non-empty regular files of directory ``parent`` up to ``max_size``, in name order."""
+        return self._db().execute(
+            "SELECT i.ino, i.size FROM dirents d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? "
+            "AND i.mode & 61440 = 32768 AND i.size > 0 AND i.size <= ? ORDER BY d.name LIMIT ?",
+            (parent, max_size, limit)).fetchall()
+
+    def has_xattrs(self) -> bool:
+        return self._db().execute("SELECT 1 FROM xattrs LIMIT 1").fetchone() is not None
+
+    def small_sibling_refs(self, parent: int, max_chunk: int, max_bytes: int) -> list[ChunkRef]:
+        """Chunks of the small files of directory ``parent``, in pack order, up to ``max_bytes`` stored."""
+        rows = self._db().execute(
+            "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM dirents d "
+            "JOIN extents e ON e.ino = d.ino JOIN blobs b ON b.id = e.blob JOIN packs p ON p.id = b.pack "
+            "WHERE d.parent = ? AND e.length <= ? ORDER BY p.name, b.offset LIMIT 512", (parent, max_chunk))
+        out, total = [], 0
+        for chunk, pack, off, slen, rlen in rows:
+            if total + slen > max_bytes:
+                break
+            out.append(ChunkRef(chunk, pack, off, slen, rlen))
+            total += slen
+        return out
+
+    def path_of(self, ino: int) -> bytes:
+        """One path of ``ino`` (hardlinks have several), for messages."""
+        parts: list[bytes] = []
+        db = self._db()
+        seen = set()
+        while ino != ROOT_INO and ino not in seen:
+            seen.add(ino)
+            row = db.execute("SELECT parent, name FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
+            if row is None:
+                return b"<inode %d>" % ino
+            ino = row[0]
+            parts.append(row[1])
+        return b"/" + b"/".join(reversed(parts))
+
+
+def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list[int]], dict[int, bytes]],
+                candidates: tuple[tuple[int, int], ...],
+                is_right: Callable[[int, bytes], bool] = lambda ino, data: True) -> int:
+    """Worker thread: hand the bytes of the complete local copies among ``candidates`` (ino, size) to ``store``.
+
+    In listing order, up to ``PUSH_DIR_MAX`` bytes.  Files go in batches: each batch is opened and announced to the kernel's
+    read-ahead first (WILLNEED), so a cold disk reads them in parallel rather
+    than one small read at a time.  A copy that cannot be read whole is
+    skipped (its reads then come as usual); so is an inode the kernel no longer
+    knows (``store`` raises OSError).  Returns how many files were stored.
+    """
+    paths = local_paths([ino for ino, _ in candidates])
+    files: list[tuple[int, bytes, int]] = []
+    total = 0
+    for ino, size in candidates:
+        path = paths.get(ino)
+        if path is None:
+            continue
+        if total + size > PUSH_DIR_MAX:
+            break
+        files.append((ino, path, size))
+        total += size
+    done = 0
+    for i in range(0, len(files), PUSH_BATCH):
+        fds: list[tuple[int, int, int]] = []
+        try:
+            for ino, path, size in files[i:i + PUSH_BATCH]:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                except OSError:
+                    continue
+                fds.append((ino, fd, size))
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            for ino, fd, size in fds:
+                try:
+                    data = os.pread(fd, size + 1, 0)
+                    if len(data) == size and is_right(ino, data):  # a damaged copy is not pushed
+                        store(ino, data)
+                        done += 1
+                except OSError:
+                    continue
+        finally:
+            for _, fd, _ in fds:
+                os.close(fd)
+    return done
+
+
+def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
+    """``size`` bytes at ``offset`` if the page cache holds them all; None if the read would wait for the disk.
+
+    ``preadv2(RWF_NOWAIT)``: on a busy box (another job writing with fsync)
+    a page-cache miss queues behind that writer's I/O for hundreds of
+    milliseconds, and an inline read would stop the whole loop meanwhile.
+    A file system without RWF_NOWAIT (tmpfs: memory anyway) is read plainly.
+    A short answer (part cached, or the end of the file) is None too: the
+    caller's thread read sorts it out.
+    """
+    buf = bytearray(size)
+    try:
+        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return os.pread(fd, size, offset)
+        raise
+    return bytes(buf) if n == size else None
+
+
+async def _pread(fd: int, size: int, offset: int) -> bytes:
+    """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes when cached, else in a worker thread."""
+    if size <= LOCAL_INLINE_READ and (data := pread_if_cached(fd, size, offset)) is not None:
+        return data
+    return await trio.to_thread.run_sync(os.pread, fd, size, offset)
+
+
+class SnapshotFS:
+    """The file-system operations of one mounted snapshot."""
+
+    def __init__(self, catalog: Catalog, fetcher: Fetcher, *, readahead_max: int = 32 * MiB,
+                 readahead_min: int = 4 * MiB, recorder: AccessRecorder | None = None,
+                 local: LocalCopy | None = None,
+                 page_cache: Callable[[int, bytes], None] | None = None,
+                 chunk_id: Callable[[bytes], bytes] = codec.chunk_id) -> None:
+        self.catalog = catalog
+        # Names a chunk from its bytes (the repository's: keyed when encrypted); every chunk read from the
+        # local copy is checked with it once per open file, in a worker thread (docs/reliability.md).
+        self.chunk_id = chunk_id
+        self.fetcher = fetcher
+        self.recorder = recorder  # told the first chunks each read touches (access trace)
+        self.local = local  # complete local copies of files are read from there, never from the store
+        self._dirs_prefetched: set[int] = set()  # directories whose small files were requested together
+        # Puts a file's whole content into the kernel's page cache (the adapter's; thread-safe, called
+        # in worker threads only); its reads then never reach the daemon. None: no such thing.
+        self.page_cache = page_cache
+        self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
+        self._push_send, self._push_recv = trio.open_memory_channel[tuple[int, int]](64)
+        self.readahead_max = readahead_max
+        self.readahead_min = readahead_min
+        self.stats = VfsStats()
+        self._extra = _CatalogExtra(catalog.path)
+        self._lookups: dict[int, int] = {}
+        self._files: dict[int, _OpenFile] = {}
+        self._dirs: dict[int, _OpenDir] = {}
+        self._next_fh = 1
+        self._last_request = -float("inf")  # trio time of the latest application request
+        counts = catalog.counts()
+        self._inode_count = counts["inodes"]
+        self._data_bytes = self._extra._db().execute("SELECT coalesce(sum(raw_len), 0) FROM blobs").fetchone()[0]
+        self._has_xattrs = self._extra.has_xattrs()
+
+    def idle_for(self) -> float:
+        """Seconds since an application last asked the mount for anything (lookup, open, read, listing)."""
+        return trio.current_time() - self._last_request
+
+    def _busy(self) -> None:
+        self._last_request = trio.current_time()
+
+    # -- attributes --------------------------------------------------------------------
+    def _attr(self, node: Inode) -> Attr:
+        return Attr(node, self._blocks(node, self._extra.data_bytes(node.ino) if node.is_reg and node.size else 0))
+
+    @staticmethod
+    def _blocks(node: Inode, data_bytes: int) -> int:
+        if node.is_reg:
+            return (data_bytes + 511) // 512
+        if node.is_lnk:
+            return 0
+        return (node.size + 511) // 512
+
+    def _node(self, ino: int) -> Inode:
+        node = self.catalog.get(ino)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    async def getattr(self, ino: int) -> Attr:
+        return self._attr(self._node(ino))
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        """The entry ``name`` in directory ``parent``; counts one kernel reference."""
+        self.stats.lookups += 1
+        self._busy()
+        if name == b".":
+            node = self._node(parent)
+        elif name == b"..":
+            node = self._node(self._extra.parent_of(parent))
+        else:
+            node = self.catalog.lookup(parent, name)
+        if node is None:
+            if not self._node(parent).is_dir:
+                raise FsError(errno.ENOTDIR)
+            raise FsError(errno.ENOENT)
+        self._ref(node.ino)
+        return self._attr(node)
+
+    def _ref(self, ino: int) -> None:
+        self._lookups[ino] = self._lookups.get(ino, 0) + 1
+
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        """The kernel dropped ``n`` references to each inode; never raises."""
+        for ino, n in items:
+            left = self._lookups.get(ino, 0) - n
+            if left > 0:
+                self._lookups[ino] = left
+            else:
+                self._lookups.pop(ino, None)
+                # a directory the kernel forgot took its files' cached pages along: push again next time
+                self._dirs_pushed.discard(ino)
+
+    def lookup_count(self, ino: int) -> int:
+        return self._lookups.get(ino, 0)
+
+    @property
+    def referenced_inodes(self) -> int:
+        return len(self._lookups)
+
+    async def readlink(self, ino: int) -> bytes:
+        node = self._node(ino)
+        if not node.is_lnk:
+            raise FsError(errno.EINVAL)
+        return node.target or b""
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if not self._has_xattrs:
+            # ENOSYS tells the kernel to stop asking (it then answers "not supported" itself):
+            # overlayfs asks every lower file it looks up for trusted.overlay.metacopy, one
+            # round trip each, for a snapshot that holds no extended attribute at all.
+            raise FsError(errno.ENOSYS)
+        if not name.startswith(OVERLAY_XATTRS):
+            for n, value in self.catalog.xattrs(ino):
+                if n == name:
+                    return value
+        self._node(ino)
+        raise FsError(errno.ENODATA)
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        self._node(ino)
+        return [n for n, _ in self.catalog.xattrs(ino) if not n.startswith(OVERLAY_XATTRS)]
+
+    async def statfs(self) -> StatFs:
+        return StatFs(bsize=BLOCK_SIZE, blocks=(self._data_bytes + BLOCK_SIZE - 1) // BLOCK_SIZE,
+                      files=self._inode_count, namemax=255)
+
+    # -- directories ------------------------------------------------------------------------
+    async def opendir(self, ino: int) -> int:
+        if not self._node(ino).is_dir:
+            raise FsError(errno.ENOTDIR)
+        fh = self._new_fh()
+        self._dirs[fh] = _OpenDir(ino)
+        return fh
+
+    def _page(self, ino: int, after: bytes | None, skip: int, size: int) -> list[tuple[bytes, Attr]]:
+        """Up to ``size`` entries after ``after`` (or ``skip`` entries in), with their attributes."""
+        rows = self.catalog.children(ino, after=after, limit=skip + size)[skip:]
+        data = self._extra.data_bytes_many([n.ino for _, n in rows if n.is_reg and n.size])
+        return [(name, Attr(node, self._blocks(node, data.get(node.ino, 0)))) for name, node in rows]
+
+    async def readdir(self, fh: int, start: int, emit: Callable[[bytes, Attr, int], bool]) -> None:
+        """Report entries from position ``start`` through ``emit(name, attr, next_position)``.
+
+        ``emit`` returns False when the reply is full; each accepted entry counts
+        one kernel reference (readdirplus).  Positions are indexes in name order;
+        the handle keeps a page of entries so a listing costs one query per page.
+        """
+        d = self._dirs.get(fh)
+        if d is None:
+            raise FsError(errno.EBADF)
+        self._busy()
+        pos = start
+        while True:
+            i = pos - d.base
+            if not 0 <= i < len(d.entries):
+                if i == len(d.entries) and d.complete:
+                    if not d.listed:
+                        d.listed = True
+                        self._listed(d.ino)
+                    return
+                if i == len(d.entries) and d.entries:
+                    after, skip = d.entries[-1][0], 0
+                else:  # the first page, or a seek elsewhere (rewinddir, telldir/seekdir)
+                    after, skip = None, pos
+                if pos == 0:
+                    size = READDIR_FIRST_PAGE
+                    page = self._page(d.ino, None, 0, size)
+                else:
+                    size = READDIR_PAGE
+                    page = await trio.to_thread.run_sync(self._page, d.ino, after, skip, size)
+                d.base, d.entries, d.complete = pos, page, len(page) < size
+                if not page:
+                    return
+                i = 0
+            name, attr = d.entries[i]
+            if not emit(name, attr, pos + 1):
+                return
+            self._ref(attr.node.ino)
+            pos += 1
+
+    def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # -- files ------------------------------------------------------------------------------
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    async def open(self, ino: int, flags: int) -> int:
+        self._busy()
+        node = self._node(ino)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise FsError(errno.EROFS)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if not node.is_reg:
+            raise FsError(errno.ENXIO)
+        if self.local is not None:
+            fd = self._open_local(node)
+            if fd is not None:
+                fh = self._new_fh()
+                f = self._files[fh] = _OpenFile(ino, node.size, [])
+                f.local_fd = fd
+                self.stats.opens += 1
+                self.stats.local_opens += 1
+                if self.page_cache is not None and node.size <= PUSH_FILE_MAX:
+                    self._push_siblings(ino)
+                return fh
+        if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
+            extents = self.catalog.extents(ino) if node.size else []
+            if node.size and node.size <= SIBLING_FILE_MAX:
+                await self._prefetch_siblings(ino)
+        else:
+            extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
+        fh = self._new_fh()
+        self._files[fh] = _OpenFile(ino, node.size, extents)
+        self.stats.opens += 1
+        return fh
+
+    async def _prefetch_siblings(self, ino: int) -> None:
+        """The first small file opened in a directory brings its small neighbours along.
+
+        An import opens many small files of one directory one after the other;
+        snapshots pack a directory's files next to each other, so their chunks
+        are one ranged GET instead of one round trip per file (directory
+        read-ahead).  Once per directory per mount.
+        """
+        parent = self._extra.parent_of(ino)
+        if parent in self._dirs_prefetched:
+            return
+        self._dirs_prefetched.add(parent)
+        refs = await trio.to_thread.run_sync(self._extra.small_sibling_refs, parent, SIBLING_FILE_MAX,
+                                             SIBLING_BYTES_MAX)
+        if refs:
+            self.fetcher.prefetch(refs, Priority.READ)
+
+    def _listed(self, ino: int) -> None:
+        """A listing of directory ``ino`` reached its end: inside a crawl, its small files go to the page cache now.
+
+        A crawl lists a directory, then opens its files in listing order.  When
+        the parent's files were pushed, this directory is most likely next, and
+        pushing at the listing puts its first files in the page cache before
+        their opens arrive, instead of racing them.
+        """
+        if self.page_cache is None or ino in self._dirs_pushed or ino == ROOT_INO:
+            return
+        if self._extra.parent_of(ino) in self._dirs_pushed:
+            self._queue_push(ino, 0)
+
+    def _push_siblings(self, ino: int) -> None:
+        """The first small local file opened in a directory sends its small local neighbours to the page cache.
+
+        A crawl (tar, rsync, an import of a big package) opens file after file
+        of one directory; each open, read and close is a round trip to this
+        daemon.  With the neighbours' bytes in the kernel's page cache their
+        reads are served there, so one round trip is left per file (the open).
+        Once per directory per mount, in the background (:meth:`run_pushes`).
+        """
+        parent = self._extra.parent_of(ino)
+        if parent not in self._dirs_pushed:
+            self._queue_push(parent, ino)
+
+    def _queue_push(self, parent: int, opened: int) -> None:
+        try:
+            self._push_send.send_nowait((parent, opened))
+        except trio.WouldBlock:
+            return  # busy: a later open in this directory asks again
+        self._dirs_pushed.add(parent)
+
+    async def run_pushes(self) -> None:
+        """Serve page-cache pushes until cancelled (a task in the mount's nursery)."""
+        async for parent, opened in self._push_recv:
+            try:
+                await self._push_dir(parent, opened)
+            except Exception as exc:  # noqa: BLE001 - a push only saves round trips
+                log.warning("page-cache push for directory inode %d failed: %s", parent, exc)
+
+    async def _push_dir(self, parent: int, opened: int) -> None:
+        assert self.local is not None and self.page_cache is not None
+        rows = await trio.to_thread.run_sync(self._extra.small_files, parent, PUSH_FILE_MAX)
+        # only inodes the kernel holds (listed or looked up): it drops a push for any other
+        candidates = tuple((ino, size) for ino, size in rows if ino != opened and ino in self._lookups)
+        if candidates:
+            self.stats.page_cache_pushed += await trio.to_thread.run_sync(
+                _push_files, self.page_cache, self.local.local_paths, candidates, self._holds_catalog_bytes)
+
+    def _holds_catalog_bytes(self, ino: int, data: bytes) -> bool:
+        """Worker thread: whether ``data`` is file ``ino`` as the catalog names it, chunk by chunk."""
+        try:
+            extents = self.catalog.extents(ino)
+        except OgrefsError:
+            return False
+        return all(self.chunk_id(data[e.offset:e.end]) == e.chunk for e in extents)
+
+    def _open_local(self, node: Inode) -> int | None:
+        """An fd of the complete local copy of ``node``, or None (then the store serves it).
+
+        Inline on the trio thread, like a catalog point query: one open and one
+        fstat of a local file.  A copy that cannot be opened or has the wrong size
+        is not used.
+        """
+        assert self.local is not None
+        path = self.local.local_path(node.ino)
+        if path is None:
+            return None
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            try:
+                fd = os.open(path, flags | os.O_NOATIME)
+            except PermissionError:  # O_NOATIME needs ownership (or root)
+                fd = os.open(path, flags)
+        except OSError as exc:
+            log.warning("local copy %s cannot be opened (%s); reading from the store", os.fsdecode(path),
+                        exc.strerror)
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != node.size:
+            os.close(fd)
+            log.warning("local copy %s is not the snapshot's file (size %d, expected %d); reading from the store",
+                        os.fsdecode(path), st.st_size, node.size)
+            return None
+        return fd
+
+    def release(self, fh: int) -> None:
+        f = self._files.pop(fh, None)
+        if f is not None:
+            for fd in (f.local_fd, f.partial_fd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+
+    @property
+    def open_files(self) -> int:
+        return len(self._files)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        """Up to ``size`` bytes at ``offset``; holes read as zeros; a chunk that cannot be had is EIO."""
+        f = self._files.get(fh)
+        if f is None:
+            raise FsError(errno.EBADF)
+        self._busy()
+        end = min(offset + size, f.size)
+        if offset >= end:
+            return b""
+        if f.local_fd is not None:
+            local_data = await self._read_local(f, offset, end)
+            if local_data is not None:
+                return local_data
+        first = max(0, bisect_right(f.starts, offset) - 1)
+        last = first
+        while last < len(f.extents) and f.extents[last].offset < end:
+            last += 1
+        wanted = [k for k in range(first, last) if f.extents[k].end > offset]
+        if self.recorder is not None and self.recorder.active:
+            for k in wanted:
+                self.recorder.record(f.ino, f.extents[k].offset)
+        ahead = self._read_ahead(f, offset, end, last)
+        local = self.local
+        if len(wanted) > 1 or ahead:
+            # one call: the chunks of this read and of the read-ahead are probed and queued together
+            refs = [f.refs[k] for k in wanted] + ahead
+            if local is not None:  # chunks the materializer has (written or about to be) are not fetched
+                refs = [r for r in refs if not local.chunk_done(r.chunk) and local.chunk_in_hand(r.chunk) is None]
+            self.fetcher.prefetch(refs, Priority.READ)
+        parts: list[bytes | memoryview] = []
+        pos = offset
+        try:
+            for k in wanted:
+                ext = f.extents[k]
+                if ext.offset > pos:
+                    parts.append(bytes(ext.offset - pos))
+                    pos = ext.offset
+                chunk = f.refs[k].chunk
+                if self.fetcher.is_cached_in_memory(chunk):
+                    data = await self.fetcher.get(f.refs[k], Priority.READ)
+                elif local is not None and local.chunk_done(chunk) and (
+                        tree := await self._read_done_chunk(f, ext, k)) is not None:
+                    data = tree
+                elif local is not None and (held := local.chunk_in_hand(chunk)) is not None:
+                    data = held  # fetched by the materializer, on its way into the tree
+                else:
+                    t0 = trio.current_time()
+                    data = await self.fetcher.get(f.refs[k], Priority.READ)
+                    self.stats.read_wait += trio.current_time() - t0
+                stop = min(end, ext.end)
+                parts.append(memoryview(data)[pos - ext.offset:stop - ext.offset])
+                pos = stop
+        except FetchError as exc:
+            self.stats.read_errors += 1
+            path = await trio.to_thread.run_sync(self._extra.path_of, f.ino)
+            log.error("read of %s at offset %d failed: %s", os.fsdecode(path), offset, exc)
+            raise FsError(errno.EIO) from None
+        if pos < end:
+            parts.append(bytes(end - pos))
+        self.stats.reads += 1
+        self.stats.bytes_read += end - offset
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _verify_local(self, f: _OpenFile, offset: int, end: int) -> bool:
+        """Whether every chunk of ``[offset, end)`` in the complete local copy holds the catalog's bytes.
+
+        Each chunk is read whole and named (BLAKE3, in a worker thread) the first time this handle
+        reads it; afterwards the handle trusts it.  A copy damaged on disk since it was written is
+        never served: False, and the caller reads through the store.
+        """
+        assert f.local_fd is not None
+        if not f.extents and f.size:
+            f.set_extents(await trio.to_thread.run_sync(self.catalog.extents, f.ino))
+        first = max(0, bisect_right(f.starts, offset) - 1)
+        k = first
+        while k < len(f.extents) and f.extents[k].offset < end:
+            ext = f.extents[k]
+            if k not in f.verified and ext.end > offset:
+                data = await _pread(f.local_fd, ext.length, ext.offset)
+                if len(data) != ext.length or await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
+                    return False
+                f.verified.add(k)
+            k += 1
+        return True
+
+    async def _read_local(self, f: _OpenFile, offset: int, end: int) -> bytes | None:
+        """A read served from the complete local copy (pread in a worker thread), its chunks verified first.
+
+        None when the copy is damaged: the handle then reads through the store for good.
+        """
+        assert f.local_fd is not None
+        try:
+            right = await self._verify_local(f, offset, end)
+        except OSError as exc:
+            log.error("read of the local copy of inode %d failed: %s", f.ino, exc.strerror)
+            right = False
+        if not right:
+            self.stats.local_corrupt += 1
+            log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
+                      "reading it from the store", f.ino, offset)
+            os.close(f.local_fd)
+            f.local_fd = None
+            f.verified.clear()
+            return None
+        if self.recorder is not None and self.recorder.active:
+            granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
+            for off in range(offset - offset % granule, end, granule):
+                self.recorder.record(f.ino, off)
+        try:
+            data = await _pread(f.local_fd, end - offset, offset)
+        except OSError as exc:
+            data = b""
+            log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
+        if len(data) != end - offset:
+            self.stats.read_errors += 1
+            if data:
+                log.error("local copy of inode %d is shorter than the snapshot's file", f.ino)
+            raise FsError(errno.EIO)
+        self.stats.reads += 1
+        self.stats.local_reads += 1
+        self.stats.bytes_read += len(data)
+        return data
+
+    async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
+        """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
+        or not the chunk's bytes (then it comes from the store).
+
+        The materializer records a chunk done only once it is durable at
+        every place it belongs, and its bytes were verified before they were
+        written; a disk may still change them afterwards, so the bytes read
+        back are named again (BLAKE3, in a worker thread) the first time this
+        handle reads them.
+        """
+        assert self.local is not None
+        if f.partial_fd is None:
+            path = self.local.tree_path(f.ino)
+            try:
+                f.partial_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) if path else -1
+            except OSError as exc:
+                log.warning("local copy of inode %d cannot be opened (%s); reading from the store", f.ino,
+                            exc.strerror)
+                f.partial_fd = -1
+        if f.partial_fd < 0:
+            return None
+        try:
+            data = await _pread(f.partial_fd, ext.length, ext.offset)
+        except OSError as exc:
+            log.warning("local copy of inode %d: read failed (%s); reading from the store", f.ino, exc.strerror)
+            return None
+        if len(data) != ext.length:
+            return None
+        if k not in f.verified:
+            if await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
+                self.stats.local_corrupt += 1
+                log.error("local copy of inode %d: the chunk at offset %d is damaged; reading it from the store",
+                          f.ino, ext.offset)
+                return None
+            f.verified.add(k)
+        self.stats.local_reads += 1
+        return data
+
+    def _read_ahead(self, f: _OpenFile, offset: int, end: int, next_index: int) -> list[ChunkRef]:
+        """On sequential reads, the chunks of the next ``window`` bytes not yet requested.
+
+        Chunks are requested a quarter window at a time, once less than three
+        quarters of a window is requested ahead of the reader: each request to
+        the fetcher is a run of neighbours it can fetch with one GET, and the
+        next run is on its way long before the reader reaches it.
+        """
+        # the kernel's own read-ahead sends several requests at once, which may arrive out of order:
+        # anything near where the reader is counts as sequential
+        slack = f.window + 2 * MiB
+        if offset == 0 or f.next_offset - slack <= offset <= f.next_offset + slack:
+            f.window = min(max(f.window * 2, self.readahead_min), self.readahead_max)
+        else:
+            f.window = 0
+            f.ahead = 0
+        f.next_offset = max(end, f.next_offset) if f.window else end
+        if not f.window:
+            return []
+        start = max(next_index, f.ahead)
+        if start < len(f.extents) and f.extents[start].offset - end >= f.window * 3 // 4:
+            return []  # still most of a window requested ahead
+        stop = start
+        limit = end + f.window
+        while stop < len(f.extents) and f.extents[stop].offset < limit:
+            stop += 1
+        f.ahead = max(f.ahead, stop)
+        return f.refs[start:stop]

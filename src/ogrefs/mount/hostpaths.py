@@ -1,0 +1,367 @@
+"""Host-owned paths: what always comes from the box a snapshot is mounted on, not from the snapshot.
+
+A snapshot of box A mounted at ``/`` on box B must not take B's identity,
+network, disks, logins or GPU driver (docs/mount.md, "Host-owned paths").
+Each rule is ``KIND PATTERN`` (a glob per path component, absolute)::
+
+    host         the entry is B's: the FUSE view omits the snapshot's, and
+                 since each overlay has B's original directory as its lowest
+                 layer, B's own entry shows through (or none, if B has none)
+    prefer-host  a directory: B's entries replace the snapshot's entries of
+                 the same name, the snapshot's others stay (sudoers.d)
+    accounts     passwd/group/shadow/gshadow: the snapshot's system accounts,
+                 plus B's login accounts (uid/gid >= 1000), B's entry winning
+                 on a name both have; B's users stay in the groups B gave them
+    merge        line union, the snapshot's lines first (authorized_keys):
+                 never drops a key of either side
+
+Merged files are synthesized by the keeper into ``state/host/<n>/`` (the
+topmost lower layer of overlay n) after the FUSE lower answers. The
+defaults are :data:`DEFAULT_RULES`; ``/etc/ogrefs/host-paths`` (or
+``--host-paths-file``) adds rules, ``-PATTERN`` drops a default, and
+``--host-path``/``--no-host-path``/``--no-host-paths`` do the same on the
+command line. The snapshot's CUDA toolkit and the nvidia-* wheels of its
+venvs are not driver files and still come from the snapshot.
+
+No locks: the mount command computes the plan (in its own process, before
+the fork), the keeper writes the merged layer before any overlay is up.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ogrefs.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("host", "prefer-host", "accounts", "merge")
+LIBDIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+           "/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64")
+#: NVIDIA driver userspace as libnvidia-container lists it (libraries, binaries, ICDs, firmware, records).
+NVIDIA_LIBS = ("libcuda.so*", "libcudadebugger.so*", "libnvidia-*.so*", "libnvcuvid.so*", "libnvoptix.so*",
+               "libGLX_nvidia.so*", "libEGL_nvidia.so*", "libGLESv1_CM_nvidia.so*", "libGLESv2_nvidia.so*",
+               "vdpau/libvdpau_nvidia.so*", "nvidia")
+NVIDIA_BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
+               "nvidia-cuda-mps-server", "nvidia-modprobe", "nvidia-settings", "nvidia-bug-report.sh",
+               "nvidia-xconfig", "nvidia-powerd")
+
+DEFAULT_RULES: tuple[tuple[str, str], ...] = (
+    # boot and swap at the top level (shown from the snapshot only where this box has none: topfiles.py)
+    ("host", "/vmlinuz*"), ("host", "/initrd.img*"), ("host", "/swapfile"), ("host", "/swap.img"),
+    # identity
+    ("host", "/etc/hostname"), ("host", "/etc/hosts"), ("host", "/etc/machine-id"),
+    ("host", "/var/lib/dbus/machine-id"), ("host", "/etc/mailname"),
+    # network and name resolution
+    ("host", "/etc/resolv.conf"), ("host", "/etc/network/interfaces"), ("host", "/etc/network/interfaces.d"),
+    ("host", "/etc/netplan"), ("host", "/etc/NetworkManager/system-connections"),
+    ("host", "/etc/systemd/network"), ("host", "/etc/systemd/resolved.conf"), ("host", "/etc/nsswitch.conf"),
+    ("host", "/var/lib/dhcp"), ("host", "/var/lib/NetworkManager"),
+    # disks
+    ("host", "/etc/fstab"), ("host", "/etc/crypttab"), ("host", "/etc/mdadm"),
+    # cloud-init
+    ("host", "/var/lib/cloud"), ("host", "/etc/cloud"),
+    # ssh host keys
+    ("host", "/etc/ssh/ssh_host_*"),
+    # the provider's login accounts
+    ("accounts", "/etc/passwd"), ("accounts", "/etc/group"), ("accounts", "/etc/shadow"),
+    ("accounts", "/etc/gshadow"), ("prefer-host", "/etc/sudoers.d"),
+    ("merge", "/root/.ssh/authorized_keys"), ("merge", "/home/*/.ssh/authorized_keys"),
+    # kernel modules, firmware, boot
+    ("host", "/lib/modules"), ("host", "/usr/lib/modules"), ("host", "/lib/firmware"),
+    ("host", "/usr/lib/firmware"), ("host", "/etc/modprobe.d/nvidia*"), ("host", "/etc/modules-load.d/nvidia*"),
+    # the NVIDIA driver userspace
+    *(("host", f"{d}/{lib}") for d in LIBDIRS for lib in NVIDIA_LIBS),
+    *(("host", f"{d}/{b}") for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin") for b in NVIDIA_BINS),
+    ("host", "/etc/OpenCL/vendors/nvidia*.icd"), ("host", "/etc/vulkan/icd.d/nvidia*"),
+    ("host", "/usr/share/vulkan/icd.d/nvidia*"), ("host", "/usr/share/vulkan/implicit_layer.d/nvidia*"),
+    ("host", "/usr/share/glvnd/egl_vendor.d/*nvidia*"), ("host", "/usr/share/egl/egl_external_platform.d/*nvidia*"),
+    ("host", "/usr/share/nvidia"), ("host", "/etc/nvidia"), ("host", "/usr/src/nvidia*"),
+    ("host", "/var/lib/dkms/nvidia*"), ("host", "/var/lib/dpkg/info/*nvidia*"),
+    ("host", "/etc/X11/xorg.conf.d/*nvidia*"),
+)
+CONFIG_FILE = "/etc/ogrefs/host-paths"
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str
+    pattern: str
+
+
+def parse_rules(text: str, source: str) -> tuple[list[Rule], list[str]]:
+    """Rules and dropped patterns (``-PATTERN``) of a host-paths file; UsageError names the bad line."""
+    rules, dropped = [], []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("-"):
+            dropped.append(line[1:].strip())
+            continue
+        kind, _, pattern = line.partition(" ") if " " in line else ("host", "", line)
+        pattern = pattern.strip()
+        if kind not in KINDS or not pattern.startswith("/"):
+            raise UsageError(f"{source}:{n}: expected `[{'|'.join(KINDS)}] /absolute/pattern` or `-/pattern`")
+        rules.append(Rule(kind, pattern))
+    return rules, dropped
+
+
+def load_rules(*, defaults: bool = True, files: Iterable[str] = (), add: Iterable[str] = (),
+               drop: Iterable[str] = ()) -> list[Rule]:
+    """The rules in force: defaults, then the config file(s), then the command line."""
+    rules = [Rule(k, p) for k, p in DEFAULT_RULES] if defaults else []
+    dropped = list(drop)
+    for f in [CONFIG_FILE, *files]:
+        try:
+            text = Path(f).read_text()
+        except FileNotFoundError:
+            if f != CONFIG_FILE:
+                raise UsageError(f"host-paths file {f} does not exist") from None
+            continue
+        except OSError as exc:
+            raise UsageError(f"cannot read host-paths file {f}: {exc.strerror}") from None
+        more, less = parse_rules(text, f)
+        rules += more
+        dropped += less
+    for spec in add:
+        kind, _, pattern = spec.partition(":") if ":" in spec and spec.split(":", 1)[0] in KINDS else ("host", "", spec)
+        if not pattern.startswith("/"):
+            raise UsageError(f"--host-path {spec}: give an absolute path (optionally KIND:/path)")
+        rules.append(Rule(kind, pattern))
+    return [r for r in rules if r.pattern not in dropped]
+
+
+# -- what of the snapshot the rules take away --------------------------------------------------------
+@dataclass
+class HostPlan:
+    """Computed by the mount command before the fork: what the FUSE view hides, what the keeper merges."""
+    hidden: dict[int, frozenset] = field(default_factory=dict)  # parent ino -> names the view omits
+    kept: list[str] = field(default_factory=list)  # snapshot paths replaced by this box's (or by nothing)
+    merges: list[tuple[str, str]] = field(default_factory=list)  # (kind, path) synthesized from both sides
+
+
+def _match(catalog: Any, pattern: str) -> list[tuple[int, bytes, Any, str]]:
+    """Entries of the catalog matching ``pattern``: (parent ino, name, node, path); no symlink followed."""
+    from ogrefs.repo.catalog import ROOT_INO
+
+    level: list[tuple[int | None, bytes | None, Any, str]] = [(None, None, catalog.get(ROOT_INO), "")]
+    for comp in [c for c in pattern.split("/") if c]:
+        nxt = []
+        for _p, _n, node, path in level:
+            if node is None or not node.is_dir:
+                continue
+            if any(ch in comp for ch in "*?["):
+                for name, child in catalog.children(node.ino):
+                    if fnmatch.fnmatchcase(os.fsdecode(name), comp):
+                        nxt.append((node.ino, name, child, f"{path}/{os.fsdecode(name)}"))
+            else:
+                child = catalog.lookup(node.ino, os.fsencode(comp))
+                if child is not None:
+                    nxt.append((node.ino, os.fsencode(comp), child, f"{path}/{comp}"))
+        level = nxt
+    return [(p, n, node, path) for p, n, node, path in level if p is not None]
+
+
+def plan(catalog: Any, rules: list[Rule], host_root: str = "/") -> HostPlan:
+    """Resolve the rules against the snapshot's catalog and this box's tree (read before any overlay)."""
+    hidden: dict[int, set] = {}
+    out = HostPlan()
+    for rule in rules:
+        for parent, name, node, path in _match(catalog, rule.pattern):
+            host = os.path.join(host_root, path.lstrip("/"))
+            if rule.kind == "host":
+                hidden.setdefault(parent, set()).add(name)
+                out.kept.append(path)
+            elif rule.kind == "prefer-host" and node.is_dir and os.path.isdir(host):
+                mine = {os.fsencode(n) for n in os.listdir(host)}
+                theirs = {n for n, _ in catalog.children(node.ino)}
+                if mine & theirs:
+                    hidden.setdefault(node.ino, set()).update(mine & theirs)
+                    out.kept.extend(f"{path}/{os.fsdecode(n)}" for n in sorted(mine & theirs))
+            elif rule.kind in ("accounts", "merge") and node.is_reg and os.path.isfile(host):
+                out.merges.append((rule.kind, path))
+    out.hidden = {p: frozenset(names) for p, names in hidden.items()}
+    out.kept = sorted(set(out.kept))
+    return out
+
+
+class HostView:
+    """A catalog as the FUSE view shows it at ``/``: host-owned entries left out (lookup and listings)."""
+
+    def __init__(self, catalog: Any, hidden: dict[int, frozenset]) -> None:
+        self._catalog = catalog
+        self._hidden = hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._catalog, name)
+
+    def lookup(self, parent: int, name: bytes) -> Any:
+        if name in self._hidden.get(parent, ()):
+            return None
+        return self._catalog.lookup(parent, name)
+
+    def children(self, parent: int, after: bytes | None = None, limit: int = -1) -> list:
+        hide = self._hidden.get(parent)
+        if not hide:
+            return self._catalog.children(parent, after=after, limit=limit)
+        rows = self._catalog.children(parent, after=after, limit=limit if limit < 0 else limit + len(hide))
+        rows = [(n, node) for n, node in rows if n not in hide]
+        return rows if limit < 0 else rows[:limit]
+
+
+# -- the keeper's part: merged files, the linker cache ---------------------------------------------------
+def _rows(text: str) -> list[list[str]]:
+    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def _logins(text: str) -> set[str]:
+    """Names with an id in the login range (1000 up to, not including, nobody's 65534)."""
+    return {r[0] for r in _rows(text) if len(r) > 2 and r[2].isdigit() and 1000 <= int(r[2]) < 65534}
+
+
+def merge_accounts(path: str, snap: str, host: str, host_dir: str = "/etc") -> str:
+    """passwd/group/shadow/gshadow: the snapshot's entries, with this box's login accounts merged in.
+
+    This box's login users (uid >= 1000) and groups (gid >= 1000) replace the
+    snapshot's entry of the same name or are added; they stay members of the
+    snapshot's groups this box had them in (sudo, docker, ...).
+    """
+    base = os.path.basename(path)
+    ids_file = {"passwd": "passwd", "shadow": "passwd", "group": "group", "gshadow": "group"}.get(base)
+    if ids_file is None:
+        return merge_lines(snap, host)
+    ids_text = host if base == ids_file else _read(os.path.join(host_dir, ids_file))
+    mine = _logins(ids_text)
+    users = mine if ids_file == "passwd" else _logins(_read(os.path.join(host_dir, "passwd")))
+    host_rows = {r[0]: r for r in _rows(host)}
+    out, seen = [], set()
+    members = 3 if base in ("group", "gshadow") else None
+    for r in _rows(snap):
+        seen.add(r[0])
+        if r[0] in mine and r[0] in host_rows:
+            r = host_rows[r[0]]
+        elif members is not None and r[0] in host_rows and len(r) > members and len(host_rows[r[0]]) > members:
+            have = [m for m in r[members].split(",") if m]
+            add = [m for m in host_rows[r[0]][members].split(",") if m in users and m not in have]
+            r = r[:members] + [",".join(have + add)] + r[members + 1:]
+        out.append(r)
+    out += [r for name, r in host_rows.items() if name in mine and name not in seen]
+    return "".join(":".join(r) + "\n" for r in out)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="surrogateescape")
+    except OSError:
+        return ""
+
+
+def merge_lines(snap: str, host: str) -> str:
+    lines = snap.splitlines()
+    seen = {ln.strip() for ln in lines}
+    lines += [ln for ln in host.splitlines() if ln.strip() and ln.strip() not in seen]
+    return "".join(ln + "\n" for ln in lines)
+
+
+@dataclass
+class HostLayer:
+    """What the keeper prepared: overlays with their merged layer, what was kept, the host's ldconfig."""
+    overlays: list
+    kept: list[str] = field(default_factory=list)
+    ldconfig_fd: int | None = None
+    root: str | None = None  # a run root: ldconfig -r ROOT
+
+    def run_ldconfig(self, timeout: float = 120.0) -> str:
+        """Run this box's ldconfig (opened before the overlays) so /etc/ld.so.cache matches the merged view."""
+        if self.ldconfig_fd is None:
+            return "not needed"
+        import signal
+        import time
+
+        pid = os.fork()
+        if pid == 0:  # single-threaded keeper: a plain fork, then exec through the descriptor
+            try:
+                args = ["ldconfig"] + (["-r", self.root] if self.root else [])
+                os.execve(self.ldconfig_fd, args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+            finally:
+                os._exit(127)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return f"killed after {timeout:.0f} s"
+            time.sleep(0.05)
+        os.close(self.ldconfig_fd)
+        code = os.waitstatus_to_exitcode(status)
+        return "ran" if code == 0 else f"exit status {code}"
+
+
+def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer:
+    """Write the merged files for each overlay (before it is up) and open this box's ldconfig."""
+    from dataclasses import replace
+
+    if host is None:
+        return HostLayer(list(overlays))
+    out, kept = [], list(host.kept)
+    for n, o in enumerate(overlays):
+        layer = state_dir / "host" / str(n)
+        wrote = False
+        shows = o.lower[len(str(state_dir / "lower")):] or "/"  # the snapshot path this overlay shows
+        for kind, path in host.merges:
+            if not path.startswith(shows.rstrip("/") + "/"):
+                continue
+            rel = path[len(shows.rstrip("/")) + 1:]
+            try:
+                _write_merged(kind, path, Path(o.lower) / rel, layer, rel, Path(o.lower))
+            except OSError as exc:
+                log.warning("cannot merge %s (%s): the snapshot's copy is shown", path, exc)
+                continue
+            wrote = True
+            kept.append(f"{path} (merged)")
+        out.append(replace(o, merged=str(layer)) if wrote else o)
+    fd = None
+    root = overlays[0].target if overlays and overlays[0].host_dir == "/" else None  # ogrefs run/shell
+    if root or any(o.target in ("/etc", "/usr") for o in overlays):
+        for cand in ("/usr/sbin/ldconfig", "/sbin/ldconfig"):
+            try:
+                fd = os.open(os.path.realpath(cand), os.O_RDONLY | os.O_CLOEXEC)
+                break
+            except OSError:
+                continue
+    return HostLayer(out, sorted(set(kept)), fd, root)
+
+
+def _write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, lower_root: Path) -> None:
+    snap_text = snap_file.read_text(errors="surrogateescape")
+    host_text = Path(path).read_text(errors="surrogateescape")
+    text = (merge_accounts(path, snap_text, host_text, host_dir=os.path.dirname(path)) if kind == "accounts"
+            else merge_lines(snap_text, host_text))
+    # directories of the layer carry the snapshot's attributes (an .ssh directory stays 0700 and its owner's)
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        d = layer.joinpath(*parts[:i])
+        d.mkdir(parents=True, exist_ok=True)
+        _copy_attrs(lower_root.joinpath(*parts[:i]), d)
+    dest = layer / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".ogrefs-tmp")
+    tmp.write_text(text, errors="surrogateescape")
+    _copy_attrs(snap_file, tmp)
+    os.replace(tmp, dest)
+
+
+def _copy_attrs(src: Path, dest: Path) -> None:
+    st = os.stat(src)
+    os.chown(dest, st.st_uid, st.st_gid)
+    os.chmod(dest, stat.S_IMODE(st.st_mode))

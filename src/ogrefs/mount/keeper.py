@@ -1,0 +1,208 @@
+"""The keeper: the process that puts a writable mount's overlays up in the box and takes them down.
+
+A writable mount is two processes (docs/architecture.md, "Processes and
+namespaces")::
+
+    keeper (box's mount namespace)        daemon (its own mount namespace)
+      forks the daemon                      mounts FUSE at state/lower, then
+                                            unshare(CLONE_NEWNS), private, and
+                                            detaches its copy of the FUSE mount
+      <- "fuse-ready"                       answers FUSE (trio), materializes
+      host layers, overlays, bind-backs,
+      ldconfig; registration; "ready" -> mount command
+      waits for the daemon:
+      <- "teardown" (SIGTERM/SIGINT)        waits for "done", then ends its loop
+      detaches overlays and lower -> "done"
+      EOF (daemon died, e.g. kill -9):
+      detaches overlays and lower           (gone)
+
+The daemon never sees an overlay: its imports, tracebacks, state, chunk
+cache and local copy resolve in the box's original view, so nothing it does
+waits on what it serves. The keeper does only system calls (mountsys) and
+one fork+exec of the host's ldconfig through a descriptor opened before the
+overlays; it never spawns through a covered path and is single-threaded.
+When the daemon dies, the keeper detaches the overlays at once, so the box
+falls back to its own tree (no "Transport endpoint is not connected"
+everywhere) and a later ``ogrefs mount`` resumes with every write kept.
+
+Who owns what: the keeper alone mounts and unmounts in the box's namespace
+for a running mount (the ``unmount`` and ``finalize`` commands do it too,
+after which the keeper finds nothing left to do). It writes the mount's
+registration once, after the overlays are up; the daemon writes status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.errors import OgrefsError
+
+log = logging.getLogger(__name__)
+
+TEARDOWN_TIMEOUT = 30.0
+
+
+def read_line(fd: int, timeout: float | None) -> str:
+    """One line from ``fd``; "" at EOF, "timeout" when ``timeout`` seconds pass first."""
+    buf = b""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return "timeout"
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 1)  # byte by byte: the next line stays in the pipe for the next call
+        if not chunk:
+            return buf.decode(errors="replace")
+        buf += chunk
+    return buf.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def own_directories(opts: Any, reg: Any) -> list[str]:
+    """ogrefs' own directories: never covered by an overlay (bound back on top of it)."""
+    from ogrefs.repo import default_cache_dir
+
+    paths = [opts.state_dir, opts.cache_root or default_cache_dir(), opts.chunk_cache,
+             reg.path.parent.parent]  # the runtime directory
+    url = opts.repo_url or ""
+    if url.startswith("file://"):
+        paths.append(url[len("file://"):])
+    elif url and "://" not in url:
+        paths.append(url)
+    out = []
+    for p in paths:
+        if p:
+            p = overlay.normalized(os.path.abspath(str(p)))
+            if os.path.isdir(p) and p not in out:
+                out.append(p)
+    return out
+
+
+def bring_up(opts: Any, reg: Any) -> dict[str, Any]:
+    """After the FUSE lower answers: host layers, overlays, bind-backs, linker cache; what was done."""
+    state = Path(opts.state_dir)
+    mountsys.tune_readahead(state / "lower", opts.readahead_kb)
+    keep = own_directories(opts, reg)
+    host = hostpaths.prepare(opts.overlays, state, opts.host_paths)  # opens host files before they are covered
+    up = overlay.mount_all(host.overlays, state, keep=keep)
+    owned = set(opts.host_paths.kept) if opts.host_paths is not None else set()
+    shown = topfiles.show([e for e in opts.top_files or [] if "/" + e["name"] not in owned], state / "lower", state)
+    try:
+        ldconfig = host.run_ldconfig()
+    except OSError as exc:
+        ldconfig = f"not run: {exc}"
+    return {"overlays": [o.target for o in up], "binds": [b for o in up for b in o.binds],
+            "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown}
+
+
+def teardown(state_dir: Path, reg: Any) -> list[str]:
+    """Detach what of this mount is still up (not after finalize: those overlays are the box now)."""
+    info = reg.read() or {}
+    if info.get("finalized"):
+        return []
+    topfiles.hide(state_dir)
+    errors = overlay.unmount_all(overlay.load(state_dir), lazy=True)
+    if not errors:
+        overlay.save([], state_dir)  # overlays.json says what is mounted: nothing now
+    err = mountsys.umount(str(state_dir / "lower"), lazy=True)
+    return errors + ([f"{state_dir}/lower: {err}"] if err else [])
+
+
+def keep(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int, ready_fd: int | None) -> int:
+    """The keeper's life: bring the box up once the daemon is ready, take it down when it goes."""
+    def forward(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(daemon_pid, signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    line = read_line(from_daemon, 120.0)
+    if line != "fuse-ready":
+        forward(0, None)  # the daemon goes first: a foreground mount raises from _answer
+        _reap(daemon_pid)
+        teardown(Path(opts.state_dir), reg)
+        _answer(ready_fd, line if line.startswith("error ") else
+                f"error the mount daemon exited before the mount was ready (log: {reg.log})")
+        return 1
+    try:
+        done = bring_up(opts, reg)
+    except (OgrefsError, OSError) as exc:
+        teardown(Path(opts.state_dir), reg)
+        forward(0, None)
+        _reap(daemon_pid)
+        _answer(ready_fd, f"error {exc}")
+        return 1
+    info = reg.read() or {}
+    info.update(done, keeper_pid=os.getpid())
+    reg.write(info)
+    log.info("overlays up: %s; kept from the host: %s; ldconfig: %s", ", ".join(done["overlays"]),
+             ", ".join(done["host_kept"]) or "nothing", done["ldconfig"])
+    _answer(ready_fd, "ready")
+    return _watch(opts, reg, daemon_pid, from_daemon, to_daemon)
+
+
+def _watch(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int) -> int:
+    state = Path(opts.state_dir)
+    while True:
+        line = read_line(from_daemon, None)
+        if line == "teardown":
+            for err in teardown(state, reg):
+                log.warning("teardown: %s", err)
+            with contextlib.suppress(OSError):
+                os.write(to_daemon, b"done\n")
+            continue
+        if line == "":  # EOF: the daemon has exited, cleanly or not
+            status = _reap(daemon_pid)
+            errors = teardown(state, reg)
+            if status != 0:
+                info = reg.read()
+                if info is not None:
+                    info.update(died=True, pid=info.get("pid"))
+                    reg.write(info)
+                log.error("the mount daemon (pid %d) died (wait status %d): overlays detached, writes kept in %s",
+                          daemon_pid, status, state)
+            for err in errors:
+                log.warning("teardown: %s", err)
+            return 0 if status == 0 else 1
+
+
+def _reap(pid: int) -> int:
+    with contextlib.suppress(ChildProcessError):
+        return os.waitpid(pid, 0)[1]
+    return 0
+
+
+def _answer(fd: int | None, line: str) -> None:
+    if fd is None:
+        if line != "ready":
+            raise OgrefsError(line[len("error "):] if line.startswith("error ") else line)
+        return
+    with contextlib.suppress(OSError):
+        os.write(fd, (line + "\n").encode())
+        os.close(fd)
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One line for ``mount``'s output: what was kept from this box."""
+    kept = info.get("host_kept") or []
+    binds = info.get("binds") or []
+    parts = []
+    if kept:
+        parts.append(f"kept from this box: {', '.join(kept[:12])}" + (f" and {len(kept) - 12} more"
+                                                                        if len(kept) > 12 else ""))
+    if binds:
+        parts.append(f"still visible: {', '.join(binds)}")
+    return "; ".join(parts)
+
+
+__all__ = ["keep", "teardown", "bring_up", "describe", "own_directories", "read_line"]

@@ -1,0 +1,334 @@
+"""Writable mounts: kernel overlayfs over the lazy FUSE lower, at the original paths.
+
+Layout of a mount's state directory (``--state-dir``, one per mount)::
+
+    state/lower/            the FUSE mount of the snapshot (read-only, lazy)
+    state/upper/<n>/        overlayfs upper dir of overlay n: every write lands here
+    state/work/<n>/         overlayfs work dir of overlay n
+    state/overlays.json     what is mounted where (for unmount, finalize, resume)
+
+``plan`` decides the overlays: mounting at ``/`` gives one overlay per root
+path of the snapshot, at that path (a whole-box snapshot: one per top-level
+directory); any other target gets one overlay of the whole snapshot tree.
+If a path already exists on this box, its content stays visible *below* the
+snapshot's (it becomes the lowest layer). Paths a running system needs
+(``/proc``, ``/sys``, ``/dev``, ``/run``, ``/boot``, ``/`` as a whole) are
+refused unless ``force``.
+
+Unmounting takes the overlays down in reverse order and keeps the upper
+directories: mounting again with the same state directory resumes.
+No locks here: the mount daemon's parent process owns these calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import stat
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ogrefs.mount import mountsys
+from ogrefs.errors import OgrefsError, UsageError
+
+PROTECTED = ("/proc", "/sys", "/dev", "/run", "/boot")
+#: Top-level directories of a whole-box snapshot that are never overlaid, even with --force.
+NEVER = ("/proc", "/sys", "/dev", "/run", "/tmp", "/lost+found")
+
+
+class OverlayError(OgrefsError):
+    """overlayfs refused a mount or an unmount."""
+
+
+@dataclass(frozen=True)
+class Overlay:
+    target: str  # where it is mounted
+    lower: str  # the snapshot's directory inside the FUSE mount
+    upper: str
+    work: str
+    keep_existing: bool  # the target's previous content is the lowest layer
+    merged: str | None = None  # a layer of host files synthesized for this box (hostpaths.py), topmost
+    binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
+    host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
+
+
+def normalized(path: str) -> str:
+    """``path`` as the kernel resolves it textually: absolute, no ``.``/``..``, no doubled slashes."""
+    p = posixpath.normpath("/" + path)
+    return "/" + p.lstrip("/")
+
+
+def _protected(path: str) -> str | None:
+    path = normalized(path)
+    if path == "/":
+        return "/ as a whole"
+    for p in PROTECTED:
+        if path == p or path.startswith(p + "/"):
+            return p
+    return None
+
+
+def plan_box_root(lower_root: Path, target: Path, state_dir: Path) -> list[Overlay]:
+    """``ogrefs run``/``shell``: one overlay at ``target`` showing the snapshot's ``/`` over this box's ``/``."""
+    return [Overlay(normalized(os.path.abspath(str(target))), str(lower_root), str(state_dir / "upper" / "0"),
+                    str(state_dir / "work" / "0"), keep_existing=True, host_dir="/")]
+
+
+def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, force: bool = False,
+         top_level: list[str] | None = None, skipped: list[dict] | None = None) -> list[Overlay]:
+    """The overlays that show the snapshot at ``target``; raises UsageError for protected paths.
+
+    ``top_level``: names of the snapshot's top-level directories (for a
+    whole-box snapshot), read from the catalog before anything is mounted.
+    ``skipped``, when given, receives ``{"path", "reason"}`` for each
+    top-level directory of the snapshot that is not overlaid.
+    Paths are compared normalized (``//boot`` and ``/tmp/../proc`` are
+    ``/boot`` and ``/proc``), as the kernel will resolve them.
+    """
+    target_s = normalized(os.path.abspath(str(target)))
+    if target_s != "/":
+        why = _protected(target_s)
+        if why and not force:
+            raise UsageError(f"refusing to cover {target_s} on a running system (protected: {why}); "
+                             "mount elsewhere, or add --force")
+        return [Overlay(target_s, str(lower_root), str(state_dir / "upper" / "0"), str(state_dir / "work" / "0"),
+                        keep_existing=False)]
+    paths: list[str] = []
+    for root in sorted({normalized(r) for r in roots}):
+        if root == "/":
+            # A whole-box snapshot: one overlay per top-level directory, leaving out the
+            # ones a running system needs (they were not asked for by name).
+            for name in sorted(top_level or []):
+                p = normalized(name)
+                if p in NEVER or (not force and _protected(p)):
+                    if skipped is not None:
+                        why = "never overlaid" if p in NEVER else "protected; --force covers it"
+                        skipped.append({"path": p, "reason": f"the box's own {p} is kept ({why})"})
+                elif p != "/" and p not in paths:
+                    paths.append(p)
+        elif root not in paths:
+            paths.append(root)
+    refused = [(p, why) for p in paths if (why := _protected(p))]
+    if refused and not force:
+        names = ", ".join(p for p, _ in refused)
+        raise UsageError(f"refusing to cover {names} on a running system (protected: {refused[0][1]}); "
+                         "mount elsewhere, or add --force")
+    overlays = []
+    for i, p in enumerate(paths):
+        for ch in (":", ",", "\\"):
+            if ch in p:
+                raise UsageError(f"{p}: overlayfs cannot take a path containing {ch!r}")
+        overlays.append(Overlay(p, str(lower_root) + p, str(state_dir / "upper" / str(i)),
+                                str(state_dir / "work" / str(i)), keep_existing=True))
+    return overlays
+
+
+def _mounts_below(target: str) -> list[str]:
+    """Mount points strictly below ``target`` in this namespace (from mountinfo), outermost first."""
+    from ogrefs.mount.core import _unescape_mountinfo
+
+    prefix = target.rstrip("/") + "/"
+    found: list[str] = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 5:
+                    point = _unescape_mountinfo(fields[4])
+                    if point.startswith(prefix) and point not in found:
+                        found.append(point)
+    except OSError:
+        pass
+    return found
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """Drop every path that lies below another one of the list (a recursive bind brings it along)."""
+    out: list[str] = []
+    for p in sorted(set(paths), key=lambda x: (x.count("/"), x)):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def kept_below(o: Overlay, keep: list[str]) -> list[str]:
+    """What of the box must stay visible inside ``o``: its submounts and ogrefs' own directories."""
+    prefix = o.target.rstrip("/") + "/"
+    own = [k for k in keep if k.startswith(prefix) and os.path.isdir(k)]
+    state_root = os.path.dirname(os.path.dirname(o.upper))  # state/upper/<n> -> state
+    subs = [m for m in _mounts_below(o.target)
+            if not (m == state_root or m.startswith(state_root + "/"))]  # our own FUSE lower: in state
+    return _outermost(own + subs)
+
+
+def lowerdir(o: Overlay) -> str:
+    """The overlay's lower layers, top first: synthesized host files, the snapshot, the box's own."""
+    layers = [o.merged] if o.merged else []
+    layers.append(o.lower)
+    own = o.host_dir or o.target
+    if o.keep_existing and os.path.isdir(own) and os.listdir(own):
+        layers.append(own)  # the box's own content stays visible below the snapshot's
+    return ":".join(layers)
+
+
+def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
+    """Mount ``o``; then bind the box's submounts and ogrefs' own directories back on top of it.
+
+    Returns ``o`` with ``binds`` set to what was bound back (saved, so unmount
+    takes them down first). Directories to bind back are opened (O_PATH)
+    before the overlay covers them and bound from ``/proc/self/fd/N``.
+    """
+    for d in (o.upper, o.work):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    # overlayfs shows the upper directory's own attributes on the mount's root:
+    # give it the snapshot directory's, or the root would read as 0700 root:root.
+    st = os.stat(o.lower)
+    if not os.listdir(o.upper):
+        os.chown(o.upper, st.st_uid, st.st_gid)
+        os.chmod(o.upper, stat.S_IMODE(st.st_mode))
+        os.utime(o.upper, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.makedirs(o.target, exist_ok=True)
+    back = kept_below(o, keep or [])
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in back}
+    try:
+        try:
+            mountsys.overlay(o.target, f"lowerdir={lowerdir(o)},upperdir={o.upper},workdir={o.work}")
+        except OSError as exc:
+            raise OverlayError(f"overlay at {o.target} failed: {exc.strerror}") from None
+        done: list[str] = []
+        try:
+            for p in back:
+                os.makedirs(p, exist_ok=True)
+                mountsys.bind(f"/proc/self/fd/{fds[p]}", p, recursive=True)
+                done.append(p)
+        except OSError as exc:
+            for p in reversed(done):
+                mountsys.umount(p, lazy=True)
+            mountsys.umount(o.target, lazy=True)
+            raise OverlayError(f"overlay at {o.target}: cannot keep {p} visible ({exc.strerror})") from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return replace(o, binds=tuple(back))
+
+
+def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None = None) -> list[Overlay]:
+    """Mount every overlay or none (those already up are taken down again); saves and returns them."""
+    done: list[Overlay] = []
+    try:
+        for o in overlays:
+            done.append(mount_one(o, keep))
+    except BaseException:
+        unmount_all(done, lazy=True)
+        raise
+    save(done, state_dir)
+    return done
+
+
+def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
+    """Take ``o`` down (its bound-back directories first); None, or why not (then it stays as it was).
+
+    Nothing is touched unless an overlay is mounted at the target: the paths
+    bound back are the box's own mounts once the overlay is gone.
+    """
+    from ogrefs.mount.core import mounted_fstype
+
+    if mounted_fstype(Path(o.target)) != "overlay":
+        return None
+    fds = {}
+    for p in o.binds:
+        with contextlib.suppress(OSError):
+            fds[p] = os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for p in reversed(o.binds):
+            mountsys.umount(p, lazy=True)  # only our copy of the box's mount: the original stays
+        err = mountsys.umount(o.target, lazy=lazy)
+        if err:
+            for p in o.binds:  # put them back: the overlay is still up
+                with contextlib.suppress(OSError, KeyError):
+                    mountsys.bind(f"/proc/self/fd/{fds[p]}", p, recursive=True)
+            return f"{o.target}: {err}"
+        return None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | None = None) -> list[str]:
+    """Unmount in reverse order; all or nothing: returns the errors (empty when all went).
+
+    When one overlay cannot go (busy), the ones already taken down are
+    mounted again, so the box never shows half one snapshot and half its own
+    tree; the error says which overlay refused.
+    """
+    down: list[Overlay] = []
+    for o in reversed(overlays):
+        err = unmount_one(o, lazy=lazy)
+        if err:
+            for again in reversed(down):
+                try:
+                    mount_one(again, keep)
+                except OgrefsError as exc:
+                    return [err, f"and {again.target} could not be mounted again: {exc}"]
+            return [err]
+        down.append(o)
+    return []
+
+
+def save(overlays: list[Overlay], state_dir: Path) -> None:
+    path = state_dir / "overlays.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([asdict(o) for o in overlays], indent=1))
+    os.replace(tmp, path)
+
+
+def load(state_dir: Path) -> list[Overlay]:
+    try:
+        rows = json.loads((state_dir / "overlays.json").read_text())
+        return [Overlay(**{**o, "binds": tuple(o.get("binds") or ())}) for o in rows]
+    except FileNotFoundError:
+        return []
+    except (ValueError, TypeError) as exc:
+        raise OgrefsError(f"{state_dir}/overlays.json is damaged ({exc})") from None
+
+
+def open_for_writing(paths: list[str], exclude_pids: set | None = None) -> list[str]:
+    """Processes holding a file under any of ``paths`` open for writing ("pid name: file").
+
+    ``exclude_pids``: the mount's own daemon and keeper (the daemon's local
+    copy is written in its own namespace, and never through an overlay).
+    """
+    out = []
+    prefixes = tuple(p.rstrip("/") + "/" for p in paths)
+    skip = {str(p) for p in exclude_pids or ()}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid in skip:
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+                with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                    flags = _flags(fh.read())
+            except OSError:
+                continue
+            if target.startswith(prefixes) and flags & (os.O_WRONLY | os.O_RDWR):
+                try:
+                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:
+                    comm = "?"
+                out.append(f"{pid} {comm}: {target}")
+    return out
+
+
+def _flags(fdinfo: str) -> int:
+    for line in fdinfo.splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    return 0

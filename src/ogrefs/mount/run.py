@@ -1,0 +1,140 @@
+"""``ogrefs run SNAP -- CMD`` and ``ogrefs shell SNAP``: enter a snapshot's box without covering this one.
+
+A child process moves to a private mount namespace (nothing it mounts is
+seen by the rest of the box), mounts the snapshot writable at
+``<run dir>/<snapshot>/root`` as one overlay — the snapshot's ``/`` over this
+box's ``/``, host-owned paths from this box (hostpaths.py) and a linker
+cache rebuilt there with this box's ldconfig — binds this box's ``/proc``,
+``/sys``, ``/dev`` (GPU device nodes included), ``/run`` and its other mounts (data disks) into it, and runs
+the command chrooted there (or under ``systemd-nspawn`` with ``--nspawn``).
+When the command ends everything is taken down; its exit code is passed
+through. Writes land in the state directory and are there on the next run
+of the same snapshot (``--state-dir`` picks another).
+
+Processes: the calling process only waits; the child (single-threaded when
+it unshares) owns the namespace, the mount's keeper and daemon are forked
+from it (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ogrefs.mount import mountsys
+from ogrefs.errors import OgrefsError, UsageError
+
+#: This box's file systems every program expects, bound into the root (recursively: /dev/pts, /dev/shm ...).
+HOST_BINDS = ("proc", "sys", "dev", "run")
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get("OGREFS_RUN_DIR") or "/var/lib/ogrefs/run")
+
+
+def run(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snapshot_id: Callable[[Any], str],
+        command: list[str], *, nspawn: bool = False) -> int:
+    """Fork the child that assembles and enters the root; returns the command's exit code."""
+    if os.geteuid() != 0:
+        raise UsageError("ogrefs run/shell needs root (it mounts and chroots)")
+    if nspawn and shutil.which("systemd-nspawn") is None:
+        raise UsageError("--nspawn: systemd-nspawn is not installed (package systemd-container)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = _child(build_opts, open_repo, snapshot_id, command, nspawn)
+        except OgrefsError as exc:
+            print(f"ogrefs: {exc}", file=sys.stderr)
+            code = exc.exit_code
+        except OSError as exc:
+            print(f"ogrefs: {exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr)
+        except KeyboardInterrupt:
+            code = 130
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the command
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return _exit_code(status)
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def _child(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snapshot_id: Callable[[Any], str],
+           command: list[str], nspawn: bool) -> int:
+    from ogrefs.mount.core import mount, unmount
+
+    mountsys.private_namespace()
+    repo = open_repo()
+    root = run_dir() / snapshot_id(repo)[:16] / "root"
+    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    opts = build_opts(root)
+    mount(opts, open_repo=lambda: repo)
+    bound: list[str] = []
+    try:
+        binds = ([f"/{name}" for name in HOST_BINDS] if not nspawn else []) + _host_disks(root)
+        for source in binds:
+            target = str(root) + source
+            os.makedirs(target, exist_ok=True)
+            mountsys.bind(source, target, recursive=True)
+            bound.append(target)
+        return _enter(root, command, nspawn)
+    finally:
+        for target in reversed(bound):
+            mountsys.umount(target, lazy=True)
+        with contextlib.suppress(OgrefsError):
+            unmount(root, lazy=True)
+
+
+def _host_disks(root: Path) -> list[str]:
+    """This box's other mounts (a data disk under /mnt, /srv, /home ...), outermost first, to show in the root."""
+    from ogrefs.mount.overlay import _mounts_below, _outermost
+
+    skip = ("/proc", "/sys", "/dev", "/run", str(run_dir()), os.path.dirname(os.path.dirname(str(root))))
+    from ogrefs.mount.core import mounted_fstype
+
+    found = [m for m in _mounts_below("/")
+             if m != "/" and not any(m == s or m.startswith(s.rstrip("/") + "/") for s in skip) and os.path.isdir(m)
+             and mounted_fstype(Path(m)) not in ("overlay", "fuse.ogrefs")]
+    return _outermost(found)
+
+
+def _enter(root: Path, command: list[str], nspawn: bool) -> int:
+    if nspawn:
+        args = ["systemd-nspawn", "--quiet", "--register=no", "--link-journal=no", "--resolv-conf=off",
+                "--timezone=off", "-D", str(root)]
+        args += [f"--bind={p}" for p in sorted(Path("/dev").glob("nvidia*"))]
+        return subprocess.run([*args, "--", *command]).returncode
+    cwd = os.getcwd()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.chroot(root)
+            os.chdir(cwd if os.path.isdir(cwd) else "/")
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.execvp(command[0], command)
+        except OSError as exc:
+            print(f"ogrefs: cannot run {command[0]} in the snapshot: {exc.strerror}", file=sys.stderr)
+        os._exit(127)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return _exit_code(status)
