@@ -902,7 +902,7 @@ def test_root_inode_is_a_directory_in_the_tree(box, tmp_path):
 _MOUNT_CHILD = r"""
 import os, sys, trio
 from pathlib import Path
-from ogrefs import fuse_ops
+from ogrefs.mount import fuse_ops
 from ogrefs.repo.catalog import Catalog
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize import Materializer
