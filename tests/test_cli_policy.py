@@ -63,3 +63,37 @@ def test_the_license_field_is_an_spdx_string():
     meta = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     assert meta["project"]["license"] == "Apache-2.0"
     assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])
+
+
+def test_forget_takes_selectors_latest_box_latest_and_latest_checkpoint(tmp_path, env):
+    """forget SNAP resolves as show and restore do: `latest` is this box's, never the repository's newest."""
+    import shutil
+
+    from .test_inspect_checkpoints import hf_checkpoint
+
+    src = tmp_path / "src"
+    (src / "run").mkdir(parents=True)
+    (src / "f").write_text("x")
+    run(["init"], env)
+    box_a = dict(env, OGREFS_BOX="a")
+
+    def snap(e: dict) -> str:
+        return json.loads(run(["snapshot", "--json", str(src)], e).stdout)["id"]
+
+    a1 = snap(box_a)
+    hf_checkpoint(src / "run", 100)
+    a2 = snap(box_a)  # holds the coherent checkpoint of step 100
+    shutil.rmtree(src / "run" / "checkpoint-100")
+    a3 = snap(box_a)  # newer, holds no checkpoint
+    b1 = snap(dict(env, OGREFS_BOX="b"))  # the newest of the repository
+
+    def forget(e: dict, *args: str) -> list[str]:
+        return json.loads(run(["forget", "--json", *args], e).stdout)["removed"]
+
+    assert forget(box_a, "--dry-run", "latest-checkpoint") == [a2]
+    assert forget(box_a, "--dry-run", "a:latest-checkpoint", a2[:10]) == [a2]  # two names of one: once
+    assert forget(box_a, "latest", "latest") == [a3]  # this box's newest, not b's
+    assert forget(box_a, "b:latest") == [b1]
+    assert {s["id"] for s in json.loads(run(["snapshots", "--json"], env).stdout)} == {a1, a2}
+    assert_one_line_error(run(["forget", "b:latest"], box_a, check=False), "no snapshot of box 'b'")
+    assert_one_line_error(run(["forget", "nope:"], box_a, check=False), "not a snapshot id")

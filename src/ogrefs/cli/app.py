@@ -575,6 +575,9 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
            keep_within, keep_tags, group_by, hosts, paths, tags, dry_run, and_prune, as_json) -> None:
     """Forget snapshots SNAPS, or those a retention policy does not keep (grouped by host and paths).
 
+    SNAPS are ids, unique id prefixes or selectors (latest, BOX:latest,
+    latest-checkpoint, BOX:latest-checkpoint), as for show and restore.
+
     Days, weeks, months and years are those of local time.
     """
     from ogrefs.maint.forget import Policy, apply_policy, parse_duration, parse_group_by
@@ -590,7 +593,10 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
         raise UsageError("nothing to forget: name snapshots or give a --keep-* policy")
     repo = obj.open()
     if snaps:
-        removed = [repo.resolve(s) for s in snaps]
+        from ogrefs.snapshot.selection import resolve_snapshot
+
+        picked = {m["id"]: m for m in (resolve_snapshot(repo, s) for s in snaps)}  # two names of one: once
+        removed = list(picked.values())
         kept: list = []
     else:
         chosen = [m for m in repo.list_snapshots(strict=True) if (not hosts or m["host"] in hosts)

@@ -5,7 +5,7 @@ A snapshot belongs to a *box*: a name that survives moves between machines
 the host name; manifests written before boxes existed belong to their host).
 
 Selectors, as the CLI takes them (``show``, ``restore``, ``mount``, ``diff``,
-``snapshot --parent``):
+``forget``, ``tag``, ``ls``, ``dump``, ``snapshot --parent``):
 
 * a full snapshot id or a unique prefix of one;
 * ``latest``: the newest snapshot of *this* box (``$OGREFS_BOX``, else the box
