@@ -26,7 +26,7 @@ import pytest
 #              env set via monkeypatch, marked `s3`).
 # ===========================================================================
 
-from .seaweed import SeaweedServer, find_weed  # noqa: E402
+from tests.seaweed import SeaweedServer, find_weed  # noqa: E402
 
 _S3_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 

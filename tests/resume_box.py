@@ -22,7 +22,7 @@ from ogrefs.lazy.fetcher import ChunkRef, Fetcher
 from ogrefs.repo import Repository
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
-from .treegen import make_fidelity_tree
+from tests.treegen import make_fidelity_tree
 
 MiB = 1024 * 1024
 

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from .test_cli import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+from tests.cli_run import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
 
 
 def packs_of(repo: Path) -> list[Path]:

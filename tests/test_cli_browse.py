@@ -11,8 +11,8 @@ import tarfile
 
 import pytest
 
-from .test_cli import assert_one_line_error
-from .treegen import compare_trees
+from tests.cli_run import assert_one_line_error
+from tests.treegen import compare_trees
 
 
 def ogrefs(args: list[str], env: dict, check: bool = True) -> subprocess.CompletedProcess:

@@ -6,9 +6,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
+from tests import REPO_ROOT
 
-README = Path(__file__).parent.parent / "README.md"
+README = REPO_ROOT / "README.md"
 
 
 def ogrefs(*args: str, env: dict | None = None) -> str:

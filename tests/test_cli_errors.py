@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from .test_cli import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+from tests.cli_run import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+from tests.cli_run import run_in
 
 EXIT_USAGE, EXIT_NO_REPOSITORY, EXIT_LOCKED, EXIT_WRONG_PASSWORD = 2, 10, 11, 12
-
-
-def run_in(cwd, args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ogrefs", *args], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
 
 
 @pytest.mark.parametrize("url, needle", [

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from .test_cli_errors import run_in  # noqa: F401
-from .test_writable import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
+from tests.cli_run import run_in  # noqa: F401
+from tests.nsbox import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
 
 pytestmark = [
     pytest.mark.fuse,

@@ -6,7 +6,8 @@ import json
 import tomllib
 from pathlib import Path
 
-from .test_cli import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+from tests.cli_run import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+from tests import REPO_ROOT
 
 
 def _snap(env: dict, src: Path, host: str, *tags: str) -> str:
@@ -60,7 +61,7 @@ def test_key_passwd_changes_the_passphrase(tmp_path, env):
 
 def test_the_license_field_is_an_spdx_string():
     """setuptools >= 77 warns (three 13-line warnings per install) about a table-form license."""
-    meta = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    meta = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     assert meta["project"]["license"] == "Apache-2.0"
     assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])
 

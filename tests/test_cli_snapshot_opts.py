@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .test_cli import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
+from tests.cli_run import assert_one_line_error, env, run  # noqa: F401  (env is a fixture)
 
 
 def _tree(tmp_path):

@@ -12,8 +12,8 @@ from ogrefs.repo import codec
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 
-from .test_cli import assert_one_line_error, run
-from .treegen import compare_trees
+from tests.cli_run import assert_one_line_error, run
+from tests.treegen import compare_trees
 
 MARKER = b"OGREFS-PLAINTEXT-MARKER-" * 100
 

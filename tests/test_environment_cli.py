@@ -9,8 +9,8 @@ from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo import Repository
 
-from .test_cli import assert_one_line_error, run
-from .test_inspect_probe import h100, hf_ckpt, venv, write
+from tests.cli_run import assert_one_line_error, run
+from tests.envmaker import h100, hf_ckpt, venv, write
 
 
 def _box(root):

@@ -39,7 +39,7 @@ from ogrefs.errors import OgrefsError
 from ogrefs.store import FaultyStore, RetryingStore, StoreError, TransientError, open_store
 from ogrefs.store.base import Store
 
-from .treegen import compare_trees
+from tests.treegen import compare_trees
 
 MiB = 1024 * 1024
 PACK = 1 * MiB

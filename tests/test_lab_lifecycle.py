@@ -17,7 +17,7 @@ import pytest
 
 from tests.lab import fixtures
 from tests.lab.box import Box
-from tests.test_lab_mount_b import MOUNT_TIMEOUT_S, PYTHONS, lab, mount, mounts_of_kind, snap_a, start_b  # noqa: F401
+from .test_lab_mount_b import MOUNT_TIMEOUT_S, PYTHONS, lab, mount, mounts_of_kind, snap_a, start_b  # noqa: F401
 
 pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
 B_OWN = tuple(p for p in fixtures.IDENTITY_FILES if p not in ("/etc/passwd", "/etc/group", "/etc/shadow"))

@@ -23,8 +23,8 @@ from ogrefs.repo import Repository
 from ogrefs.repo.locks import HeldLock, LockInfo, _encode, read_locks, remove_stale_locks
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
-from .test_cli import run
-from .treegen import make_fidelity_tree
+from tests.cli_run import run
+from tests.treegen import make_fidelity_tree
 
 MiB = 1024 * 1024
 OGREFS = f"{sys.executable} -m ogrefs"
@@ -96,7 +96,7 @@ time.sleep(120)
 @pytest.mark.parametrize("marker", fuse)
 def test_prune_frees_what_a_mount_of_another_snapshot_cannot_read(tmp_path, marker):
     """A live mount protects only the packs of the snapshot it serves (its lock names it)."""
-    from .test_mount import Mounter
+    from tests.mounter import Mounter
 
     repo = Repository.init(str(tmp_path / "repo"), cache_root=tmp_path / "cache", pack_target_size=1 * MiB)
     keep, gone = tmp_path / "keep", tmp_path / "gone"

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from .daemons import kill_registered_daemons
-from .treegen import compare_trees
+from tests.daemons import kill_registered_daemons
+from tests.treegen import compare_trees
+from tests import REPO_ROOT
 
 pytestmark = [
     pytest.mark.fuse,
@@ -172,7 +173,7 @@ def test_three_box_chain_lazily_whole_box_and_by_path(loop):
         {OGREFS} -q mount --no-materialize {b["id"]} /
         {OGREFS} status / --json > {tmp}/c.json
         {PY} - <<'PY'
-import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+import sys; sys.path.insert(0, {str(REPO_ROOT)!r})
 from tests.treegen import compare_trees
 diffs = compare_trees({str(tmp / "b-view")!r}, {BOX!r})
 assert diffs == [], diffs

@@ -25,8 +25,8 @@ from ogrefs.lazy.materialize import Materializer
 from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.vfs import SnapshotFS
 
-from .resume_box import Box, CallLog, make_box, run_trio
-from .treegen import compare_trees
+from tests.resume_box import Box, CallLog, make_box, run_trio
+from tests.treegen import compare_trees
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -20,7 +20,7 @@ from ogrefs.repo.locks import HeldLock, LockedError, LockInfo, _encode, read_loc
 from ogrefs.restore import Restorer
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
-from .treegen import compare_trees
+from tests.treegen import compare_trees
 
 MiB = 1024 * 1024
 
@@ -174,7 +174,7 @@ def test_concurrent_snapshots_from_many_boxes(store_url, tmp_path):
 @pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here")
 def test_prune_never_deletes_what_a_live_mount_reads(tmp_path):
     """A mount of a snapshot that is forgotten meanwhile keeps reading: its lock defers the deletion."""
-    from .test_mount import Mounter
+    from tests.mounter import Mounter
 
     repo = Repository.init(str(tmp_path / "repo"), cache_root=tmp_path / "cache", pack_target_size=1 * MiB)
     src = tmp_path / "src"

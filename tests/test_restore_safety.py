@@ -619,7 +619,7 @@ def test_a_flipped_byte_in_the_local_copy_is_not_served(tmp_path_factory, tmp_pa
     from ogrefs.lazy.materialize import Materializer
     from ogrefs.lazy.vfs import SnapshotFS
 
-    from .resume_box import CallLog, make_box, run_trio
+    from tests.resume_box import CallLog, make_box, run_trio
 
     box = make_box(tmp_path_factory.mktemp("flipbox"))
     state = tmp_path / "state"

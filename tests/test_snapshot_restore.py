@@ -17,7 +17,7 @@ from ogrefs.repo import Repository
 from ogrefs.restore import Restorer
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
-from .treegen import compare_trees, make_fidelity_tree
+from tests.treegen import compare_trees, make_fidelity_tree
 
 MiB = 1024 * 1024
 

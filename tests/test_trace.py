@@ -19,7 +19,7 @@ from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.trace import Recorder, Replayer, find_trace, load_trace, save_trace, save_when_recorded
 from ogrefs.lazy.vfs import SnapshotFS
 
-from .resume_box import CallLog, run_trio
+from tests.resume_box import CallLog, run_trio
 
 MiB = 1024 * 1024
 

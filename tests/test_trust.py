@@ -23,8 +23,8 @@ from ogrefs.lazy.chunkcache import ChunkCache
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 
-from .test_cli import assert_one_line_error, run
-from .treegen import compare_trees
+from tests.cli_run import assert_one_line_error, run
+from tests.treegen import compare_trees
 
 MiB = 1024 * 1024
 PW = "correct horse battery staple"
@@ -95,7 +95,7 @@ def test_damaged_cached_catalog_restore_check_and_incremental_snapshot(box):
 @pytest.mark.fuse
 @fuse
 def test_mount_never_serves_a_damaged_cached_catalog(box):
-    from .test_mount import Mounter
+    from tests.mounter import Mounter
 
     env, src, tmp = box["env"], box["src"], box["tmp"]
     extra = {"OGREFS_PASSWORD": env["OGREFS_PASSWORD"]} if env.get("OGREFS_PASSWORD") else {}
@@ -167,7 +167,7 @@ def test_one_stray_or_damaged_object_is_skipped_and_named(box, what):
 @pytest.mark.fuse
 @fuse
 def test_mount_latest_with_a_stray_manifest_index_and_trash_object(box):
-    from .test_mount import Mounter
+    from tests.mounter import Mounter
 
     env, src, tmp, repo = box["env"], box["src"], box["tmp"], box["repo"]
     for key in ("snapshots/" + "ab" * 32, "index/stray", "trash/" + "cd" * 16):

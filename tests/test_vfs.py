@@ -22,7 +22,7 @@ from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.vfs import FsError, SnapshotFS
 
-from .treegen import make_fidelity_tree
+from tests.treegen import make_fidelity_tree
 
 MiB = 1024 * 1024
 

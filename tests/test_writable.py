@@ -14,13 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from .daemons import kill_registered_daemons
-from .treegen import compare_trees, make_fidelity_tree
+from tests.treegen import compare_trees
+from tests.nsbox import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
+from tests import REPO_ROOT
 
 pytestmark = [
     pytest.mark.fuse,
@@ -28,32 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here"),
     pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare missing"),
 ]
-
-OGREFS = f"{sys.executable} -m ogrefs"
-
-
-@pytest.fixture
-def box(tmp_path):
-    """A repository with one snapshot of tmp_path/box/proj, and the env to use it."""
-    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
-               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
-    proj = tmp_path / "box" / "proj"
-    make_fidelity_tree(proj)
-    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=env, check=True)
-    out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(proj)], env=env,
-                         check=True, capture_output=True, text=True).stdout
-    yield {"env": env, "proj": proj, "snap": json.loads(out)["id"], "tmp": tmp_path}
-    kill_registered_daemons(tmp_path / "run")
-
-
-def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
-    body = "set -euo pipefail\n" + textwrap.dedent(script)
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", body], env=box["env"],
-                          capture_output=True, text=True, timeout=150)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
 
 def test_mount_at_original_paths_writes_land_locally_and_resume(box):
     proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
@@ -64,7 +38,7 @@ def test_mount_at_original_paths_writes_land_locally_and_resume(box):
         {OGREFS} mount {snap} /
         grep -q "^{proj} " <(awk '{{print $5" "$9}}' /proc/self/mountinfo)
         {sys.executable} - <<'PY'
-import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+import sys; sys.path.insert(0, {str(REPO_ROOT)!r})
 from tests.treegen import compare_trees
 diffs = compare_trees({str(copy)!r}, {str(proj)!r}, check_holes=False)
 assert diffs == [], diffs
@@ -184,7 +158,7 @@ def test_materialize_then_finalize_runs_without_daemon_or_store(box):
         mv {tmp}/repo {tmp}/repo-gone                 # the store is gone: nothing may need it now
         ! grep -q fuse.ogrefs /proc/self/mountinfo     # no FUSE layer, no daemon
         {sys.executable} - <<'PY'
-import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+import sys; sys.path.insert(0, {str(REPO_ROOT)!r})
 from tests.treegen import compare_trees
 diffs = [d for d in compare_trees({str(copy)!r}, {str(proj)!r}) if "notes.txt" not in d]
 assert diffs == [], diffs

@@ -1,0 +1,39 @@
+"""A repository with one snapshot of a fidelity tree, and shell scripts run in a private mount namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.daemons import kill_registered_daemons
+from tests.treegen import make_fidelity_tree
+
+OGREFS = f"{sys.executable} -m ogrefs"
+
+
+@pytest.fixture
+def box(tmp_path):
+    """A repository with one snapshot of tmp_path/box/proj, and the env to use it."""
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    proj = tmp_path / "box" / "proj"
+    make_fidelity_tree(proj)
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=env, check=True)
+    out = subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", "--json", str(proj)], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    yield {"env": env, "proj": proj, "snap": json.loads(out)["id"], "tmp": tmp_path}
+    kill_registered_daemons(tmp_path / "run")
+
+
+def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
+    body = "set -euo pipefail\n" + textwrap.dedent(script)
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", body], env=box["env"],
+                          capture_output=True, text=True, timeout=150)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
