@@ -70,7 +70,7 @@ def test_forget_takes_selectors_latest_box_latest_and_latest_checkpoint(tmp_path
     """forget SNAP resolves as show and restore do: `latest` is this box's, never the repository's newest."""
     import shutil
 
-    from .test_inspect_checkpoints import hf_checkpoint
+    from tests.unit.test_inspect_checkpoints import hf_checkpoint
 
     src = tmp_path / "src"
     (src / "run").mkdir(parents=True)
