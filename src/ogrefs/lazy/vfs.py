@@ -49,10 +49,8 @@ import logging
 import os
 import sqlite3
 import stat
-import threading
 from bisect import bisect_right
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
 
 import trio
@@ -199,77 +197,6 @@ class _OpenDir:
         self.complete = False  # entries reach the end of the directory
 
 
-class _CatalogExtra:
-    """Queries the mount needs that Catalog does not offer (yet): data size, a path for logs.
-
-    Same access mode as Catalog: one read-only connection per thread.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self._uri = f"file:{path}?mode=ro&immutable=1"
-        self._local = threading.local()
-
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = self._local.db = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
-        return db
-
-    def data_bytes(self, ino: int) -> int:
-        return self._db().execute("SELECT coalesce(sum(length), 0) FROM extents WHERE ino=?", (ino,)).fetchone()[0]
-
-    def data_bytes_many(self, inos: list[int]) -> dict[int, int]:
-        out: dict[int, int] = {}
-        db = self._db()
-        for i in range(0, len(inos), 500):
-            part = inos[i:i + 500]
-            out.update(db.execute(f"SELECT ino, sum(length) FROM extents WHERE ino IN ({','.join('?' * len(part))})"
-                                  " GROUP BY ino", part).fetchall())
-        return out
-
-    def parent_of(self, ino: int) -> int:
-        row = self._db().execute("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
-        return row[0] if row else ROOT_INO
-
-    def small_files(self, parent: int, max_size: int, limit: int = 8192) -> list[tuple[int, int]]:
-        """(ino, size) of the non-empty regular files of directory ``parent`` up to ``max_size``, in name order."""
-        return self._db().execute(
-            "SELECT i.ino, i.size FROM dirents d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? "
-            "AND i.mode & 61440 = 32768 AND i.size > 0 AND i.size <= ? ORDER BY d.name LIMIT ?",
-            (parent, max_size, limit)).fetchall()
-
-    def has_xattrs(self) -> bool:
-        return self._db().execute("SELECT 1 FROM xattrs LIMIT 1").fetchone() is not None
-
-    def small_sibling_refs(self, parent: int, max_chunk: int, max_bytes: int) -> list[ChunkRef]:
-        """Chunks of the small files of directory ``parent``, in pack order, up to ``max_bytes`` stored."""
-        rows = self._db().execute(
-            "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM dirents d "
-            "JOIN extents e ON e.ino = d.ino JOIN blobs b ON b.id = e.blob JOIN packs p ON p.id = b.pack "
-            "WHERE d.parent = ? AND e.length <= ? ORDER BY p.name, b.offset LIMIT 512", (parent, max_chunk))
-        out, total = [], 0
-        for chunk, pack, off, slen, rlen in rows:
-            if total + slen > max_bytes:
-                break
-            out.append(ChunkRef(chunk, pack, off, slen, rlen))
-            total += slen
-        return out
-
-    def path_of(self, ino: int) -> bytes:
-        """One path of ``ino`` (hardlinks have several), for messages."""
-        parts: list[bytes] = []
-        db = self._db()
-        seen = set()
-        while ino != ROOT_INO and ino not in seen:
-            seen.add(ino)
-            row = db.execute("SELECT parent, name FROM dirents WHERE ino=? LIMIT 1", (ino,)).fetchone()
-            if row is None:
-                return b"<inode %d>" % ino
-            ino = row[0]
-            parts.append(row[1])
-        return b"/" + b"/".join(reversed(parts))
-
-
 def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list[int]], dict[int, bytes]],
                 candidates: tuple[tuple[int, int], ...],
                 is_right: Callable[[int, bytes], bool] = lambda ino, data: True) -> int:
@@ -370,7 +297,6 @@ class SnapshotFS:
         self.readahead_max = readahead_max
         self.readahead_min = readahead_min
         self.stats = VfsStats()
-        self._extra = _CatalogExtra(catalog.path)
         self._lookups: dict[int, int] = {}
         self._files: dict[int, _OpenFile] = {}
         self._dirs: dict[int, _OpenDir] = {}
@@ -378,8 +304,8 @@ class SnapshotFS:
         self._last_request = -float("inf")  # trio time of the latest application request
         counts = catalog.counts()
         self._inode_count = counts["inodes"]
-        self._data_bytes = self._extra._db().execute("SELECT coalesce(sum(raw_len), 0) FROM blobs").fetchone()[0]
-        self._has_xattrs = self._extra.has_xattrs()
+        self._data_bytes = catalog.unique_data_total()
+        self._has_xattrs = catalog.has_xattrs()
 
     def idle_for(self) -> float:
         """Seconds since an application last asked the mount for anything (lookup, open, read, listing)."""
@@ -390,7 +316,7 @@ class SnapshotFS:
 
     # -- attributes --------------------------------------------------------------------
     def _attr(self, node: Inode) -> Attr:
-        return Attr(node, self._blocks(node, self._extra.data_bytes(node.ino) if node.is_reg and node.size else 0))
+        return Attr(node, self._blocks(node, self.catalog.data_bytes(node.ino) if node.is_reg and node.size else 0))
 
     @staticmethod
     def _blocks(node: Inode, data_bytes: int) -> int:
@@ -416,7 +342,7 @@ class SnapshotFS:
         if name == b".":
             node = self._node(parent)
         elif name == b"..":
-            node = self._node(self._extra.parent_of(parent))
+            node = self._node(self.catalog.parent_of(parent))
         else:
             node = self.catalog.lookup(parent, name)
         if node is None:
@@ -485,7 +411,7 @@ class SnapshotFS:
     def _page(self, ino: int, after: bytes | None, skip: int, size: int) -> list[tuple[bytes, Attr]]:
         """Up to ``size`` entries after ``after`` (or ``skip`` entries in), with their attributes."""
         rows = self.catalog.children(ino, after=after, limit=skip + size)[skip:]
-        data = self._extra.data_bytes_many([n.ino for _, n in rows if n.is_reg and n.size])
+        data = self.catalog.data_bytes_many([n.ino for _, n in rows if n.is_reg and n.size])
         return [(name, Attr(node, self._blocks(node, data.get(node.ino, 0)))) for name, node in rows]
 
     async def readdir(self, fh: int, start: int, emit: Callable[[bytes, Attr, int], bool]) -> None:
@@ -576,12 +502,13 @@ class SnapshotFS:
         are one ranged GET instead of one round trip per file (directory
         read-ahead).  Once per directory per mount.
         """
-        parent = self._extra.parent_of(ino)
+        parent = self.catalog.parent_of(ino)
         if parent in self._dirs_prefetched:
             return
         self._dirs_prefetched.add(parent)
-        refs = await trio.to_thread.run_sync(self._extra.small_sibling_refs, parent, SIBLING_FILE_MAX,
-                                             SIBLING_BYTES_MAX)
+        chunks = await trio.to_thread.run_sync(self.catalog.small_sibling_chunks, parent, SIBLING_FILE_MAX,
+                                               SIBLING_BYTES_MAX)
+        refs = [ChunkRef(chunk, loc.pack, loc.offset, loc.stored_len, loc.raw_len) for chunk, loc in chunks]
         if refs:
             self.fetcher.prefetch(refs, Priority.READ)
 
@@ -595,7 +522,7 @@ class SnapshotFS:
         """
         if self.page_cache is None or ino in self._dirs_pushed or ino == ROOT_INO:
             return
-        if self._extra.parent_of(ino) in self._dirs_pushed:
+        if self.catalog.parent_of(ino) in self._dirs_pushed:
             self._queue_push(ino, 0)
 
     def _push_siblings(self, ino: int) -> None:
@@ -607,7 +534,7 @@ class SnapshotFS:
         reads are served there, so one round trip is left per file (the open).
         Once per directory per mount, in the background (:meth:`run_pushes`).
         """
-        parent = self._extra.parent_of(ino)
+        parent = self.catalog.parent_of(ino)
         if parent not in self._dirs_pushed:
             self._queue_push(parent, ino)
 
@@ -628,7 +555,7 @@ class SnapshotFS:
 
     async def _push_dir(self, parent: int, opened: int) -> None:
         assert self.local is not None and self.page_cache is not None
-        rows = await trio.to_thread.run_sync(self._extra.small_files, parent, PUSH_FILE_MAX)
+        rows = await trio.to_thread.run_sync(self.catalog.small_files, parent, PUSH_FILE_MAX)
         # only inodes the kernel holds (listed or looked up): it drops a push for any other
         candidates = tuple((ino, size) for ino, size in rows if ino != opened and ino in self._lookups)
         if candidates:
@@ -737,7 +664,7 @@ class SnapshotFS:
                 pos = stop
         except FetchError as exc:
             self.stats.read_errors += 1
-            path = await trio.to_thread.run_sync(self._extra.path_of, f.ino)
+            path = await trio.to_thread.run_sync(self.catalog.path_of, f.ino)
             log.error("read of %s at offset %d failed: %s", os.fsdecode(path), offset, exc)
             raise FsError(errno.EIO) from None
         if pos < end:

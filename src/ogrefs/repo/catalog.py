@@ -555,6 +555,103 @@ class Catalog:
                 if node.is_dir:
                     stack.append((node.ino, dpath + b"/" + name))
 
+    # -- the mount's queries (lazy/vfs.py, lazy/materialize) -------------------------------------------
+    def _total(self, sql: str, args: tuple = ()) -> int:
+        """A sum over rows that a snapshot wrote as integers: a forged text or real column is CorruptObject."""
+        value = self._rows(sql, args)[0][0]
+        if not _int_in(value, 0, _I64):
+            raise CorruptObject(f"catalog {self.path.name}: a length is malformed")
+        return value
+
+    def data_bytes(self, ino: int) -> int:
+        """Bytes of data (not holes) file ``ino`` holds: what its st_blocks count."""
+        return self._total("SELECT coalesce(sum(length), 0) FROM extents WHERE ino=?", (ino,))
+
+    def data_bytes_many(self, inos: list[int]) -> dict[int, int]:
+        """:meth:`data_bytes` of each of ``inos`` that has data (a page of a listing: one query per 500)."""
+        out: dict[int, int] = {}
+        for i in range(0, len(inos), 500):
+            part = tuple(inos[i:i + 500])
+            for ino, total in self._rows(f"SELECT ino, sum(length) FROM extents WHERE ino IN "
+                                         f"({','.join('?' * len(part))}) GROUP BY ino", part):
+                if not _int_in(total, 0, _I64):
+                    raise CorruptObject(f"catalog {self.path.name}: the extents of inode {ino!r} are malformed")
+                out[ino] = total
+        return out
+
+    def file_data_total(self) -> int:
+        """Bytes of file data in the snapshot, counted per file (hardlinks once, shared chunks each time)."""
+        return self._total("SELECT coalesce(sum(length), 0) FROM extents")
+
+    def unique_data_total(self) -> int:
+        """Bytes of distinct chunk plaintext in the snapshot (what statfs reports as the size)."""
+        return self._total("SELECT coalesce(sum(raw_len), 0) FROM blobs")
+
+    def has_xattrs(self) -> bool:
+        """Whether any inode has an extended attribute (none: the mount answers getxattr with ENOSYS)."""
+        return bool(self._rows("SELECT 1 FROM xattrs LIMIT 1"))
+
+    def parent_of(self, ino: int) -> int:
+        """The directory holding ``ino`` (one of them for a hardlink); the root for the root and the unlisted."""
+        rows = self._rows("SELECT parent FROM dirents WHERE ino=? LIMIT 1", (ino,))
+        if not rows:
+            return ROOT_INO
+        if not _int_in(rows[0][0], 1, _I64):
+            raise CorruptObject(f"catalog {self.path.name}: a directory entry of inode {ino!r} is malformed")
+        return rows[0][0]
+
+    def path_of(self, ino: int) -> bytes:
+        """One path of ``ino`` (hardlinks have several), for messages; ends at a loop or a missing entry."""
+        parts: list[bytes] = []
+        seen = set()
+        while ino != ROOT_INO and ino not in seen:
+            seen.add(ino)
+            rows = self._rows("SELECT parent, name FROM dirents WHERE ino=? LIMIT 1", (ino,))
+            if not rows:
+                return b"<inode %d>" % ino if type(ino) is int else b"<inode ?>"
+            ino, name = rows[0]
+            parts.append(name if valid_name(name) else repr(name).encode())
+        return b"/" + b"/".join(reversed(parts))
+
+    def small_files(self, parent: int, max_size: int, limit: int = 8192) -> list[tuple[int, int]]:
+        """(ino, size) of the non-empty regular files of directory ``parent`` up to ``max_size``, in name order.
+
+        Entries the listing would skip (see the class docstring) are left out here too."""
+        out = []
+        for name, ino, size in self._rows(
+                "SELECT d.name, i.ino, i.size FROM dirents d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? "
+                "AND i.mode & 61440 = 32768 AND i.size > 0 AND i.size <= ? ORDER BY d.name LIMIT ?",
+                (parent, max_size, limit)):
+            if valid_name(name) and _int_in(ino, 1, _I64) and _int_in(size, 1, max_size + 1):
+                out.append((ino, size))
+        return out
+
+    def small_sibling_chunks(self, parent: int, max_chunk: int, max_bytes: int) -> list[tuple[bytes, BlobLocation]]:
+        """(chunk id, location) of the chunks of the small files of directory ``parent``, in pack order,
+        up to ``max_bytes`` stored (directory read-ahead).
+
+        A malformed row (a forged pack name, text where an offset belongs) is
+        left out: this is a prefetch, and the file it belongs to fails on its
+        own (EIO) when it is read, while its neighbours are still served.
+        """
+        out: list[tuple[bytes, BlobLocation]] = []
+        total = 0
+        for chunk, pack, off, slen, rlen in self._rows(
+                "SELECT b.chunk, p.name, b.offset, b.stored_len, b.raw_len FROM dirents d "
+                "JOIN extents e ON e.ino = d.ino JOIN blobs b ON b.id = e.blob JOIN packs p ON p.id = b.pack "
+                "WHERE d.parent = ? AND e.length <= ? ORDER BY p.name, b.offset LIMIT 512", (parent, max_chunk)):
+            try:
+                _check_location(chunk, pack, off, slen, self.path.name)
+            except CorruptObject:
+                continue
+            if not _int_in(rlen, 1, MAX_CHUNK + 1):
+                continue
+            if total + slen > max_bytes:
+                break
+            out.append((chunk, BlobLocation(pack, off, slen, rlen)))
+            total += slen
+        return out
+
     def counts(self) -> dict[str, int]:
         return {
             "inodes": self._rows("SELECT count(*) FROM inodes")[0][0],
