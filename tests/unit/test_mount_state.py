@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ogrefs.mount import core as mount_mod
-from ogrefs.mount.core import MountError, Registration
+from ogrefs.boxmounts import MountError, Registration
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ class AgentOptions:
 
 
 def status_path() -> Path:
-    from ogrefs.mount.core import runtime_dir
+    from ogrefs.boxmounts import runtime_dir
 
     return runtime_dir() / "agent.json"
 
@@ -270,7 +270,7 @@ class Agent:
 
 def read_status(path: Path | None = None) -> dict:
     from ogrefs.errors import UsageError
-    from ogrefs.mount.core import pid_alive
+    from ogrefs.boxmounts import pid_alive
 
     p = path or status_path()
     try:

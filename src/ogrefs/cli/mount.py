@@ -175,7 +175,7 @@ def status(mountpoint: Path, as_json: bool, wait: bool, timeout: float | None) -
         sys.stderr.write("\n")
     _report(st, as_json)
     if problem:
-        from ogrefs.mount.core import MountError
+        from ogrefs.boxmounts import MountError
 
         raise MountError(problem)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -35,12 +34,22 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ogrefs.boxmounts import (
+    MountError,
+    Registration,
+    atomic_json as _atomic_json,
+    mountpoint_key as _key,
+    load_overlays,
+    pid_alive,
+    save_overlays,
+    state_base,
+    unescape_mountinfo as _unescape_mountinfo,
+)
 from ogrefs.mount import mountsys
 from ogrefs.errors import OgrefsError, UsageError
 
@@ -59,10 +68,6 @@ STALE_AFTER = 30.0
 STATE_LOCK_WAIT_S = 10.0
 #: A lazy unmount waits this long for the daemon; one still serving open files after it is not an error.
 LAZY_EXIT_WAIT_S = 2.0
-
-
-class MountError(OgrefsError):
-    """The mount could not be made, found or undone."""
 
 
 @dataclass
@@ -119,18 +124,6 @@ def fuse_problem() -> str | None:
     return None
 
 
-def _unescape_mountinfo(field: str) -> str:
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def mounted_fstype(mountpoint: Path) -> str | None:
     """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
     target = os.path.abspath(mountpoint)
@@ -166,126 +159,6 @@ def check_mountpoint(mountpoint: Path) -> Path:
     except PermissionError:
         raise UsageError(f"mountpoint {mp} cannot be read (permission denied)") from None
     return mp
-
-
-# -- registration ------------------------------------------------------------------------------
-def runtime_dir() -> Path:
-    env = os.environ.get("OGREFS_RUNTIME_DIR")
-    candidates = [Path(env)] if env else [Path("/run/ogrefs")]
-    if not env:
-        if os.environ.get("XDG_RUNTIME_DIR"):
-            candidates.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "ogrefs")
-        from ogrefs.repo import default_cache_dir
-
-        candidates.append(default_cache_dir() / "run")
-    for cand in candidates:
-        try:
-            (cand / "mounts").mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError:
-            continue
-        if os.access(cand / "mounts", os.W_OK):
-            return cand
-    raise MountError(f"no writable runtime directory (tried {', '.join(map(str, candidates))})")
-
-
-def _key(mountpoint: Path) -> str:
-    return hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:24]
-
-
-@dataclass(frozen=True)
-class Registration:
-    path: Path
-    status: Path
-    log: Path
-
-    @classmethod
-    def for_mountpoint(cls, mountpoint: Path) -> "Registration":
-        base = runtime_dir() / "mounts" / _key(mountpoint)
-        return cls(base.with_suffix(".json"), base.with_suffix(".status.json"), base.with_suffix(".log"))
-
-    def read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def write(self, info: dict[str, Any]) -> None:
-        _atomic_json(self.path, info)
-
-    def remove(self) -> None:
-        for p in (self.path, self.status):
-            with contextlib.suppress(OSError):
-                p.unlink()
-
-
-def registered_mounts() -> list[dict[str, Any]]:
-    """Every mount registered on this box (each registration's info, as the daemon or finalize wrote it).
-
-    For readers outside the mount (``ogrefs snapshot`` recognising the box's own
-    mounts: see mounted.py); entries may be stale, so callers check what they rely on.
-    """
-    try:
-        paths = sorted((runtime_dir() / "mounts").glob("*.json"))
-    except MountError:
-        return []
-    out = []
-    for p in paths:
-        if p.name.endswith(".status.json"):
-            continue
-        info = Registration(p, p.with_suffix(".status.json"), p.with_suffix(".log")).read()
-        if isinstance(info, dict):
-            out.append(info)
-    return out
-
-
-def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
-    """What a writable mount is made of, for readers outside it (``ogrefs snapshot`` of a box running
-    from a mount, ``ogrefs mounts``); ``info`` is one of :func:`registered_mounts`. None if not writable.
-
-    Keys: ``snapshot``, ``repo``, ``target``, ``state_dir``, ``tree`` (the local copy),
-    ``finalized``, ``pid`` (daemon), ``keeper_pid``, ``died`` (the daemon was killed; the keeper
-    detached the overlays), ``overlays`` (each: ``target``, ``lower``, ``upper``, ``work``,
-    ``merged`` — a layer of host files synthesized above the snapshot —, ``binds`` — this box's
-    directories bound back on top —, ``host_dir``), ``host_owned`` (snapshot paths the FUSE view
-    hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
-    """
-    from ogrefs.mount import overlay
-
-    state = info.get("state_dir")
-    if not info.get("writable") or not isinstance(state, str):
-        return None
-    try:
-        overlays = overlay.load(Path(state))
-    except OgrefsError:
-        overlays = []
-    kept = info.get("host_kept") or []
-    return {"snapshot": info.get("snapshot"), "repo": info.get("repo"), "target": info.get("mountpoint"),
-            "state_dir": state, "tree": str(Path(state) / "tree"), "finalized": bool(info.get("finalized")),
-            "pid": info.get("pid"), "keeper_pid": info.get("keeper_pid"), "died": bool(info.get("died")),
-            "overlays": [{"target": o.target, "lower": o.lower, "upper": o.upper, "work": o.work,
-                          "merged": o.merged, "binds": list(o.binds), "host_dir": o.host_dir} for o in overlays],
-            "host_owned": [p for p in kept if not p.endswith(" (merged)")], "skipped": info.get("skipped") or []}
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 # -- mounting -------------------------------------------------------------------------------------
@@ -348,18 +221,16 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
         raise
 
 
-def state_base() -> Path:
-    """Where writable mounts keep their state directories by default (``ogrefs mounts`` lists them)."""
-    return Path(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs/mounts")
-
-
 def default_state_dir(snapshot_id: str, target: Path) -> Path:
     return state_base() / f"{snapshot_id[:16]}-{_key(target)[:12]}"
 
 
 def _check_target(target: Path) -> None:
     info = Registration.for_mountpoint(target).read() or {}
-    if mounted_fstype(target) == "fuse.ogrefs" or pid_alive(info.get("pid") or 0):
+    # A daemon that a lazy unmount detached (or whose keeper found it dead) no longer holds the
+    # mountpoint; if it still holds the state directory, the state lock waits for it (bounded).
+    going = info.get("detached") or info.get("died")
+    if mounted_fstype(target) == "fuse.ogrefs" or (pid_alive(info.get("pid") or 0) and not going):
         raise UsageError(f"{target} is already an ogrefs mount; `ogrefs unmount {target}` first")
     if not os.path.exists(target):  # as a read-only mount: a typo must not create a directory
         raise UsageError(f"mountpoint {target} does not exist (create it first)")
@@ -397,7 +268,7 @@ def _prepare_writable(opts: MountOptions, manifest: dict, catalog: Any) -> None:
     from ogrefs.mount import topfiles
 
     topfiles.hide(state)
-    for old in reversed(overlay.load(state)):
+    for old in reversed(load_overlays(state)):
         overlay.unmount_one(old, lazy=True)
     mountsys.umount(str(state / "lower"), lazy=True)
     (state / "lower").mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -758,7 +629,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
         with contextlib.suppress(Exception):
             cache.close()
         if not finalized:
-            reg.remove()
+            reg.remove_if_daemon(os.getpid())
         log.info("unmounted %s", opts.mountpoint)
     return code
 
@@ -846,14 +717,14 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
     from ogrefs.mount import overlay
 
     state = Path(info["state_dir"])
-    errors = overlay.unmount_all(overlay.load(state), lazy=lazy, keep=info.get("own_directories") or [])
+    errors = overlay.unmount_all(load_overlays(state), lazy=lazy, keep=info.get("own_directories") or [])
     if errors:
         busy = any("busy" in e.lower() for e in errors)
         raise MountError(f"cannot unmount {'; '.join(errors)}: nothing was unmounted"
                          + ("; close what uses it or use --lazy" if busy else ""))
     from ogrefs.mount import topfiles
 
-    overlay.save([], state)  # what is mounted now: nothing (the upper directories stay)
+    save_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
     topfiles.hide(state)
     pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
@@ -903,7 +774,7 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
         why = mat.get("reason") or f"{done / 2**30:.2f} of {total / 2**30:.2f} GiB are local"
         raise UsageError(f"{mp} is not fully local yet ({why}); wait for `ogrefs status {mp}` to say complete")
     state = Path(info["state_dir"])
-    old = overlay.load(state)
+    old = load_overlays(state)
     ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
     writers = overlay.open_for_writing([o.target for o in old], exclude_pids=ours)
     if writers:
@@ -917,12 +788,12 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
         o_new = overlay.replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
         errors = overlay.unmount_all([o_old])
         if errors:
-            overlay.save(swapped + old[len(swapped):], state)
+            save_overlays(swapped + old[len(swapped):], state)
             raise MountError(f"cannot finalize: {errors[0]} ({len(swapped)} of {len(old)} overlays already run "
                              "from local disk; close what uses it and run finalize again)")
         swapped.append(overlay.mount_one(o_new, keep))
     new = swapped
-    overlay.save(new, state)
+    save_overlays(new, state)
     from ogrefs.mount import topfiles
 
     topfiles.rebind(state, state / "tree")

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ogrefs.boxmounts import load_overlays, save_overlays
 from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
 from ogrefs.errors import OgrefsError
 
@@ -111,9 +112,9 @@ def teardown(state_dir: Path, reg: Any) -> list[str]:
     if info.get("finalized"):
         return []
     topfiles.hide(state_dir)
-    errors = overlay.unmount_all(overlay.load(state_dir), lazy=True)
+    errors = overlay.unmount_all(load_overlays(state_dir), lazy=True)
     if not errors:
-        overlay.save([], state_dir)  # overlays.json says what is mounted: nothing now
+        save_overlays([], state_dir)  # overlays.json says what is mounted: nothing now
     err = mountsys.umount(str(state_dir / "lower"), lazy=True)
     return errors + ([f"{state_dir}/lower: {err}"] if err else [])
 

@@ -23,14 +23,14 @@ No locks here: the mount daemon's parent process owns these calls.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import posixpath
 import stat
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ogrefs.mount import mountsys
+from ogrefs.boxmounts import Overlay, save_overlays  # the record's format lives there (overlays.json)
 from ogrefs.errors import OgrefsError, UsageError
 
 PROTECTED = ("/proc", "/sys", "/dev", "/run", "/boot")
@@ -40,18 +40,6 @@ NEVER = ("/proc", "/sys", "/dev", "/run", "/tmp", "/lost+found")
 
 class OverlayError(OgrefsError):
     """overlayfs refused a mount or an unmount."""
-
-
-@dataclass(frozen=True)
-class Overlay:
-    target: str  # where it is mounted
-    lower: str  # the snapshot's directory inside the FUSE mount
-    upper: str
-    work: str
-    keep_existing: bool  # the target's previous content is the lowest layer
-    merged: str | None = None  # a layer of host files synthesized for this box (hostpaths.py), topmost
-    binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
-    host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
 
 
 def normalized(path: str) -> str:
@@ -223,7 +211,7 @@ def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None =
     except BaseException:
         unmount_all(done, lazy=True)
         raise
-    save(done, state_dir)
+    save_overlays(done, state_dir)
     return done
 
 
@@ -275,23 +263,6 @@ def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | N
             return [err]
         down.append(o)
     return []
-
-
-def save(overlays: list[Overlay], state_dir: Path) -> None:
-    path = state_dir / "overlays.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([asdict(o) for o in overlays], indent=1))
-    os.replace(tmp, path)
-
-
-def load(state_dir: Path) -> list[Overlay]:
-    try:
-        rows = json.loads((state_dir / "overlays.json").read_text())
-        return [Overlay(**{**o, "binds": tuple(o.get("binds") or ())}) for o in rows]
-    except FileNotFoundError:
-        return []
-    except (ValueError, TypeError) as exc:
-        raise OgrefsError(f"{state_dir}/overlays.json is damaged ({exc})") from None
 
 
 def open_for_writing(paths: list[str], exclude_pids: set | None = None) -> list[str]:

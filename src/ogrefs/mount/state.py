@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ogrefs.boxmounts import load_overlays
 from ogrefs.errors import UsageError
-from ogrefs.mount.core import pid_alive, registered_mounts, state_base
+from ogrefs.boxmounts import pid_alive, registered_mounts, state_base
 
 
 @dataclass
@@ -94,10 +95,8 @@ def list_mounts() -> list[MountState]:
 
 
 def _overlay_target(state: Path) -> str | None:
-    from ogrefs.mount import overlay
-
     try:
-        targets = [o.target for o in overlay.load(state)]
+        targets = [o.target for o in load_overlays(state)]
     except Exception:  # a damaged overlays.json still leaves a listable state
         return None
     return ", ".join(targets) or None
@@ -146,7 +145,7 @@ def _lock_held(state: Path) -> bool:
 
 def _mounted_inside(state: Path) -> bool:
     """Anything mounted inside the state directory, or an overlay whose layers live in it."""
-    from ogrefs.mount.core import _unescape_mountinfo
+    from ogrefs.boxmounts import unescape_mountinfo as _unescape_mountinfo
 
     prefix = os.path.abspath(state) + "/"
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:

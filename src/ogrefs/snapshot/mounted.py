@@ -10,7 +10,7 @@ own, so a new snapshot can take its catalog entry and chunk list as they are
 This module is the one place that depends on the mount's state; what it reads:
 
 * the mount registry, through its documented accessor
-  (:func:`ogrefs.mount.core.writable_state` of each :func:`~ogrefs.mount.core.registered_mounts`):
+  (:func:`ogrefs.boxmounts.writable_state` of each :func:`~ogrefs.boxmounts.registered_mounts`):
   ``snapshot``, ``repo``, ``state_dir``, ``finalized``, ``host_owned`` (paths
   where this box's own file shows: never the snapshot's entry) and each
   overlay's ``target``, ``lower``, ``upper`` and ``merged`` (host files shown
@@ -162,7 +162,7 @@ def _xattr_names(path: bytes) -> set[str]:
 
 def own_mounts() -> list[OwnMount]:
     """The writable ogrefs mounts of this box whose overlays are mounted now (in this mount namespace)."""
-    from ogrefs.mount.core import registered_mounts, writable_state
+    from ogrefs.boxmounts import registered_mounts, writable_state
 
     table = mount_table()
     out = []

@@ -1,0 +1,198 @@
+"""What ogrefs' mounts record on this box, for readers outside the mount.
+
+A mount registers itself under the runtime directory (``/run/ogrefs/mounts/<key>.json``,
+its status beside it) and keeps the overlays it mounted in ``<state>/overlays.json``.
+``mount/`` writes these records (the daemon writes the registration and status, the
+keeper completes the registration once, ``unmount``/``finalize`` update overlays.json);
+``snapshot/`` (a box running from a mount), ``agent/`` and ``ogrefs mounts`` only read
+them. So the records' format lives here, below every layer that reads it, and reading
+them needs nothing of the mount machinery. No locks: every write is an atomic rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ogrefs.errors import OgrefsError
+
+
+class MountError(OgrefsError):
+    """The mount could not be made, found or undone."""
+
+
+@dataclass(frozen=True)
+class Overlay:
+    target: str  # where it is mounted
+    lower: str  # the snapshot's directory inside the FUSE mount
+    upper: str
+    work: str
+    keep_existing: bool  # the target's previous content is the lowest layer
+    merged: str | None = None  # a layer of host files synthesized for this box (hostpaths.py), topmost
+    binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
+    host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
+
+
+def unescape_mountinfo(field: str) -> str:
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+# -- registration ------------------------------------------------------------------------------
+def runtime_dir() -> Path:
+    env = os.environ.get("OGREFS_RUNTIME_DIR")
+    candidates = [Path(env)] if env else [Path("/run/ogrefs")]
+    if not env:
+        if os.environ.get("XDG_RUNTIME_DIR"):
+            candidates.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "ogrefs")
+        from ogrefs.repo import default_cache_dir
+
+        candidates.append(default_cache_dir() / "run")
+    for cand in candidates:
+        try:
+            (cand / "mounts").mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError:
+            continue
+        if os.access(cand / "mounts", os.W_OK):
+            return cand
+    raise MountError(f"no writable runtime directory (tried {', '.join(map(str, candidates))})")
+
+
+def mountpoint_key(mountpoint: Path) -> str:
+    return hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Registration:
+    path: Path
+    status: Path
+    log: Path
+
+    @classmethod
+    def for_mountpoint(cls, mountpoint: Path) -> "Registration":
+        base = runtime_dir() / "mounts" / mountpoint_key(mountpoint)
+        return cls(base.with_suffix(".json"), base.with_suffix(".status.json"), base.with_suffix(".log"))
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write(self, info: dict[str, Any]) -> None:
+        atomic_json(self.path, info)
+
+    def remove(self) -> None:
+        for p in (self.path, self.status):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+    def remove_if_daemon(self, pid: int) -> None:
+        """Remove the registration if it is still daemon ``pid``'s: a lazily unmounted daemon that exits
+        late must not remove the registration of a new mount at the same mountpoint."""
+        info = self.read()
+        if info is None or info.get("pid") == pid:
+            self.remove()
+
+
+def registered_mounts() -> list[dict[str, Any]]:
+    """Every mount registered on this box (each registration's info, as the daemon or finalize wrote it).
+
+    For readers outside the mount (``ogrefs snapshot`` recognising the box's own
+    mounts: see mounted.py); entries may be stale, so callers check what they rely on.
+    """
+    try:
+        paths = sorted((runtime_dir() / "mounts").glob("*.json"))
+    except MountError:
+        return []
+    out = []
+    for p in paths:
+        if p.name.endswith(".status.json"):
+            continue
+        info = Registration(p, p.with_suffix(".status.json"), p.with_suffix(".log")).read()
+        if isinstance(info, dict):
+            out.append(info)
+    return out
+
+
+def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
+    """What a writable mount is made of, for readers outside it (``ogrefs snapshot`` of a box running
+    from a mount, ``ogrefs mounts``); ``info`` is one of :func:`registered_mounts`. None if not writable.
+
+    Keys: ``snapshot``, ``repo``, ``target``, ``state_dir``, ``tree`` (the local copy),
+    ``finalized``, ``pid`` (daemon), ``keeper_pid``, ``died`` (the daemon was killed; the keeper
+    detached the overlays), ``overlays`` (each: ``target``, ``lower``, ``upper``, ``work``,
+    ``merged`` — a layer of host files synthesized above the snapshot —, ``binds`` — this box's
+    directories bound back on top —, ``host_dir``), ``host_owned`` (snapshot paths the FUSE view
+    hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
+    """
+    state = info.get("state_dir")
+    if not info.get("writable") or not isinstance(state, str):
+        return None
+    try:
+        overlays = load_overlays(Path(state))
+    except OgrefsError:
+        overlays = []
+    kept = info.get("host_kept") or []
+    return {"snapshot": info.get("snapshot"), "repo": info.get("repo"), "target": info.get("mountpoint"),
+            "state_dir": state, "tree": str(Path(state) / "tree"), "finalized": bool(info.get("finalized")),
+            "pid": info.get("pid"), "keeper_pid": info.get("keeper_pid"), "died": bool(info.get("died")),
+            "overlays": [{"target": o.target, "lower": o.lower, "upper": o.upper, "work": o.work,
+                          "merged": o.merged, "binds": list(o.binds), "host_dir": o.host_dir} for o in overlays],
+            "host_owned": [p for p in kept if not p.endswith(" (merged)")], "skipped": info.get("skipped") or []}
+
+
+def atomic_json(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def save_overlays(overlays: list[Overlay], state_dir: Path) -> None:
+    path = state_dir / "overlays.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([asdict(o) for o in overlays], indent=1))
+    os.replace(tmp, path)
+
+
+def load_overlays(state_dir: Path) -> list[Overlay]:
+    try:
+        rows = json.loads((state_dir / "overlays.json").read_text())
+        return [Overlay(**{**o, "binds": tuple(o.get("binds") or ())}) for o in rows]
+    except FileNotFoundError:
+        return []
+    except (ValueError, TypeError) as exc:
+        raise OgrefsError(f"{state_dir}/overlays.json is damaged ({exc})") from None
+
+
+def state_base() -> Path:
+    """Where writable mounts keep their state directories by default (``ogrefs mounts`` lists them)."""
+    return Path(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs/mounts")
