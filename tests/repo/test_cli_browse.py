@@ -97,6 +97,40 @@ def test_dump_writes_a_file_or_a_tar(box, tmp_path):
     assert_one_line_error(proc, "no such path")
 
 
+def test_dump_of_a_directory_carries_xattrs_as_gnu_tar_reads_them(box, tmp_path):
+    """SCHILY.xattr.NAME records with the raw value (binary too, no hdrcharset), names escaped as GNU tar's."""
+    env, src, _snap = box
+    odd = os.fsencode(src) + b"/caf\xc3\xa9-" + b"n" * 120  # a long non-ASCII name: the pax path record
+    with open(odd, "wb") as fh:
+        fh.write(b"odd")
+    attrs = {src / "code" / "train.py": {b"user.note": b"a=b%c", b"user.bin": b"\x00\xff\x01\n", b"user.k=v%": b"1"},
+             src / "code": {b"user.dir": b"yes"}, odd: {b"user.odd": b"\xfe"}}
+    for path, items in attrs.items():
+        for name, value in items.items():
+            os.setxattr(path, name, value)
+    ogrefs(["snapshot", str(src)], env)
+    tar_bytes = ogrefs(["dump", "latest", str(src)], env).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        seen = {m.name.encode("utf-8", "surrogateescape"): {k.encode(): v.encode("utf-8", "surrogateescape")
+                                                             for k, v in m.pax_headers.items()} for m in tar}
+    assert "hdrcharset" not in {k.decode() for h in seen.values() for k in h}
+    rel = os.fsencode(src).lstrip(b"/")
+    assert seen[rel + b"/code/train.py"][b"SCHILY.xattr.user.bin"] == b"\x00\xff\x01\n"
+    assert seen[rel + b"/code/train.py"][b"SCHILY.xattr.user.k%3Dv%25"] == b"1"
+    assert seen[rel + b"/code"][b"SCHILY.xattr.user.dir"] == b"yes"
+    assert b"SCHILY.xattr.user.dir" not in seen[rel + b"/weights.bin"]
+    dest = tmp_path / "gnutar"
+    dest.mkdir()
+    proc = subprocess.run(["tar", "--xattrs", "--xattrs-include=*", "-xf", "-", "-C", str(dest)], input=tar_bytes,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr  # no warning about unknown keywords
+    for path, items in attrs.items():
+        back = os.fsencode(dest) + b"/" + os.fsencode(path).lstrip(b"/")
+        assert {n: os.getxattr(back, n) for n in os.listxattr(back) if n.startswith("user.")} == \
+            {n.decode(): v for n, v in items.items()}
+    assert open(os.fsencode(dest) + odd, "rb").read() == b"odd"
+
+
 def test_stats_in_both_modes(box):
     env, src, snap = box
     st = json.loads(out(["stats", "--json"], env))

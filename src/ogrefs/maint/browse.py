@@ -14,6 +14,7 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator
 
+from ogrefs.maint.tarstream import PaxWriter
 from ogrefs.repo.catalog import Catalog, Inode, file_chunks
 from ogrefs.errors import OgrefsError
 from ogrefs.repo import Repository
@@ -52,40 +53,27 @@ def _zeros(n: int) -> Iterator[bytes]:
         n -= piece
 
 
-class _Stream:
-    """``read(n)`` over an iterator of byte strings (what tarfile wants of a member's data)."""
-
-    def __init__(self, pieces: Iterator[bytes]) -> None:
-        self._pieces = pieces
-        self._buf = b""
-
-    def read(self, n: int = -1) -> bytes:
-        while n < 0 or len(self._buf) < n:
-            piece = next(self._pieces, None)
-            if piece is None:
-                break
-            self._buf += piece
-        out, self._buf = (self._buf, b"") if n < 0 else (self._buf[:n], self._buf[n:])
-        return out
-
-
 def write_tar(repo: Repository, cat: Catalog, path: bytes, node: Inode, out: IO[bytes]) -> int:
-    """Stream the tree at ``path`` as a POSIX (pax) tar to ``out``; names are relative to ``/``. Returns entries."""
-    seen: dict[int, str] = {}  # inode -> first name (later names become hard links)
+    """Stream the tree at ``path`` as a POSIX (pax) tar to ``out``; names are relative to ``/``. Returns entries.
+
+    Extended attributes go in as ``SCHILY.xattr.*`` records (what ``tar --xattrs`` restores)."""
+    seen: dict[int, bytes] = {}  # inode -> first name (later names become hard links)
     count = 0
-    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for p, n in [(path, node), *cat.walk(node.ino, path.rstrip(b"/"))]:
-            name = p.decode(errors="surrogateescape").lstrip("/") or "."
-            info = _tar_info(name, n)
-            if n.is_reg and n.nlink > 1 and n.ino in seen:
-                info.type, info.linkname, info.size = tarfile.LNKTYPE, seen[n.ino], 0
-                tar.addfile(info)
-            elif n.is_reg:
-                seen[n.ino] = name
-                tar.addfile(info, _Stream(file_data(repo, cat, n)))
-            else:
-                tar.addfile(info)
-            count += 1
+    tar = PaxWriter(out)
+    for p, n in [(path, node), *cat.walk(node.ino, path.rstrip(b"/"))]:
+        name = p.lstrip(b"/") or b"."
+        info = _tar_info(name, n)
+        common = {"name": name, "mtime_ns": n.mtime_ns, "xattrs": cat.xattrs(n.ino)}
+        if n.is_reg and n.nlink > 1 and n.ino in seen:
+            info.type, info.size = tarfile.LNKTYPE, 0
+            tar.add(info, link=seen[n.ino], **common)
+        elif n.is_reg:
+            seen[n.ino] = name
+            tar.add(info, data=file_data(repo, cat, n), **common)
+        else:
+            tar.add(info, link=(n.target or b"") if n.is_lnk else b"", **common)
+        count += 1
+    tar.close()
     return count
 
 
@@ -93,21 +81,20 @@ _TAR_TYPES = {stat.S_IFDIR: tarfile.DIRTYPE, stat.S_IFLNK: tarfile.SYMTYPE, stat
               stat.S_IFCHR: tarfile.CHRTYPE, stat.S_IFBLK: tarfile.BLKTYPE, stat.S_IFREG: tarfile.REGTYPE}
 
 
-def _tar_info(name: str, n: Inode) -> tarfile.TarInfo:
+def _tar_info(name: bytes, n: Inode) -> tarfile.TarInfo:
+    """Type, mode, owner and size of an entry (names, link target and mtime go to :class:`PaxWriter` raw)."""
     import os
 
-    info = tarfile.TarInfo(name)
+    info = tarfile.TarInfo()
     kind = stat.S_IFMT(n.mode)
     if kind not in _TAR_TYPES:
-        raise OgrefsError(f"{name}: cannot be written to a tar (file type {kind:o})")
+        raise OgrefsError(f"{name.decode(errors='replace')}: cannot be written to a tar (file type {kind:o})")
     info.type = _TAR_TYPES[kind]
     info.mode = stat.S_IMODE(n.mode)
     info.uid, info.gid = n.uid, n.gid
     info.uname, info.gname = n.user or "", n.grp or ""
-    info.mtime = n.mtime_ns / 1e9
+    info.mtime = n.mtime_ns // 1_000_000_000
     info.size = n.size if n.is_reg else 0
-    if n.is_lnk:
-        info.linkname = (n.target or b"").decode(errors="surrogateescape")
     if kind in (stat.S_IFCHR, stat.S_IFBLK):
         info.devmajor, info.devminor = os.major(n.rdev), os.minor(n.rdev)
     return info
