@@ -21,7 +21,7 @@ import trio
 from ogrefs.repo.catalog import ROOT_INO
 from ogrefs.lazy.chunkcache import ChunkCache
 from ogrefs.lazy.fetcher import Fetcher, Priority
-from ogrefs.lazy.materialize import Materializer
+from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.vfs import SnapshotFS
 
@@ -112,6 +112,40 @@ def test_materialized_tree_equals_the_source_and_skips_the_chunk_cache(box, tmp_
     assert m2.complete and m2.state == "done" and log.calls == []
 
 
+class _LoopOnly(Materializer):
+    """Records the thread of every attribute assigned after construction (the loop owns them all)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.__dict__["assigned_in"] = []
+
+    def __setattr__(self, name, value) -> None:
+        if "assigned_in" in self.__dict__:
+            self.__dict__["assigned_in"].append((name, threading.current_thread().name))
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("run", ["fresh", "resumed"])
+def test_worker_threads_never_assign_the_materializers_state(box, tmp_path, run):
+    """The preparation, the writes and the finish run in worker threads; what they find is assigned on the loop.
+
+    (The preparation used to set the tree, the counters and the done/complete sets from its thread, while the
+    loop read them on every vfs read.)"""
+    state = tmp_path / "state"
+    if run == "resumed":
+        materialize(box, state)  # a first run; then its record is undone: the tree is reopened, not built
+        with sqlite3.connect(state / "materialize.sqlite") as db:
+            db.execute("UPDATE chunks SET done=0")
+            db.execute("UPDATE files SET complete=0, pending=(SELECT count(*) FROM targets t WHERE t.ino=files.ino)")
+            db.execute("DELETE FROM meta WHERE key='finished'")
+    m, _ = materialize(box, state, cls=_LoopOnly, trace=[(box.path("data/shard2.bin"), 0)])
+    assert m.complete, m.stats()
+    names = {name for name, _thread in m.assigned_in}
+    assert {"state", "files_total"} <= names  # (the spy sees the assignments)
+    off_loop = [(name, thread) for name, thread in m.assigned_in if thread != threading.main_thread().name]
+    assert off_loop == []
+
+
 def test_hints_come_before_background_and_the_trace_before_both(box, tmp_path):
     """All requests queue behind a reader that holds the only non-reader slot; then they go in class order."""
     refs = all_refs(box)
@@ -158,7 +192,7 @@ import sys, time, trio
 from pathlib import Path
 from ogrefs.repo.catalog import Catalog
 from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize import Materializer
+from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.repo import Repository
 
 url, cache_root, snap, state = sys.argv[1:5]
@@ -217,7 +251,7 @@ def test_kill_9_then_restart_fetches_no_done_chunk_and_ends_exact(box, tmp_path)
 
 def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkeypatch):
     """The third batch is written torn (garbage) and the process "dies" at its fdatasync, before the commit."""
-    import ogrefs.lazy.materialize as mz
+    import ogrefs.lazy.materialize.writer as mz
 
     crash: dict = {"on": False, "chunks": []}
     real_pwrite, real_sync = mz.pwrite_all, os.fdatasync
@@ -385,10 +419,9 @@ def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_ag
 
 # -- disk space -----------------------------------------------------------------------------------------
 def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path, monkeypatch):
-    monkeypatch.setattr(Materializer, "_free_bytes", lambda self: (5 * MiB, 100 * GiB))
     state = tmp_path / "state"
     fetcher = Fetcher(box.repo.read_pack_range)
-    m = Materializer(box.catalog, fetcher, state)
+    m = Materializer(box.catalog, fetcher, state, free_bytes=lambda path: (5 * MiB, 100 * GiB))
     pf = Prefetch(box.catalog, fetcher, materializer=m)
 
     async def body():
@@ -779,7 +812,7 @@ def test_a_chunk_the_materializer_asked_for_that_a_reader_also_reads_skips_the_c
         async with trio.open_nursery() as n:
             n.start_soon(m.run)
             with trio.fail_after(20):
-                while ref.chunk not in m._claimed:  # requested by the feeder, still on its way
+                while not m.residency.is_claimed(ref.chunk):  # requested by the feeder, still on its way
                     await trio.sleep(0.01)
             reader = trio.Event()
 
@@ -905,7 +938,7 @@ from pathlib import Path
 from ogrefs.mount import fuse_ops
 from ogrefs.repo.catalog import Catalog
 from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize import Materializer
+from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.repo import Repository
 from ogrefs.store.base import NotFound
 from ogrefs.lazy.vfs import SnapshotFS

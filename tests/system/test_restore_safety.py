@@ -616,7 +616,7 @@ def test_a_flipped_byte_in_the_local_copy_is_not_served(tmp_path_factory, tmp_pa
     mount return the snapshot's bytes, fetched from the store, never the damaged ones; the damage is
     counted.  ``incomplete``: the file is not yet complete, its chunks are served one by one from the tree."""
     from ogrefs.lazy.fetcher import Fetcher
-    from ogrefs.lazy.materialize import Materializer
+    from ogrefs.lazy.materialize.materializer import Materializer
     from ogrefs.lazy.vfs import SnapshotFS
 
     from tests.resume_box import CallLog, make_box, run_trio

@@ -6,7 +6,7 @@ One task in the daemon's nursery, started once the mount is ready::
     await nursery.start(pf.run)
     ... pf.stats()  # for the status file
 
-With a :class:`~ogrefs.lazy.materialize.Materializer`, everything goes to the local
+With a :class:`~ogrefs.lazy.materialize.materializer.Materializer`, everything goes to the local
 tree in three classes (trace at ``Priority.TRACE``, hints at
 ``Priority.HINT``, the rest at ``Priority.BACKGROUND``).  Without one (or when
 it refuses to start for lack of disk space), only the trace and then the hints
@@ -39,7 +39,8 @@ import trio
 from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Catalog
 from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Keep, Priority
-from ogrefs.lazy.materialize import CLASSES, Materializer
+from ogrefs.lazy.materialize.materializer import Materializer
+from ogrefs.lazy.materialize.plan import CLASSES
 from ogrefs.units import human_bytes
 from ogrefs.lazy.trace import Entry, Replayer
 

@@ -150,7 +150,7 @@ class AccessRecorder(Protocol):
 
 class LocalCopy(Protocol):
     """Where a complete local copy of a file is, and which chunks of incomplete ones are in place
-    (``ogrefs.lazy.materialize.Materializer``)."""
+    (``ogrefs.lazy.materialize.materializer.Materializer``)."""
 
     def local_path(self, ino: int) -> bytes | None: ...
 

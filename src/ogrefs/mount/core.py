@@ -451,7 +451,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
                       memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob,
                       open_range=repo.open_pack_range)
-    from ogrefs.lazy.materialize import Materializer
+    from ogrefs.lazy.materialize.materializer import Materializer
     from ogrefs.lazy.prefetch import Prefetch
     from ogrefs.lazy.trace import Recorder, save_trace, save_when_recorded
 

@@ -1,0 +1,215 @@
+"""Preparing a materialization (worker-thread side): build the local tree and the plan, or reopen them.
+
+A fresh state directory gets the whole tree at once (directories, sparse
+regular files of their final size, symlinks, FIFOs, device nodes where
+permitted, hardlinks as hardlinks) and a plan with every distinct chunk once,
+its class (hints before the rest) and its targets.  An earlier run's tree is
+reopened as it is.  Either way this run's trace chunks go first.
+
+Who owns what: :func:`prepare` runs in one worker thread before any writer
+starts.  It gets immutable inputs and returns a new, frozen :class:`Prepared`
+(or the reason it refused); the loop assigns what it needs from that.  It
+never touches the loop's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ogrefs.errors import CorruptObject, OgrefsError
+from ogrefs.lazy.materialize import space
+from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, Plan
+from ogrefs.lazy.materialize.writer import TreeWriter, syncfs
+from ogrefs.lazy.trace import Entry, EntryResolver
+from ogrefs.localtree import LocalTree
+from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.units import human_bytes as human
+
+log = logging.getLogger(__name__)
+
+#: Rows inserted per executemany while the plan is built.
+_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a preparation found: everything the loop needs to run passes (immutable)."""
+
+    writer: TreeWriter  # the tree's root fd, the catalog and the plan: for the writers
+    fresh: bool  # the tree was built by this run: nothing of it was on disk before
+    class_total: tuple[int, int, int]  # bytes per class
+    class_done: tuple[int, int, int]
+    files_total: int
+    complete: frozenset[int]  # files recorded complete
+    done: frozenset[bytes]  # chunks recorded done
+
+
+def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
+            refusal: Callable[[int], str | None]) -> Prepared | str:
+    """Worker thread: the tree and the plan ready for passes, or why materialization is refused.
+
+    ``refusal(needed bytes)``: the disk-space policy (:func:`space.refusal`).
+    Raises :class:`space.Stop` when the disk or the plan fails meanwhile.
+    """
+    try:
+        return _prepare(plan, catalog, tree_root, trace, refusal)
+    except (OSError, sqlite3.Error, OgrefsError) as exc:
+        plan.rollback()
+        raise space.Stop(exc, "preparing the local tree") from None
+    except BaseException:
+        plan.rollback()
+        raise
+
+
+def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
+             refusal: Callable[[int], str | None]) -> Prepared | str:
+    fresh = plan.meta("built") != "1"
+    reason = refusal(space.catalog_data_bytes(catalog) if fresh else plan.bytes_needed())
+    if reason is not None:
+        return reason
+    writer = TreeWriter(catalog, LocalTree(tree_root, create=fresh), plan)
+    if fresh:
+        build(writer, tree_root)
+    _classify_trace(plan, catalog, trace)
+    writer.complete_files(plan.ready_files())
+    total, done = [0, 0, 0], [0, 0, 0]
+    for cls, t, d in plan.class_bytes():
+        total[cls], done[cls] = t, d
+    return Prepared(writer, fresh, (total[0], total[1], total[2]), (done[0], done[1], done[2]),
+                    plan.count_files(), plan.complete_inos(), plan.done_chunks())
+
+
+def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> bool:
+    """A non-directory entry of the tree: a hardlink to ``link_to``, an empty file of the node's size, or a
+    special file; False for a type that is not materialized (a socket)."""
+    if link_to is not None:
+        tree.link_name(link_to, path)
+        return True
+    if node.is_reg:
+        tree.create_file(path, node.size)
+        return True
+    return tree.create_special(path, node)
+
+
+def build(writer: TreeWriter, tree_root: bytes) -> None:
+    """Create the tree and the plan (from scratch: an interrupted build is redone)."""
+    t0 = time.monotonic()
+    plan, catalog = writer.plan, writer.catalog
+    db = plan.db()
+    db.execute("BEGIN")
+    for table in ("files", "others", "chunks", "targets"):
+        db.execute(f"DELETE FROM {table}")
+    db.execute("DELETE FROM meta WHERE key IN ('built', 'finished')")
+    if catalog.get(ROOT_INO) is None:
+        raise CorruptObject("catalog has no root directory")
+    _build_entries(writer.tree, catalog, db)
+    _plan_chunks(catalog, db)
+    # special files are complete now; regular files without data too (later, via pending = 0)
+    for ino, path in plan.specials():
+        node = catalog.get(ino)
+        if node is not None:
+            writer.apply_metadata(path, node)
+    syncfs(tree_root)
+    plan.set_meta("built", "1")
+    db.execute("COMMIT")
+    n = db.execute("SELECT count(*), coalesce(sum(rlen), 0) FROM chunks").fetchone()
+    log.info("materialization: local tree built in %.1f s (%d files, %d chunks, %s to fetch)",
+             time.monotonic() - t0, plan.count_files(), n[0], human(n[1]))
+
+
+def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) -> None:
+    """Every entry of the snapshot in the tree, and its row in ``files`` or ``others``."""
+    others: list[tuple[int, bytes, int]] = [(ROOT_INO, b"", 1)]
+    files: list[tuple[int, bytes]] = []
+    first: dict[int, bytes] = {}  # hardlinked inode -> its first path
+    for path, node in catalog.walk():
+        if node.is_dir:
+            tree.make_dir(path)
+            others.append((node.ino, path, 1))
+        else:
+            link_to = first.get(node.ino) if node.nlink > 1 else None
+            try:
+                made = _create_entry(tree, path, node, link_to)
+            except PermissionError as exc:  # device nodes need root; the mount still serves them
+                log.info("materialization: cannot create %s (%s)", os.fsdecode(path), exc.strerror)
+                continue
+            if not made or link_to is not None:
+                continue
+            if node.nlink > 1:
+                first[node.ino] = path
+            if node.is_reg:
+                files.append((node.ino, path))
+            else:
+                others.append((node.ino, path, 0))
+        if len(files) >= _ROWS:
+            db.executemany("INSERT INTO files (ino, path) VALUES (?,?)", files)
+            files.clear()
+        if len(others) >= _ROWS:
+            db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
+            others.clear()
+    db.executemany("INSERT INTO files (ino, path) VALUES (?,?)", files)
+    db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
+
+
+def _plan_chunks(catalog: Catalog, db: sqlite3.Connection) -> None:
+    """The plan: every extent of every file in the tree, each distinct chunk once; the hints' classes."""
+    rows: list[tuple] = []
+    bad: set[int] = set()  # files whose data the catalog locates wrongly: never local, read lazily (EIO)
+    for ino, off, length, chunk, pack, poff, slen in catalog.all_extents(on_malformed=lambda ino, _why: bad.add(ino)):
+        if pack is None:
+            bad.add(ino)
+            continue
+        rows.append((ino, off, length, chunk, pack, poff, slen))
+        if len(rows) >= 2 * _ROWS:
+            _add_extents(db, rows)
+            rows.clear()
+    _add_extents(db, rows)
+    if bad:
+        log.error("materialization: %d file(s) have malformed data locations in the catalog; they are "
+                  "not materialized (reading them fails)", len(bad))
+        db.executemany("DELETE FROM files WHERE ino=?", [(ino,) for ino in bad])
+    db.execute("DELETE FROM targets WHERE ino NOT IN (SELECT ino FROM files)")
+    db.execute("DELETE FROM chunks WHERE chunk NOT IN (SELECT chunk FROM targets)")
+    db.execute("UPDATE files SET pending = (SELECT count(*) FROM targets t WHERE t.ino = files.ino)")
+    # hints, in rank order: their files' chunks come before everything else but the trace
+    for seq, (_klass, ino, _rank) in enumerate(catalog.hints()):
+        for fino in _hint_files(catalog, ino):
+            db.execute("UPDATE chunks SET base_cls=?, base_seq=? WHERE base_cls=? AND chunk IN "
+                       "(SELECT chunk FROM targets WHERE ino=?)", (HINT, seq, BACKGROUND, fino))
+    db.execute("UPDATE chunks SET cls=base_cls, seq=base_seq")
+
+
+def _add_extents(db: sqlite3.Connection, rows: list[tuple]) -> None:
+    db.executemany("INSERT OR IGNORE INTO chunks (chunk, pack, poff, slen, rlen) VALUES (?,?,?,?,?)",
+                   [(chunk, pack, poff, slen, length) for _i, _o, length, chunk, pack, poff, slen in rows])
+    db.executemany("INSERT OR IGNORE INTO targets VALUES (?,?,?)",
+                   [(chunk, ino, off) for ino, off, _l, chunk, _p, _po, _s in rows])
+
+
+def _hint_files(catalog: Catalog, ino: int) -> Iterable[int]:
+    node = catalog.get(ino)
+    if node is None:
+        return
+    if node.is_reg:
+        yield ino
+    elif node.is_dir:
+        for _path, child in catalog.walk(ino):
+            if child.is_reg:
+                yield child.ino
+
+
+def _classify_trace(plan: Plan, catalog: Catalog, trace: list[Entry]) -> None:
+    """This run's trace chunks (not yet done) go first, in trace order; an older run's trace class is undone."""
+    order: dict[bytes, int] = {}
+    if trace:
+        resolver = EntryResolver(catalog)
+        for r in resolver.resolve(trace):
+            order.setdefault(r.extent.chunk, len(order))
+        log.info("materialization: %d trace chunks first (%d trace entries no longer exist)",
+                 len(order), resolver.dropped)
+    plan.classify_trace(order)
