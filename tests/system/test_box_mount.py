@@ -267,10 +267,10 @@ host {box}/usr/bin/nvidia-smi
             test ! -e {box}/usr/lib/libnvidia-ml.so.1                        # A's driver library: not here
             test "$(cat {box}/usr/lib/libcudart.so.12)" = "toolkit from A"   # the toolkit: the snapshot's
             test "$(cat {box}/usr/bin/app)" = "A app"
-            grep -qx "alice:x:1000:1000::/home/alice:/bin/bash" {box}/etc/passwd   # A's users stay ...
-            grep -qx "debian:x:1000:1000::/home/debian:/bin/bash" {box}/etc/passwd # ... B's login is added
+            grep -qx "debian:x:1000:1000::/home/debian:/bin/bash" {box}/etc/passwd # B's login is added ...
+            ! grep -q "^alice:" {box}/etc/passwd                                   # ... A's of its uid gives way
             grep -qx "root:x:0:0::/root:/bin/bash" {box}/etc/passwd                # system accounts: A's
-            grep -qx "sudo:x:27:alice,debian" {box}/etc/group                     # B's user keeps sudo
+            grep -qx "sudo:x:27:debian" {box}/etc/group                           # B's user keeps sudo
             grep -qx "ssh-ed25519 KEY-A a@a" {box}/root/.ssh/authorized_keys       # keys: both sides
             grep -qx "ssh-ed25519 KEY-B provider" {box}/root/.ssh/authorized_keys
             test "$(stat -c %a {box}/root/.ssh)" = "700"
@@ -286,6 +286,7 @@ host {box}/usr/bin/nvidia-smi
         _kill_leftovers(tmp_path / "run" / "mounts")
     said = (tmp_path / "mount.out").read_text()
     assert f"{box}/etc/hostname" in said and f"{box}/etc/passwd (merged)" in said and "libcuda.so.1" in said
+    assert "the snapshot's alice gives its uid to this box's debian" in said
 
 
 def test_run_enters_the_snapshot_box_in_a_private_namespace_and_passes_the_exit_code(whole):

@@ -113,6 +113,27 @@ def test_identity_network_disks_config_and_cloud_init_stay_b(b_mounted):
     assert box.out("readlink /var/lib/cloud/instance").strip() == f"/var/lib/cloud/instances/{B.instance_id}"
 
 
+def test_login_user_and_its_keys_stay_b(b_mounted):
+    box, _, _, mounted = b_mounted
+    # uid 1000 is B's login user, and only B's (A's user with the same uid gives way: its files are B's user's)
+    assert box.out("awk -F: '$3 == 1000' /etc/passwd | cut -d: -f1,3,6").strip() == f"{B.user}:1000:/home/{B.user}"
+    assert box.out("getent passwd 1000 | cut -d: -f1").strip() == B.user
+    assert box.out(f"getent passwd {A.user} || echo none").strip() == "none"
+    assert box.out("getent group 1000 | cut -d: -f1").strip() == B.user
+    keys = box.out(f"cat /home/{B.user}/.ssh/authorized_keys")
+    assert f"provider-key@{B.hostname}" in keys
+    assert box.out(f"stat -c %u:%a /home/{B.user}/.ssh/authorized_keys").strip() == "1000:600"
+    assert box.out(f"sudo -n -l -U {B.user} | grep -c NOPASSWD").strip() == "1"
+    assert box.out(f"stat -c %U /home/{A.user}").strip() == B.user  # A's home: owned by uid 1000, B's user now
+    assert f"the snapshot's {A.user} gives its uid to this box's {B.user}" in mounted.stdout + mounted.stderr
+
+
+def test_driver_package_record_stays_b(b_mounted):
+    box, _, _, _ = b_mounted
+    assert box.out("dpkg-query -W -f '${Version}' nvidia-driver-lab") == f"{B.driver}-1"
+    assert box.out("dpkg-query -W -f '${Status}' libc6") == "install ok installed"  # the others: A's records
+
+
 def test_gpu_driver_stays_b(b_mounted):
     box, _, _, _ = b_mounted
     smi = box.sh("nvidia-smi", timeout=30)

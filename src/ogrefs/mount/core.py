@@ -726,6 +726,9 @@ def _unmount_writable(mp: Path, reg: "Registration", info: dict, lazy: bool, tim
 
     save_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
     topfiles.hide(state)
+    from ogrefs.mount import hostpaths
+
+    hostpaths.unmount_layers(state)
     pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
         mountsys.umount(str(state / "lower"), lazy=True)

@@ -12,10 +12,14 @@ Each rule is ``KIND PATTERN`` (a glob per path component, absolute)::
     accounts     passwd/group/shadow/gshadow: the snapshot's system accounts,
                  plus B's login accounts (uid/gid >= 1000), B's entry winning
                  on a name both have; B's users stay in the groups B gave them
+                 (a snapshot account holding the uid/gid of one of B's login
+                 accounts under another name is left out: one name per id)
     merge        line union, the snapshot's lines first (authorized_keys):
                  never drops a key of either side
+    dpkg         /var/lib/dpkg/status: the snapshot's package records, B's
+                 for the NVIDIA driver packages (whose files are B's)
 
-Merged files are synthesized by the keeper into ``state/host/<n>/`` (the
+Merged files are synthesized by the keeper into ``state/host/<n>/`` (a tmpfs; the
 topmost lower layer of overlay n) after the FUSE lower answers. The
 defaults are :data:`DEFAULT_RULES`; ``/etc/ogrefs/host-paths`` (or
 ``--host-paths-file``) adds rules, ``-PATTERN`` drops a default, and
@@ -38,10 +42,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ogrefs.errors import UsageError
+from ogrefs.mount import mountsys
 
 log = logging.getLogger(__name__)
 
-KINDS = ("host", "prefer-host", "accounts", "merge")
+KINDS = ("host", "prefer-host", "accounts", "merge", "dpkg")
 LIBDIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
            "/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64")
 #: NVIDIA driver userspace as libnvidia-container lists it (libraries, binaries, ICDs, firmware, records).
@@ -83,7 +88,7 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("host", "/usr/share/vulkan/icd.d/nvidia*"), ("host", "/usr/share/vulkan/implicit_layer.d/nvidia*"),
     ("host", "/usr/share/glvnd/egl_vendor.d/*nvidia*"), ("host", "/usr/share/egl/egl_external_platform.d/*nvidia*"),
     ("host", "/usr/share/nvidia"), ("host", "/etc/nvidia"), ("host", "/usr/src/nvidia*"),
-    ("host", "/var/lib/dkms/nvidia*"), ("host", "/var/lib/dpkg/info/*nvidia*"),
+    ("host", "/var/lib/dkms/nvidia*"), ("host", "/var/lib/dpkg/info/*nvidia*"), ("dpkg", "/var/lib/dpkg/status"),
     ("host", "/etc/X11/xorg.conf.d/*nvidia*"),
 )
 CONFIG_FILE = "/etc/ogrefs/host-paths"
@@ -185,7 +190,7 @@ def plan(catalog: Any, rules: list[Rule], host_root: str = "/") -> HostPlan:
                 if mine & theirs:
                     hidden.setdefault(node.ino, set()).update(mine & theirs)
                     out.kept.extend(f"{path}/{os.fsdecode(n)}" for n in sorted(mine & theirs))
-            elif rule.kind in ("accounts", "merge") and node.is_reg and os.path.isfile(host):
+            elif rule.kind in ("accounts", "merge", "dpkg") and node.is_reg and os.path.isfile(host):
                 out.merges.append((rule.kind, path))
     out.hidden = {p: frozenset(names) for p, names in hidden.items()}
     out.kept = sorted(set(out.kept))
@@ -221,39 +226,109 @@ def _rows(text: str) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
-def _logins(text: str) -> set[str]:
-    """Names with an id in the login range (1000 up to, not including, nobody's 65534)."""
-    return {r[0] for r in _rows(text) if len(r) > 2 and r[2].isdigit() and 1000 <= int(r[2]) < 65534}
+def _login_ids(text: str) -> dict[str, int]:
+    """Name -> id of the entries with an id in the login range (1000 up to, not including, nobody's 65534)."""
+    return {r[0]: int(r[2]) for r in _rows(text) if len(r) > 2 and r[2].isdigit() and 1000 <= int(r[2]) < 65534}
 
 
-def merge_accounts(path: str, snap: str, host: str, host_dir: str = "/etc") -> str:
+def _all_ids(text: str) -> dict[str, int]:
+    return {r[0]: int(r[2]) for r in _rows(text) if len(r) > 2 and r[2].isdigit()}
+
+
+@dataclass(frozen=True)
+class AccountClash:
+    """Accounts of the snapshot that give way to this box's login accounts holding the same id."""
+    users: dict[str, str]  # the snapshot's user -> this box's user with its uid
+    groups: dict[str, str]  # the snapshot's group -> this box's group with its gid
+
+
+def account_clashes(snap_dir: str, host_dir: str) -> AccountClash:
+    """Which of the snapshot's accounts hold an id that one of this box's login accounts (another name) has.
+
+    This box's login user keeps its uid (its files, its provider's login);
+    the snapshot's account of that uid is left out, so the snapshot's files
+    owned by that uid belong to this box's user (docs/mount.md).
+    """
+    def clashes(kind: str) -> dict[str, str]:
+        mine = _login_ids(_read(os.path.join(host_dir, kind)))
+        by_id = {i: n for n, i in mine.items()}
+        return {n: by_id[i] for n, i in _all_ids(_read(os.path.join(snap_dir, kind))).items()
+                if n not in mine and i in by_id}
+
+    return AccountClash(clashes("passwd"), clashes("group"))
+
+
+def merge_accounts(path: str, snap: str, host: str, host_dir: str = "/etc", snap_dir: str | None = None) -> str:
     """passwd/group/shadow/gshadow: the snapshot's entries, with this box's login accounts merged in.
 
     This box's login users (uid >= 1000) and groups (gid >= 1000) replace the
     snapshot's entry of the same name or are added; they stay members of the
-    snapshot's groups this box had them in (sudo, docker, ...).
+    snapshot's groups this box had them in (sudo, docker, ...). A snapshot
+    account whose id one of them holds under another name is left out (and
+    dropped from group member lists): one name per id, this box's.
     """
     base = os.path.basename(path)
     ids_file = {"passwd": "passwd", "shadow": "passwd", "group": "group", "gshadow": "group"}.get(base)
     if ids_file is None:
         return merge_lines(snap, host)
-    ids_text = host if base == ids_file else _read(os.path.join(host_dir, ids_file))
-    mine = _logins(ids_text)
-    users = mine if ids_file == "passwd" else _logins(_read(os.path.join(host_dir, "passwd")))
+    clash = account_clashes(snap_dir, host_dir) if snap_dir else AccountClash({}, {})
+    gone = clash.users if ids_file == "passwd" else clash.groups
+    mine = set(_login_ids(host if base == ids_file else _read(os.path.join(host_dir, ids_file))))
+    users = set(_login_ids(_read(os.path.join(host_dir, "passwd"))))
     host_rows = {r[0]: r for r in _rows(host)}
     out, seen = [], set()
     members = 3 if base in ("group", "gshadow") else None
     for r in _rows(snap):
         seen.add(r[0])
+        if r[0] in gone:
+            continue
         if r[0] in mine and r[0] in host_rows:
             r = host_rows[r[0]]
-        elif members is not None and r[0] in host_rows and len(r) > members and len(host_rows[r[0]]) > members:
-            have = [m for m in r[members].split(",") if m]
-            add = [m for m in host_rows[r[0]][members].split(",") if m in users and m not in have]
+        elif members is not None and len(r) > members:
+            have = [m for m in r[members].split(",") if m and m not in clash.users]
+            theirs = host_rows.get(r[0])
+            add = ([m for m in theirs[members].split(",") if m in users and m not in have]
+                   if theirs is not None and len(theirs) > members else [])
             r = r[:members] + [",".join(have + add)] + r[members + 1:]
         out.append(r)
     out += [r for name, r in host_rows.items() if name in mine and name not in seen]
     return "".join(":".join(r) + "\n" for r in out)
+
+
+#: dpkg packages of the NVIDIA driver userspace (their files are host-owned, so their records are too);
+#: Debian's CUDA toolkit packages (nvidia-cuda-toolkit, nvidia-cuda-dev, ...) are the snapshot's.
+DRIVER_PACKAGES = ("*nvidia*", "libcuda1*", "libcuda.so*")
+NOT_DRIVER_PACKAGES = ("nvidia-cuda-*", "nvidia-cudnn*", "*cuda-toolkit*", "nvidia-profiler", "nvidia-visual-profiler",
+                       "nvidia-nsight*", "nvidia-opencl-dev", "python3-nvidia*")
+
+
+def is_driver_package(name: str) -> bool:
+    return (any(fnmatch.fnmatchcase(name, p) for p in DRIVER_PACKAGES)
+            and not any(fnmatch.fnmatchcase(name, p) for p in NOT_DRIVER_PACKAGES))
+
+
+def _stanzas(text: str) -> list[tuple[str, str]]:
+    """(package name, stanza text) of a dpkg status file, in order."""
+    out = []
+    for block in text.split("\n\n"):
+        block = block.strip("\n")
+        if not block:
+            continue
+        name = next((ln.split(":", 1)[1].strip() for ln in block.splitlines() if ln.startswith("Package:")), "")
+        out.append((name, block))
+    return out
+
+
+def merge_dpkg_status(snap: str, host: str) -> str:
+    """/var/lib/dpkg/status: the snapshot's records, but this box's for the NVIDIA driver packages.
+
+    The driver's files are this box's, so dpkg must say so: the snapshot's
+    driver records are left out, this box's are added (in this box's order,
+    after the snapshot's). Every other package record is the snapshot's.
+    """
+    kept = [block for name, block in _stanzas(snap) if not is_driver_package(name)]
+    kept += [block for name, block in _stanzas(host) if is_driver_package(name)]
+    return "".join(block + "\n\n" for block in kept)
 
 
 def _read(path: str) -> str:
@@ -314,6 +389,8 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     if host is None:
         return HostLayer(list(overlays))
     out, kept = [], list(host.kept)
+    if host.merges:
+        _fresh_tmpfs(state_dir / "host")
     for n, o in enumerate(overlays):
         layer = state_dir / "host" / str(n)
         wrote = False
@@ -329,6 +406,10 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
                 continue
             wrote = True
             kept.append(f"{path} (merged)")
+            if kind == "accounts" and path.endswith("/passwd"):
+                clash = account_clashes(str((Path(o.lower) / rel).parent), os.path.dirname(path))
+                kept += [f"{path}: the snapshot's {u} gives its uid to this box's {b} (merged)"
+                         for u, b in sorted(clash.users.items())]
         out.append(replace(o, merged=str(layer)) if wrote else o)
     fd = None
     root = overlays[0].target if overlays and overlays[0].host_dir == "/" else None  # ogrefs run/shell
@@ -342,11 +423,34 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     return HostLayer(out, sorted(set(kept)), fd, root)
 
 
+def _fresh_tmpfs(path: Path) -> None:
+    """An empty tmpfs of its own at ``path`` for the merged layers.
+
+    A lower layer inside another lower layer of the same overlay is refused
+    by the kernel (ELOOP: /var/lib/ogrefs/... is inside this box's own /var,
+    the /var overlay's lowest layer); a file system of its own is inside
+    nothing. The files are rebuilt at every mount, so memory is enough.
+    """
+    mountsys.umount(str(path), lazy=True)  # a previous mount's
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mountsys.mount("ogrefs-host", str(path), "tmpfs", 0, "mode=0755,size=64m")
+
+
+def unmount_layers(state_dir: Path) -> None:
+    """Teardown: detach the merged layers' tmpfs (the overlays over it are gone or hold their own copy)."""
+    mountsys.umount(str(state_dir / "host"), lazy=True)
+
+
 def _write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, lower_root: Path) -> None:
     snap_text = snap_file.read_text(errors="surrogateescape")
     host_text = Path(path).read_text(errors="surrogateescape")
-    text = (merge_accounts(path, snap_text, host_text, host_dir=os.path.dirname(path)) if kind == "accounts"
-            else merge_lines(snap_text, host_text))
+    if kind == "accounts":
+        text = merge_accounts(path, snap_text, host_text, host_dir=os.path.dirname(path),
+                              snap_dir=str(snap_file.parent))
+    elif kind == "dpkg":
+        text = merge_dpkg_status(snap_text, host_text)
+    else:
+        text = merge_lines(snap_text, host_text)
     # directories of the layer carry the snapshot's attributes (an .ssh directory stays 0700 and its owner's)
     parts = rel.split("/")
     for i in range(1, len(parts)):

@@ -116,6 +116,8 @@ def teardown(state_dir: Path, reg: Any) -> list[str]:
     if not errors:
         save_overlays([], state_dir)  # overlays.json says what is mounted: nothing now
     err = mountsys.umount(str(state_dir / "lower"), lazy=True)
+    if not errors:
+        hostpaths.unmount_layers(state_dir)
     return errors + ([f"{state_dir}/lower: {err}"] if err else [])
 
 
@@ -195,7 +197,8 @@ def _answer(fd: int | None, line: str) -> None:
 
 def describe(info: dict[str, Any]) -> str:
     """One line for ``mount``'s output: what was kept from this box."""
-    kept = info.get("host_kept") or []
+    notes = [k.split(": ", 1)[1].removesuffix(" (merged)") for k in info.get("host_kept") or [] if ": " in k]
+    kept = [k for k in info.get("host_kept") or [] if ": " not in k]
     binds = info.get("binds") or []
     parts = []
     if kept:
@@ -203,7 +206,7 @@ def describe(info: dict[str, Any]) -> str:
                                                                         if len(kept) > 12 else ""))
     if binds:
         parts.append(f"still visible: {', '.join(binds)}")
-    return "; ".join(parts)
+    return "; ".join(parts + notes)  # an account that gives way is said in full
 
 
 __all__ = ["keep", "teardown", "bring_up", "describe", "own_directories", "read_line"]
