@@ -143,3 +143,28 @@ def test_ogrefs_alone_shows_its_help_and_exits_2(env):
     proc = run([], env, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("Usage: ogrefs") and "\nCommands:\n" in proc.stderr  # click's help, not one line
+
+
+def test_content_commands_refuse_json_and_the_others_answer_it(tmp_path, env):
+    """run, shell, dump, cat blob/catalog and help print content: --json (after or before the command) is a
+    one-line usage error, as JSON, with nothing on stdout; cat's JSON kinds answer JSON either way."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("data")
+    run(["init"], env)
+    snap = json.loads(run(["snapshot", "--json", str(src)], env).stdout)
+    content = [["dump", "latest", str(src / "f")], ["dump", "latest", str(src)], ["cat", "blob", "00" * 32],
+               ["cat", "catalog", snap["id"]], ["help"], ["help", "dump"], ["help", "--man"],
+               ["run", "latest", "--", "true"], ["shell", "latest"]]
+    for args in content:
+        for argv in ([*args[:2], "--json", *args[2:]], ["--json", *args]):
+            proc = run(argv, env, check=False)
+            assert proc.returncode == EXIT_USAGE and proc.stdout == "", (argv, proc.stdout)
+            (line,) = proc.stderr.strip().splitlines()
+            err = json.loads(line)
+            assert err["code"] == EXIT_USAGE and "not JSON" in err["message"] and args[0] in err["message"]
+    assert run(["dump", "latest", str(src / "f")], env).stdout == "data"  # without --json: the content
+    assert "Usage: ogrefs dump" in run(["help", "dump"], env).stdout
+    assert json.loads(run(["cat", "config", "--json"], env).stdout) == json.loads(run(["cat", "config"], env).stdout)
+    assert json.loads(run(["cat", "snapshot", "--json", "latest"], env).stdout)["id"] == snap["id"]
+    assert "refuse" in run(["--help"], env).stdout and "Refused" in run(["dump", "--help"], env).stdout

@@ -45,6 +45,10 @@ def cli(ctx: click.Context, **options: Any) -> None:
     Global options may come before or after the command. Encrypted
     repositories take the passphrase from --password-file,
     --password-command, OGREFS_PASSWORD, a raw --key-file, or a prompt.
+
+    --json: JSON on stdout and errors as one JSON object on stderr. run, shell,
+    dump, cat blob, cat catalog and help print content, not JSON: they refuse
+    --json (exit 2).
     """
     ctx.obj = Context(**options)
 

@@ -6,6 +6,9 @@
   the tree, and their callbacks write into the one :class:`Context`.
 * :func:`run_main` turns every error a user can cause into one line on stderr
   (a JSON object under ``--json``) and an exit code from :mod:`ogrefs.errors`.
+* Commands whose output *is* content (``run``, ``shell``, ``dump``, ``cat blob``,
+  ``cat catalog``, ``help``) refuse ``--json`` (:func:`refuse_json`): JSON on
+  stdout is a promise they cannot keep, and silence about it would be worse.
 """
 
 from __future__ import annotations
@@ -119,6 +122,18 @@ def _json_callback(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     if value:
         obj.as_json = True
     return obj.as_json
+
+
+def refuse_json(obj: Context | None, command: str, prints: str) -> None:
+    """A usage error when --json was given (here or before the subcommand) to a command that prints content."""
+    if obj is not None and obj.as_json:
+        raise UsageError(f"{command} prints {prints}, not JSON: run it without --json")
+
+
+def json_refused_option(f: Callable) -> Callable:
+    """``--json`` on a content command: accepted by the parser so that the refusal is one clear line."""
+    return click.option("--json", is_flag=True, expose_value=False, callback=_json_callback,
+                        help="Refused: this command prints content, not JSON (exit 2).")(f)
 
 
 def json_option(f: Callable) -> Callable:

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ogrefs.cli.base import Context, emit_json, json_option, local_time
+from ogrefs.cli.base import Context, emit_json, json_option, json_refused_option, local_time, refuse_json
 from ogrefs.errors import UsageError
 from ogrefs.units import human_bytes
 from ogrefs.snapshot.selection import resolve_snapshot
@@ -121,11 +121,17 @@ def _matches(path: bytes, pats: list[bytes]) -> bool:
 @click.argument("path", type=click.Path(path_type=bytes))
 @click.option("--archive", type=click.Choice(["tar"]), default="tar", show_default=True,
               help="Format for a directory.")
+@json_refused_option
 @click.pass_obj
 def dump_cmd(obj: Context, snap: str, path: bytes, archive: str) -> None:
-    """Write PATH of snapshot SNAP to stdout: a file as its bytes, a directory as a tar archive."""
+    """Write PATH of snapshot SNAP to stdout: a file as its bytes, a directory as a tar archive.
+
+    The tar is POSIX pax with each entry's extended attributes (SCHILY.xattr.*, as GNU tar and
+    restic write them: tar -x --xattrs --xattrs-include='*' restores them). Refuses --json.
+    """
     from ogrefs.maint.browse import file_data, lookup, write_tar
 
+    refuse_json(obj, "dump", "the file's bytes or a tar")
     repo = obj.open()
     m = resolve_snapshot(repo, snap)
     cat = _catalog(repo, m)
@@ -177,9 +183,13 @@ def stats_cmd(obj: Context, snaps, mode: str, as_json: bool) -> None:
 @click.pass_obj
 def cat_cmd(obj: Context, kind: str, name: str | None) -> None:
     """Print a repository object decoded: config, snapshot ID (manifest), key ID, lock ID, index NAME
-    (JSON); blob CHUNK_ID (its verified bytes) or catalog ID (the SQLite file) to a pipe."""
+    (JSON); blob CHUNK_ID (its verified bytes) or catalog ID (the SQLite file) to a pipe.
+
+    The JSON kinds print JSON with or without --json; blob and catalog refuse --json."""
     from ogrefs.cli.cat import show_object
 
+    if kind in ("blob", "catalog"):
+        refuse_json(obj, f"cat {kind}", "its bytes")
     if kind != "config" and not name:
         raise UsageError(f"cat {kind} needs a name (e.g. ogrefs cat {kind} ID)")
     repo = obj.open()

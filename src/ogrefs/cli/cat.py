@@ -16,10 +16,11 @@ from ogrefs.repo import Repository
 def show_object(repo: Repository, kind: str, name: str) -> Any:
     if kind == "config":
         return json.loads(repo.config.to_bytes())
-    if kind == "snapshot":
-        return repo.resolve(name)
-    if kind == "catalog":
-        return repo.catalog_path(repo.resolve(name)["id"]).read_bytes()
+    if kind in ("snapshot", "catalog"):
+        from ogrefs.snapshot.selection import resolve_snapshot
+
+        manifest = resolve_snapshot(repo, name)  # ids, prefixes and selectors, as every command takes them
+        return manifest if kind == "snapshot" else repo.catalog_path(manifest["id"]).read_bytes()
     if kind == "key":
         return _one(_keys(repo), name, "key")
     if kind == "lock":

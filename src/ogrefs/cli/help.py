@@ -12,6 +12,7 @@ import inspect
 
 import click
 
+from ogrefs.cli.base import Context, json_refused_option, refuse_json
 from ogrefs.errors import UsageError
 
 COMPLETION_HELP = ("Shell completion: eval \"$(_OGREFS_COMPLETE=bash_source ogrefs)\" in ~/.bashrc "
@@ -67,9 +68,11 @@ def render_man(group: click.Group) -> str:
 @click.command(name="help")
 @click.argument("words", nargs=-1)
 @click.option("--man", is_flag=True, help="Print the man page of the whole command line (roff, for man -l).")
+@json_refused_option
 @click.pass_context
 def help_cmd(ctx: click.Context, words: tuple[str, ...], man: bool) -> None:
     """Show the help of COMMAND (`ogrefs help key add`); with --man, the man page of every command."""
+    refuse_json(ctx.find_object(Context), "help", "help text or a man page")
     group = ctx.find_root().command
     if man:
         click.echo(render_man(group), nl=False)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from ogrefs.cli.base import json_refused_option, refuse_json
+
 
 def _options(f):
     for opt in reversed([
@@ -24,16 +26,17 @@ def _options(f):
                      help="More host-path rules (docs/mount.md)."),
     ]):
         f = opt(f)
-    return f
+    return json_refused_option(f)
 
 
-def _run(obj, snap: str, command: list[str], state_dir, nspawn, materialize, host_path, no_host_path,
+def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, materialize, host_path, no_host_path,
          no_host_paths, host_paths_file) -> None:
     from ogrefs.inspect.compat import environment_warning
     from ogrefs.mount.hostpaths import load_rules
     from ogrefs.mount.core import MountOptions
     from ogrefs.mount.run import run
 
+    refuse_json(obj, name, "what its command prints")
     rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path)
 
     def build(root: Path) -> MountOptions:
@@ -61,7 +64,7 @@ def run_cmd(obj, snap: str, command: tuple, **kw) -> None:
     """Run COMMAND inside snapshot SNAP's box (its root over this box's, this box's identity, network and
     GPU driver), in a private mount namespace; everything is taken down when it exits, its exit code is
     passed through. Example: ogrefs run latest -- python train.py"""
-    _run(obj, snap, list(command), **kw)
+    _run(obj, "run", snap, list(command), **kw)
 
 
 @click.command()
@@ -70,7 +73,7 @@ def run_cmd(obj, snap: str, command: tuple, **kw) -> None:
 @click.pass_obj
 def shell(obj, snap: str, **kw) -> None:
     """An interactive shell inside snapshot SNAP's box (see `ogrefs run`)."""
-    _run(obj, snap, [os.environ.get("OGREFS_SHELL") or "/bin/bash", "-l"], **kw)
+    _run(obj, "shell", snap, [os.environ.get("OGREFS_SHELL") or "/bin/bash", "-l"], **kw)
 
 
 def register(group: click.Group) -> None:
