@@ -273,7 +273,8 @@ def test_forged_pack_blob_cannot_make_restore_allocate(box, gib_bomb):
 
 
 def test_locks_and_trash_records_are_sealed_in_encrypted_repositories(tmp_path):
-    from ogrefs.maint.prune import load_trash, prune
+    from ogrefs.maint.prune import prune
+    from ogrefs.repo.trash import load_trash
     from ogrefs.repo.locks import LockInfo, _encode, read_locks
     from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 

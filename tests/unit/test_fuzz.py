@@ -607,7 +607,7 @@ VALID_TRASH = {"packs": {"ab" * 32: 1796000000.5, "cd" * 32: 1796000001}, "reade
 
 
 def _trash(obj: bytes, rc=None) -> None:
-    from ogrefs.maint.prune import load_trash
+    from ogrefs.repo.trash import load_trash
 
     warnings: list[str] = []
     trash = load_trash(_trash_repo([obj], rc), warn=warnings.append)

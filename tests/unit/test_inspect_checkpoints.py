@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 
 from ogrefs.inspect import capture_environment
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.checkpoints import analyze_checkpoints
 from ogrefs.inspect.ckptfiles import TORCH_LEGACY_MAGIC, check_file
 from ogrefs.inspect.pickle_scan import scan_pickle

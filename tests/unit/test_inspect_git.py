@@ -11,7 +11,7 @@ import pytest
 
 from ogrefs.inspect import capture_environment
 from ogrefs.inspect import gitrepo
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.gitrepo import read_git, sanitize_url
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.checkpoints import analyze_checkpoints, is_candidate_name
 
 MAX_DEPTH = 3

@@ -133,7 +133,7 @@ def _new_secret(new_password_file: str | None, new_key_file: str | None):
     from ogrefs.repo.keys import Secret
 
     if new_key_file or new_password_file:
-        return Secret.from_sources(new_password_file, new_key_file, prompt=False)
+        return Secret.from_sources(new_password_file, new_key_file)
     if os.environ.get("OGREFS_NEW_PASSWORD"):
         return Secret(os.environ["OGREFS_NEW_PASSWORD"].encode(), "scrypt")
     return _prompt_new_passphrase()

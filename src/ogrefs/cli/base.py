@@ -65,7 +65,7 @@ class Context:
 
         if self.password_command and not (self.key_file or self.password_file):
             return Secret(run_password_command(self.password_command), "scrypt")
-        return Secret.from_sources(self.password_file, self.key_file, prompt)
+        return Secret.from_sources(self.password_file, self.key_file, _ask_passphrase if prompt else None)
 
     def url(self) -> str:
         if not self.repo_url:
@@ -85,6 +85,10 @@ class Context:
         return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret, store=store,
                                expect_encrypted=self.has_secret_source()
                                or secret_configured(self.password_file, self.key_file))
+
+
+def _ask_passphrase() -> str:
+    return click.prompt("repository passphrase", hide_input=True)
 
 
 def run_password_command(command: str) -> bytes:

@@ -42,7 +42,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.ckptfiles import (
     FileCheck,
     check_file,

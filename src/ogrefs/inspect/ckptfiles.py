@@ -26,7 +26,7 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.pickle_scan import PickleSummary, scan_pickle
 
 __all__ = [

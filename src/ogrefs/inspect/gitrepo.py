@@ -29,7 +29,7 @@ import re
 import shutil
 import subprocess
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 
 __all__ = ["read_git", "git_executable", "parse_git_config", "sanitize_url"]
 

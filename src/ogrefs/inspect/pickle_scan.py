@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickletools
 from dataclasses import dataclass, field
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 
 __all__ = ["PickleSummary", "scan_pickle", "SAFE_GLOBAL_PREFIXES"]
 

@@ -22,7 +22,7 @@ import os
 import re
 import time
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.checkpoints import analyze_checkpoints, is_candidate_name
 from ogrefs.inspect.cuda import (
     HEADER_NAMES,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 
-from ogrefs.inspect._deadline import Deadline
+from ogrefs.inspect.deadline import Deadline
 
 __all__ = [
     "canonical_name",

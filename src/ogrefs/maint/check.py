@@ -27,7 +27,7 @@ from typing import Callable
 
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject, OgrefsError, UsageError
-from ogrefs.maint.prune import load_trash
+from ogrefs.repo.trash import load_trash
 from ogrefs.repo import Repository
 from ogrefs.repo.index import decode_index
 from ogrefs.repo.pack import pack_key, read_header

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ogrefs.repo.catalog import Catalog, rewrite_blobs
-from ogrefs.maint.prune import read_trash
+from ogrefs.repo.trash import read_trash
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import BlobLocation
 

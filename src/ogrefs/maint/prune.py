@@ -32,22 +32,20 @@ Runs under the prune lock; never waits for shared locks.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.repo import Repository
 from ogrefs.repo.index import decode_index
 from ogrefs.repo.locks import CLOCK_SKEW_S, LockInfo, read_locks
 from ogrefs.repo.pack import pack_key
+from ogrefs.repo.trash import load_trash, write_trash
 from ogrefs.maint.repack import plan_repack, repack
 from ogrefs.store.base import NotFound
 
@@ -75,82 +73,6 @@ class PruneReport:
                 "deferred": len(self.deferred), "unmarked": len(self.unmarked),
                 "freed_bytes": self.freed_bytes, "pending_bytes": self.pending_bytes,
                 "repacked": len(self.repack), "repack_bytes": self.repack_bytes, "repack_skipped": self.repack_skipped}
-
-
-#: Bound on a trash record's plaintext (a pack id and a time per pack: ~100 bytes each).
-MAX_TRASH_BYTES = 64 * 1024 * 1024
-
-
-@dataclass
-class Trash:
-    """What the trash records say: when each pack was marked and which snapshots could read it then."""
-
-    marked: dict[str, float] = field(default_factory=dict)
-    #: pack -> snapshots whose catalogs referenced it when it was marked (repack); None: unknown (old record)
-    readers: dict[str, set[str] | None] = field(default_factory=dict)
-    keys: list[str] = field(default_factory=list)  # every record read, malformed ones included
-    malformed: list[str] = field(default_factory=list)
-
-
-def _parse_trash(plain: bytes, key: str) -> tuple[dict[str, float], dict[str, set[str] | None]]:
-    """The content of one record; CorruptObject if it is not exactly the shape prune writes."""
-    try:
-        body = json.loads(plain)
-    except (ValueError, RecursionError):
-        raise CorruptObject(f"{key}: trash record is not JSON") from None
-    packs = body.get("packs") if isinstance(body, dict) else None
-    if not isinstance(packs, dict) or not all(
-            isinstance(p, str) and _PACK.fullmatch(p) and type(t) in (int, float) and math.isfinite(t)
-            for p, t in packs.items()):
-        raise CorruptObject(f"{key}: trash record is malformed")
-    readers_raw = body.get("readers", {})  # a record of an older ogrefs has none: every reader unknown
-    if not (isinstance(readers_raw, dict) and all(
-            v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in readers_raw.values())):
-        raise CorruptObject(f"{key}: trash record is malformed (readers)")
-    readers = {p: (None if readers_raw.get(p) is None else set(readers_raw[p])) for p in packs}
-    return {p: float(t) for p, t in packs.items()}, readers
-
-
-def load_trash(repo: Repository, warn: Callable[[str], None] | None = None) -> Trash:
-    """Every trash record; a malformed one is reported (one line naming it) and contributes nothing."""
-    trash = Trash()
-    warn = warn or (lambda msg: logger.warning("warning: %s", msg))
-    for key in repo.store.list("trash/"):
-        try:
-            obj = repo.store.get(key)
-        except NotFound:
-            continue
-        trash.keys.append(key)
-        try:
-            rc = repo.meta_codec
-            plain = (rc.open(key, obj, MAX_TRASH_BYTES) if rc is not None
-                     else codec.unwrap(obj, key, MAX_TRASH_BYTES))
-            marked, readers = _parse_trash(plain, key)
-        except CorruptObject as exc:
-            trash.malformed.append(key)
-            warn(f"skipped trash record {key}: {exc}")
-            continue
-        for pack, when in marked.items():
-            if pack not in trash.marked or when < trash.marked[pack]:
-                trash.marked[pack] = when
-            old, new = trash.readers.get(pack, set()), readers[pack]
-            trash.readers[pack] = None if (old is None or new is None) else old | new
-    return trash
-
-
-def read_trash(repo: Repository) -> tuple[dict[str, float], list[str]]:
-    """{pack: time marked} from every readable trash record, and the record keys."""
-    trash = load_trash(repo)
-    return trash.marked, trash.keys
-
-
-def _write_trash(repo: Repository, marked: dict[str, float], readers: dict[str, set[str] | None]) -> str:
-    key = f"trash/{secrets.token_hex(16)}"
-    body = {"packs": marked, "readers": {p: None if readers.get(p) is None else sorted(readers[p]) for p in marked}}
-    plain = json.dumps(body).encode()
-    rc = repo.meta_codec
-    repo.store.put(key, rc.seal(key, plain) if rc is not None else codec.wrap(plain))
-    return key
 
 
 def protected(pack_readers: set[str] | None, when: float, locks: list[LockInfo], snapshots: set[str]) -> bool:
@@ -264,7 +186,7 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
             _delete_unread_now(report, keep_marked, readers, now, live, snapshots, sizes)
             return report
         # Record the trash first: if we die after it, nothing is lost.
-        _write_trash(repo, keep_marked, {p: readers.get(p) for p in keep_marked})
+        write_trash(repo, keep_marked, {p: readers.get(p) for p in keep_marked})
         for key in trash.keys:
             repo.store.delete(key)
         # Only now, with the marks written, are the locks read again: a holder that took its lock

@@ -48,7 +48,7 @@ from ogrefs.boxmounts import (
     pid_alive,
     save_overlays,
     state_base,
-    unescape_mountinfo as _unescape_mountinfo,
+    unescape_mountinfo,
 )
 from ogrefs.mount import mountsys
 from ogrefs.errors import OgrefsError, UsageError
@@ -132,7 +132,7 @@ def mounted_fstype(mountpoint: Path) -> str | None:
         for line in fh:
             left, _, right = line.partition(" - ")
             fields = left.split()
-            if len(fields) >= 5 and _unescape_mountinfo(fields[4]) == target:
+            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
                 found = right.split()[0] if right else "?"
     return found
 

@@ -113,9 +113,9 @@ def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, forc
     return overlays
 
 
-def _mounts_below(target: str) -> list[str]:
+def mounts_below(target: str) -> list[str]:
     """Mount points strictly below ``target`` in this namespace (from mountinfo), outermost first."""
-    from ogrefs.mount.core import _unescape_mountinfo
+    from ogrefs.boxmounts import unescape_mountinfo
 
     prefix = target.rstrip("/") + "/"
     found: list[str] = []
@@ -124,7 +124,7 @@ def _mounts_below(target: str) -> list[str]:
             for line in fh:
                 fields = line.split()
                 if len(fields) >= 5:
-                    point = _unescape_mountinfo(fields[4])
+                    point = unescape_mountinfo(fields[4])
                     if point.startswith(prefix) and point not in found:
                         found.append(point)
     except OSError:
@@ -132,7 +132,7 @@ def _mounts_below(target: str) -> list[str]:
     return found
 
 
-def _outermost(paths: list[str]) -> list[str]:
+def outermost(paths: list[str]) -> list[str]:
     """Drop every path that lies below another one of the list (a recursive bind brings it along)."""
     out: list[str] = []
     for p in sorted(set(paths), key=lambda x: (x.count("/"), x)):
@@ -146,9 +146,9 @@ def kept_below(o: Overlay, keep: list[str]) -> list[str]:
     prefix = o.target.rstrip("/") + "/"
     own = [k for k in keep if k.startswith(prefix) and os.path.isdir(k)]
     state_root = os.path.dirname(os.path.dirname(o.upper))  # state/upper/<n> -> state
-    subs = [m for m in _mounts_below(o.target)
+    subs = [m for m in mounts_below(o.target)
             if not (m == state_root or m.startswith(state_root + "/"))]  # our own FUSE lower: in state
-    return _outermost(own + subs)
+    return outermost(own + subs)
 
 
 def lowerdir(o: Overlay) -> str:

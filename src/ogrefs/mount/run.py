@@ -104,15 +104,15 @@ def _child(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snap
 
 def _host_disks(root: Path) -> list[str]:
     """This box's other mounts (a data disk under /mnt, /srv, /home ...), outermost first, to show in the root."""
-    from ogrefs.mount.overlay import _mounts_below, _outermost
+    from ogrefs.mount.overlay import mounts_below, outermost
 
     skip = ("/proc", "/sys", "/dev", "/run", str(run_dir()), os.path.dirname(os.path.dirname(str(root))))
     from ogrefs.mount.core import mounted_fstype
 
-    found = [m for m in _mounts_below("/")
+    found = [m for m in mounts_below("/")
              if m != "/" and not any(m == s or m.startswith(s.rstrip("/") + "/") for s in skip) and os.path.isdir(m)
              and mounted_fstype(Path(m)) not in ("overlay", "fuse.ogrefs")]
-    return _outermost(found)
+    return outermost(found)
 
 
 def _enter(root: Path, command: list[str], nspawn: bool) -> int:

@@ -145,14 +145,14 @@ def _lock_held(state: Path) -> bool:
 
 def _mounted_inside(state: Path) -> bool:
     """Anything mounted inside the state directory, or an overlay whose layers live in it."""
-    from ogrefs.boxmounts import unescape_mountinfo as _unescape_mountinfo
+    from ogrefs.boxmounts import unescape_mountinfo
 
     prefix = os.path.abspath(state) + "/"
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
         for line in fh:
             left, _, right = line.partition(" - ")
             fields = left.split()
-            if len(fields) >= 5 and (_unescape_mountinfo(fields[4]) + "/").startswith(prefix):
+            if len(fields) >= 5 and (unescape_mountinfo(fields[4]) + "/").startswith(prefix):
                 return True
             if prefix in right:  # overlayfs options name their upper/work dirs
                 return True

@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,11 @@ class Secret:
 
     @classmethod
     def from_sources(cls, password_file: str | None = None, key_file: str | None = None,
-                     prompt: bool = True) -> "Secret":
+                     ask: Callable[[], str] | None = None) -> "Secret":
+        """The secret from a key file, a password file or OGREFS_PASSWORD, else ``ask()`` on a terminal.
+
+        ``ask`` is the command line's prompt: the repository layer never talks to a terminal itself.
+        """
         if key_file:
             try:
                 data = Path(key_file).read_bytes()
@@ -71,10 +76,8 @@ class Secret:
         env = os.environ.get("OGREFS_PASSWORD")
         if env:
             return cls(env.encode(), "scrypt")
-        if prompt and os.isatty(0):
-            import click
-
-            return cls(click.prompt("repository passphrase", hide_input=True).encode(), "scrypt")
+        if ask is not None and os.isatty(0):
+            return cls(ask().encode(), "scrypt")
         raise UsageError("repository is encrypted: set OGREFS_PASSWORD, or use --password-file, --password-command "
                      "or --key-file")
 

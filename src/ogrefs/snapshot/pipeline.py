@@ -44,13 +44,9 @@ from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, 
 from ogrefs.snapshot.chunker import Chunker, data_extents
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
+from ogrefs.repo.trash import read_trash
 from ogrefs.snapshot.walk import WalkRules
 
-
-def read_trash(repo: Repository):
-    from ogrefs.maint.prune import read_trash as _read
-
-    return _read(repo)
 
 EXIT_PARTIAL = 3  # snapshot written, but some files could not be read
 
