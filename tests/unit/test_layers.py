@@ -1,0 +1,228 @@
+"""The layers of docs/architecture.md, checked: every import in src/ogrefs, read with ``ast``.
+
+Every ``import`` and ``from ... import`` counts, at module level or inside a
+function, absolute or relative, under ``TYPE_CHECKING`` or not. A module may
+import a package of a lower level; a package of its own level only along an
+edge of ``PEER_EDGES``; never a higher one. On top of the order: the
+third-party rules of ``ONLY_IN``, and no module reaches into another module's
+``_private`` names (``from m import _x``, ``m._x``, or a ``_private`` module
+of another package).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import REPO_ROOT
+
+SRC = REPO_ROOT / "src"
+
+#: Lowest first. A unit is a package under ogrefs/ or a top-level module; each may import the levels below it.
+LEVELS: list[set[str]] = [
+    {"errors", "units"},  # shared by every layer; they import nothing of ogrefs
+    {"inspect"},  # machine/environment/checkpoint detection: pure, imports only errors (snapshot, agent, cli use it)
+    {"store"},
+    {"repo"},
+    {"boxmounts"},  # the records mounts keep on this box (needs repo's cache dir): mount/ writes, snapshot/ reads
+    {"snapshot", "restore", "maint", "lazy", "localtree"},  # the middle: threads (snapshot, restore, maint), trio (lazy)
+    {"mount"},
+    {"agent"},
+    {"cli"},
+    {"ogrefs", "__main__"},  # the package's __init__ and `python -m ogrefs`
+]
+
+#: The edges allowed between two units of one level, each with why.
+PEER_EDGES: dict[tuple[str, str], str] = {
+    ("restore", "localtree"): "localtree writes entries into a local tree; restore is one of its two users",
+    ("lazy", "localtree"): "the materializer is localtree's other user (the same no-follow writes as restore)",
+}
+
+#: Third-party packages that only some modules may import: the module itself or a package prefix of it.
+ONLY_IN: dict[str, tuple[str, ...]] = {
+    "pyfuse3": ("ogrefs.mount.fuse_ops",),  # the one FUSE adapter, so another binding could replace it
+    "click": ("ogrefs.cli",),  # the command line is the only place that talks to a user's terminal
+    "trio": ("ogrefs.lazy", "ogrefs.mount"),  # store/repo have no event loop; snapshot/restore/maint use threads
+}
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One import: ``module`` (the importer) names ``target`` (a module), maybe ``name`` from it."""
+
+    module: str
+    line: int
+    target: str
+    name: str | None = None
+
+
+def unit_of(module: str) -> str:
+    """``ogrefs.lazy.vfs`` -> ``lazy``, ``ogrefs.restore`` -> ``restore``, ``ogrefs`` -> ``ogrefs``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def level_of(unit: str) -> int | None:
+    return next((i for i, units in enumerate(LEVELS) if unit in units), None)
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(module: str, source: str, is_package: bool = False) -> list[Edge]:
+    """Every import in ``source`` (module ``module``), relative ones resolved."""
+    package = module if is_package else module.rpartition(".")[0]
+    edges: list[Edge] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            edges += [Edge(module, node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            edges += [Edge(module, node.lineno, target, alias.name) for alias in node.names]
+    return edges
+
+
+def private_attribute_uses(module: str, source: str, modules: set[str], is_package: bool = False) -> list[str]:
+    """``m._x`` where ``m`` is a name bound to another ogrefs module by an import in ``source``."""
+    bound: dict[str, str] = {}
+    for edge in imports_of(module, source, is_package):
+        if edge.name is None and edge.target.startswith("ogrefs."):
+            continue  # `import ogrefs.a.b` binds `ogrefs`; attribute chains on it are caught below by the full name
+        if edge.name is not None and f"{edge.target}.{edge.name}" in modules:
+            bound[edge.name] = f"{edge.target}.{edge.name}"
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.asname and alias.name in bound:
+                    bound[alias.asname] = bound[alias.name]
+        elif isinstance(node, ast.Import):
+            bound.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and _is_private(node.attr) and bound[node.value.id] != module):
+            found.append(f"{module}:{node.lineno} uses {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def violations(module: str, edges: list[Edge], modules: set[str]) -> list[str]:
+    """What breaks the rules among ``edges`` of ``module``; ``modules`` are all ogrefs modules."""
+    found = []
+    unit = unit_of(module)
+    here = level_of(unit)
+    if here is None:
+        return [f"{module}: unit {unit!r} is in no level of LEVELS (place it)"]
+    for e in edges:
+        where = f"{module}:{e.line}"
+        top = e.target.split(".")[0]
+        if top in ONLY_IN and not any(module == p or module.startswith(p + ".") for p in ONLY_IN[top]):
+            found.append(f"{where} imports {top} (only {', '.join(ONLY_IN[top])} may)")
+        if top != "ogrefs":
+            continue
+        imported = _imported_module(e, modules)
+        other = unit_of(imported)
+        there = level_of(other)
+        if other != unit:
+            if there is None or there > here:
+                found.append(f"{where} imports {imported}: {other} is above {unit}")
+            elif there == here and (unit, other) not in PEER_EDGES:
+                found.append(f"{where} imports {imported}: {unit} -> {other} is no PEER_EDGES edge")
+        found += _private_reach(where, module, e, modules)
+    return found
+
+
+def _imported_module(e: Edge, modules: set[str]) -> str:
+    """The module an import brings in: ``from ogrefs import restore`` is ``ogrefs.restore``."""
+    return f"{e.target}.{e.name}" if e.name and f"{e.target}.{e.name}" in modules else e.target
+
+
+def _private_reach(where: str, module: str, e: Edge, modules: set[str]) -> list[str]:
+    found = []
+    imported = _imported_module(e, modules)
+    if e.name and imported == e.target and _is_private(e.name) and e.target != module:
+        found.append(f"{where} imports {e.target}.{e.name}, a private name of another module")
+    parts = imported.split(".")
+    for i, part in enumerate(parts):
+        owner = ".".join(parts[:i])  # the package that holds this private module
+        if _is_private(part) and not (module == owner or module.startswith(owner + ".")):
+            found.append(f"{where} imports {imported}, a private module of {owner}")
+    return found
+
+
+def _tree() -> dict[str, tuple[str, bool]]:
+    return {module_name(p): (p.read_text(), p.name == "__init__.py") for p in sorted((SRC / "ogrefs").rglob("*.py"))}
+
+
+def test_the_tree_keeps_its_layers():
+    tree = _tree()
+    modules = set(tree)
+    found = []
+    for module, (source, is_package) in tree.items():
+        found += violations(module, imports_of(module, source, is_package), modules)
+        found += private_attribute_uses(module, source, modules, is_package)
+    assert found == [], "\n".join(found)
+
+
+def test_every_unit_of_the_tree_has_a_level():
+    units = {unit_of(m) for m in _tree()}
+    assert {u for u in units if level_of(u) is None} == set()
+    assert {u for level in LEVELS for u in level} - units == set(), "a level names a unit that no longer exists"
+
+
+# -- the checker itself: each rule fails on a module that breaks it --------------------------------------
+
+MODULES = {"ogrefs.lazy", "ogrefs.lazy.vfs", "ogrefs.lazy.fetcher", "ogrefs.mount", "ogrefs.mount.core",
+           "ogrefs.repo", "ogrefs.repo.codec", "ogrefs.inspect", "ogrefs.inspect._deadline", "ogrefs.restore",
+           "ogrefs.localtree", "ogrefs.maint", "ogrefs.maint.prune", "ogrefs.snapshot", "ogrefs.snapshot.pipeline"}
+
+
+def _check(module: str, source: str) -> list[str]:
+    return (violations(module, imports_of(module, source), MODULES)
+            + private_attribute_uses(module, source, MODULES))
+
+
+@pytest.mark.parametrize("module, source, needle", [
+    ("ogrefs.lazy.vfs", "from ogrefs.mount.core import mount\n", "mount is above lazy"),
+    ("ogrefs.lazy.vfs", "def f():\n    from ..mount import core\n", "mount is above lazy"),
+    ("ogrefs.lazy.vfs", "import pyfuse3\n", "imports pyfuse3"),
+    ("ogrefs.mount.core", "import pyfuse3\n", "imports pyfuse3"),
+    ("ogrefs.lazy.vfs", "import click\n", "imports click"),
+    ("ogrefs.repo.codec", "import trio\n", "imports trio"),
+    ("ogrefs.snapshot.pipeline", "from ogrefs.maint.prune import read_trash\n", "no PEER_EDGES edge"),
+    ("ogrefs.repo.codec", "from .. import restore\n", "restore is above repo"),
+    ("ogrefs.lazy.vfs", "from ogrefs.lazy.fetcher import _Slot\n", "private name of another module"),
+    ("ogrefs.lazy.vfs", "from .fetcher import _Slot\n", "private name of another module"),
+    ("ogrefs.lazy.vfs", "from ogrefs.lazy import fetcher\nfetcher._slots\n", "uses ogrefs.lazy.fetcher._slots"),
+    ("ogrefs.lazy.vfs", "from ogrefs.lazy import fetcher as f\nf._slots\n", "uses ogrefs.lazy.fetcher._slots"),
+    ("ogrefs.lazy.vfs", "import ogrefs.lazy.fetcher as f\nf._slots\n", "uses ogrefs.lazy.fetcher._slots"),
+    ("ogrefs.lazy.vfs", "from ogrefs.inspect._deadline import Deadline\n", "private module of ogrefs.inspect"),
+    ("ogrefs.lazy.vfs", "from ogrefs.inspect import _deadline\n", "private module of ogrefs.inspect"),
+    ("ogrefs.newpkg.x", "import os\n", "in no level"),
+])
+def test_the_checker_finds(module, source, needle):
+    found = _check(module, source)
+    assert any(needle in v for v in found), found
+
+
+@pytest.mark.parametrize("module, source", [
+    ("ogrefs.mount.core", "from ogrefs.lazy.vfs import SnapshotFS\nimport trio\n"),
+    ("ogrefs.mount.fuse_ops", "import pyfuse3\n"),
+    ("ogrefs.restore", "from ogrefs.localtree import LocalTree\n"),
+    ("ogrefs.lazy.vfs", "from .fetcher import Fetcher\nfrom ogrefs.errors import CorruptObject\n"),
+    ("ogrefs.inspect.probe", "from ogrefs.inspect._deadline import Deadline\nfrom ._deadline import x\n"),
+    ("ogrefs.lazy.fetcher", "from ogrefs.lazy import fetcher\nfetcher._own\n"),
+])
+def test_the_checker_accepts(module, source):
+    assert _check(module, source) == []
