@@ -12,8 +12,12 @@ import trio
 
 from ogrefs.repo import codec
 from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.lazy.fetcher import ChunkCorrupt, ChunkMissing, ChunkRef, Fetcher, Keep, Priority, StoreUnavailable
-from ogrefs.store.base import NotFound, RangeReader, TransientError
+from ogrefs.lazy.fetcher import (ChunkCorrupt, ChunkMissing, ChunkRef, FetchError, Fetcher, Keep, Priority,
+                                 StoreUnavailable)
+from ogrefs.lazy.fetchio import PackReads
+from ogrefs.repo.pack import pack_key
+from ogrefs.store import FaultyStore, MemoryStore, RetryingStore
+from ogrefs.store.base import NotFound, RangeReader, ShortRead, TransientError
 
 KiB = 1024
 
@@ -57,15 +61,13 @@ class StreamingPacks(FakePacks):
     """FakePacks with an ``open_range`` that hands out a range in pieces.
 
     ``hold_after``: the stream delivers that many bytes, then blocks until
-    ``release`` is set; ``break_after``: it delivers that many bytes, then the
-    connection "resets" (once).
+    ``release`` is set.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.hold_after: int | None = None
         self.release = threading.Event()
-        self.break_after: int | None = None
 
     def open_range(self, pack: str, offset: int, length: int) -> RangeReader:
         data = self.read_range(pack, offset, length)
@@ -77,9 +79,6 @@ class StreamingPacks(FakePacks):
             def read(self, n: int) -> bytes:
                 if packs.hold_after is not None and self.pos >= packs.hold_after:
                     packs.release.wait(10)
-                if packs.break_after is not None and self.pos >= packs.break_after:
-                    packs.break_after = None
-                    raise TransientError("connection reset by peer")
                 n = min(n, 16 * KiB)
                 out = data[self.pos:self.pos + n]
                 self.pos += len(out)
@@ -265,12 +264,28 @@ def test_a_long_range_hands_out_its_first_chunks_before_the_rest_arrives():
     assert len(fake.calls) == 1  # one GET for all eight
 
 
-def test_a_stream_that_breaks_is_resumed_from_the_first_missing_chunk():
-    fake = StreamingPacks()
+def _store_packs(fake: FakePacks, retry_for: float = 10.0) -> tuple[PackReads, FaultyStore, list[float]]:
+    """``fake``'s packs in a memory store behind FaultyStore and RetryingStore (a clock that moves only when
+    the store waits), read through PackReads with ``retry_for`` seconds of budget per call."""
+    faulty = FaultyStore(MemoryStore("fetcher"))
+    for name, body in fake.packs.items():
+        faulty.inner.put(pack_key(name), bytes(body))
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    store = RetryingStore(faulty, base_delay=0.5, max_delay=4.0, sleep=sleep, clock=lambda: now[0])
+    return PackReads(store, retry_for), faulty, now
+
+
+def test_a_stream_that_breaks_is_resumed_by_the_store_from_the_first_missing_byte():
+    fake = FakePacks()
     data = payloads(6, 128 * KiB)
     refs = fake.add("p1", data, compress=False)
-    fake.break_after = refs[3].offset + 10  # three blobs arrive, the fourth is cut
-    f = Fetcher(fake.read_range, open_range=fake.open_range, retry_for=10)
+    packs, faulty, _ = _store_packs(fake)
+    faulty.break_next_range(after=refs[3].offset + 10)  # three blobs arrive, the fourth is cut
+    f = Fetcher(packs.read_range, open_range=packs.open_range, retries=lambda: packs.retries)
 
     async def body(nursery):
         f.prefetch(refs, Priority.READ)
@@ -278,9 +293,9 @@ def test_a_stream_that_breaks_is_resumed_from_the_first_missing_chunk():
             assert [await f.get(r) for r in refs] == data
 
     run_with_fetcher(f, body)
-    assert fake.calls[0][1] == refs[0].offset
-    assert fake.calls[1][1] == refs[3].offset  # asked again from the cut chunk on, not from the start
-    assert f.stats.retries == 1 and f.stats.chunks_fetched == 6 and f.stats.errors == 0
+    assert faulty.injected["range_break"] == 1 and faulty.calls["get_range"] == 2  # one GET, resumed once
+    stats = f.snapshot_stats()
+    assert stats["retries"] == 1 and stats["requests"] == 1 and stats["chunks_fetched"] == 6 and stats["errors"] == 0
 
 
 def test_held_chunks_stay_in_memory_whatever_the_lru_does_until_taken():
@@ -376,8 +391,9 @@ def test_corrupt_blob_is_refetched_once_then_fails_and_is_not_cached(tmp_path):
 def test_missing_pack_fails_at_once():
     fake = FakePacks()
     (ref,) = fake.add("p1", payloads(1))
-    del fake.packs["p1"]
-    f = Fetcher(fake.read_range, retry_for=30)
+    packs, faulty, now = _store_packs(fake, retry_for=30)
+    faulty.inner.delete(pack_key("p1"))
+    f = Fetcher(packs.read_range, open_range=packs.open_range)
 
     async def body(nursery):
         with trio.fail_after(2):
@@ -385,25 +401,110 @@ def test_missing_pack_fails_at_once():
                 await f.get(ref)
 
     run_with_fetcher(f, body)
-    assert len(fake.calls) == 1
+    assert faulty.calls["get_range"] == 1 and now[0] == 0  # not retried
 
 
-def test_transient_failures_are_retried_then_give_up():
+def test_the_fetcher_itself_never_retries_and_remembers_no_failure():
+    """Without a retrying store a transient failure is the reader's at once: one call, StoreUnavailable."""
+    fake = FakePacks()
+    (ref,) = fake.add("p1", payloads(1))
+    fake.fail_next = [TransientError("connection refused")]
+    f = Fetcher(fake.read_range)
+
+    async def body(nursery):
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            await f.get(ref)
+        assert len(fake.calls) == 1
+        assert await f.get(ref) is not None  # the next read tries again
+
+    run_with_fetcher(f, body)
+    assert len(fake.calls) == 2 and f.stats.retries == 0
+
+
+def test_a_retry_budget_that_runs_out_gives_the_reader_store_unavailable_in_bounded_time():
+    """The store retries within the mount's budget (a fake clock: no waiting), then the reader gets EIO."""
     fake = FakePacks()
     data = payloads(2)
     refs = [fake.add(f"p{i}", [d])[0] for i, d in enumerate(data)]
-    fake.fail_next = [TransientError("connection refused")] * 3
-    f = Fetcher(fake.read_range, retry_for=5)
+    packs, faulty, now = _store_packs(fake, retry_for=30)
+    f = Fetcher(packs.read_range, open_range=packs.open_range, retries=lambda: packs.retries)
 
     async def body(nursery):
-        assert await f.get(refs[0]) == data[0]
-        assert f.stats.retries == 3
-        f.retry_for = 0.3
-        fake.fail_next = [ConnectionResetError("reset")] * 100
-        with pytest.raises(StoreUnavailable, match="unreachable"):
+        faulty.fail_next(3)
+        assert await f.get(refs[0]) == data[0]  # ridden out
+        assert f.snapshot_stats()["retries"] == 3
+        faulty.down = True
+        now[0] = 0.0
+        calls = faulty.calls["get_range"]
+        with pytest.raises(StoreUnavailable, match="gave up after 30 s"):
             await f.get(refs[1])
+        assert now[0] == pytest.approx(30.0)  # the budget, spent exactly: not a multiple of it
+        assert 30 / 4 < faulty.calls["get_range"] - calls <= 30 / 0.25 + 1  # one call per wait, and one more
 
     run_with_fetcher(f, body)
+
+
+def test_cancelling_the_fetcher_ends_a_retry_wait_at_once():
+    """An unmount during an outage: the store's wait in a worker thread ends, the nursery does not hang."""
+    import threading
+
+    fake = FakePacks()
+    (ref,) = fake.add("p1", payloads(1))
+    faulty = FaultyStore(MemoryStore("fetcher-stop"))
+    faulty.down = True
+    stop = threading.Event()
+    packs = PackReads(RetryingStore(faulty), retry_for=10_000, stop=stop)  # real waits, a huge budget
+    f = Fetcher(packs.read_range, open_range=packs.open_range, stop=stop)
+
+    async def main():
+        with trio.fail_after(20):  # a hang fails the test
+            async with trio.open_nursery() as nursery:
+                await nursery.start(f.run)
+                f.prefetch([ref], Priority.READ)
+                while faulty.calls["get_range"] == 0:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert stop.is_set() and faulty.calls["get_range"] <= 2
+
+
+class _Surprise(Exception):
+    """Not a store error, not a ValueError: something no one expected."""
+
+
+def test_an_unexpected_exception_fails_that_read_only_and_is_logged(caplog):
+    fake = FakePacks()
+    data = payloads(3)
+    bad = fake.add("bad", data[:1])[0]
+    good = fake.add("good", data[1:])
+
+    def read_range(pack, offset, length):
+        if pack == "bad":
+            raise _Surprise("the backend did something odd")
+        return fake.read_range(pack, offset, length)
+
+    f = Fetcher(read_range)
+
+    async def body(nursery):
+        with pytest.raises(FetchError, match="unexpected _Surprise"):
+            await f.get(bad)
+        assert [await f.get(r) for r in good] == data[1:]  # the dispatcher and the nursery live on
+        with pytest.raises(FetchError):
+            await f.get(bad)
+
+    with caplog.at_level("ERROR"):
+        run_with_fetcher(f, body)
+    assert any(r.exc_info and r.exc_info[0] is _Surprise for r in caplog.records)
+    assert f.stats.errors == 2
+
+
+@pytest.mark.parametrize("field, value", [("offset", "x"), ("stored_len", -1), ("pack", 7), ("chunk", "c")])
+def test_a_malformed_chunk_location_is_refused_where_it_is_made(field, value):
+    fields = dict(chunk=b"c" * 32, pack="p1", offset=0, stored_len=10, raw_len=10)
+    ChunkRef(**fields)
+    with pytest.raises(ValueError, match="malformed"):
+        ChunkRef(**{**fields, field: value})
 
 
 def test_disk_cache_serves_a_new_fetcher_and_drops_damaged_files(tmp_path):
@@ -536,7 +637,7 @@ def test_prefetch_pauses_while_a_reader_has_enough_on_its_way(read_size, priorit
 def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
     import random
 
-    from ogrefs.lazy.fetcher import _BlobReader
+    from ogrefs.lazy.fetchio import BlobReader
 
     data = os.urandom(3 * 1024 * KiB)
     rng = random.Random(5)
@@ -550,7 +651,7 @@ def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
             self.pos += len(out)
             return out
 
-    reader = _BlobReader(Body())
+    reader = BlobReader(Body())
     sizes = [1, 7, 4 * KiB, 100, 1024 * KiB, 33, 300 * KiB]
     pos = 0
     for n in sizes:
@@ -558,7 +659,7 @@ def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
         pos += n
     rest = len(data) - pos
     assert reader.read_exact(rest) == data[pos:]
-    with pytest.raises(TransientError, match="ended 1 bytes early"):
+    with pytest.raises(ShortRead, match="ended 1 bytes early"):
         reader.read_exact(1)
 
 

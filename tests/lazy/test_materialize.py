@@ -336,7 +336,7 @@ def test_an_unreachable_store_pauses_materialization_which_then_resumes(box, tmp
             raise TransientError("connection refused")
         return box.repo.read_pack_range(pack, off, n)
 
-    fetcher = Fetcher(flaky, retry_for=0.2)
+    fetcher = Fetcher(flaky)  # no retrying store: each failure is StoreUnavailable at once
     state = tmp_path / "state"
     m = Materializer(box.catalog, fetcher, state, retry_delay=0.3)
     states = set()
@@ -950,7 +950,7 @@ cat = Catalog(repo.catalog_path(snap))
 def gone(pack, off, n):
     raise NotFound(f"pack {pack}: the store is gone")
 
-fetcher = Fetcher(gone, retry_for=0)
+fetcher = Fetcher(gone)
 fs = SnapshotFS(cat, fetcher, local=Materializer(cat, fetcher, Path(state)),
                 page_cache=fuse_ops.store_in_page_cache if os.environ.get("OGREFS_TEST_PUSH") else None)
 ready = []

@@ -12,6 +12,8 @@ import errno
 import os
 import random
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -731,3 +733,106 @@ def test_s3_server_down_then_back(seaweed: Any) -> None:
     assert store.get("packs/ab/p") == b"survives a restart"
     store.put("packs/ab/q", b"after")
     assert sorted(store.list("packs/")) == ["packs/ab/p", "packs/ab/q"]
+
+
+# -- a caller's budget (RetryingStore.budget): restic's MaxElapsedTime per call -----------------------
+
+class FakeClock:
+    """A clock that moves only when the store sleeps: budgets run out without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budgeted(inner: Store) -> tuple[RetryingStore, FakeClock]:
+    clock = FakeClock()
+    return RetryingStore(inner, attempts=2, base_delay=0.5, max_delay=4.0, sleep=clock.sleep, clock=clock,
+                         rng=random.Random(2)), clock
+
+
+def test_a_budget_view_retries_until_its_budget_is_spent_then_gives_up() -> None:
+    faulty = FaultyStore(MemoryStore("budget-view"))
+    faulty.inner.put("k", b"v")
+    store, clock = budgeted(faulty)
+    view = store.budget(30.0)
+    faulty.fail_next(10)  # far more than the store's own 2 attempts
+    assert view.get("k") == b"v" and faulty.calls["get"] == 11 and view.retries == 10
+    faulty.down = True
+    clock.now, clock.sleeps[:] = 0.0, []
+    calls = faulty.calls["get"]
+    with pytest.raises(TransientError, match="gave up after 30 s"):
+        view.get("k")
+    assert clock.now == pytest.approx(30.0)  # the caller has its answer when the budget is spent ...
+    assert faulty.calls["get"] - calls == len(clock.sleeps) + 1  # ... after one call per wait, and one more
+    # the store itself keeps its own policy: 2 attempts, and its retries are counted apart
+    with pytest.raises(TransientError, match="gave up after 2 attempts"):
+        store.get("k")
+    assert store.retries == 1
+    with pytest.raises(ValueError):
+        store.budget(-1)
+
+
+def test_a_stop_event_ends_a_budget_wait_at_once() -> None:
+    faulty = FaultyStore(MemoryStore("budget-stop"))
+    faulty.down = True
+    store, clock = budgeted(faulty)
+    stop = threading.Event()
+    view = store.budget(10_000.0, stop)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            view.get("k")
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 10
+    while faulty.calls["get"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()  # the call waits (on the event, not the fake sleep) for its first retry
+    t.join(10)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransientError) and "stopping" in str(outcome[0])
+    assert faulty.calls["get"] <= 2 and clock.sleeps == []
+    with pytest.raises(TransientError, match="stopping"):  # once stopped, a failing call does not wait at all
+        view.get("k")
+
+
+def test_a_broken_stream_is_resumed_from_the_first_missing_byte() -> None:
+    faulty = FaultyStore(MemoryStore("resume"))
+    data = os.urandom(100_000)
+    faulty.inner.put("packs/ab/abc", data)
+    store, clock = budgeted(faulty)
+    view = store.budget(60.0)
+    faulty.break_next_range(after=30_000)  # the first stream breaks ...
+    faulty.break_next_range(after=10_000)  # ... and so does the second, further on
+    got = b""
+    with view.open_range("packs/ab/abc", 5, 90_000) as body:
+        while piece := body.read(7_000):
+            got += piece
+    assert got == data[5:90_005]
+    assert faulty.injected["range_break"] == 2 and faulty.calls["get_range"] == 3 and view.retries == 2
+
+
+def test_a_stream_that_stays_broken_gives_up_within_the_budget() -> None:
+    faulty = FaultyStore(MemoryStore("resume-fail"))
+    faulty.inner.put("k", os.urandom(1000))
+    store, clock = budgeted(faulty)
+    view = store.budget(20.0)
+    faulty.break_next_range(after=100)
+    body = view.open_range("k", 0, 1000)
+    assert len(body.read(500)) == 100
+    faulty.down = True  # the store is gone: every reopening fails
+    with pytest.raises(TransientError, match="gave up after 20 s"):
+        body.read(500)
+    assert clock.now == pytest.approx(20.0)

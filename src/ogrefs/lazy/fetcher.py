@@ -19,20 +19,25 @@ recorded trace, hints and background materialization next):
    ``max_gap`` bytes are fetched and dropped; up to ``max_range`` bytes in
    all) into the same ranged GET: packs keep the files of a directory
    together, so read-ahead and prefetch cost few requests.
-5. The response is read as it arrives; each blob is decoded and
+5. The response is read as it arrives;  each blob is decoded and
    BLAKE3-verified in the reading worker thread as soon as its bytes are in,
    handed to its waiters, put in the memory LRU and written to the
-   disk cache (also in a thread) without delaying the readers.  A blob that
-   fails verification is fetched once more on its own; if it fails again the
-   waiters get :class:`ChunkCorrupt`.  A store that is unreachable is retried
-   with exponential backoff for ``retry_for`` seconds before
-   :class:`StoreUnavailable`; an object the store no longer has is
-   :class:`ChunkMissing` at once, and a location the store refuses as a key
-   or range (a forged pack name in a catalog: ``ValueError``) is
-   :class:`ChunkCorrupt` for its chunks only.  The store (RetryingStore) already retries
-   each call a few times; the fetcher's retry is a *deadline*, not a count:
-   it asks again until ``retry_for`` has passed, so an outage costs a reader
-   at most ``retry_for`` plus one store call, never a product of attempts.  Failures are not remembered: the next read
+   disk cache (also in a thread) without delaying the readers.  The worker
+   threads' side (ranged reads, blob cutting, the one error classifier) is
+   :mod:`ogrefs.lazy.fetchio`.  A blob that fails verification is fetched
+   once more on its own (a bit flipped in transit: a policy about bad bytes,
+   not a retry of a failing call); if it fails again the waiters get
+   :class:`ChunkCorrupt`.  The fetcher itself never retries a store call:
+   the store's RetryingStore does, within the budget the mount gave its
+   :class:`~ogrefs.lazy.fetchio.PackReads` (``--retry-for``; a stream that
+   breaks part way is resumed there too), and an unmount ends such a wait at
+   once (``stop``).  What fails after that is classified once
+   (:func:`~ogrefs.lazy.fetchio.classify`): an unreachable store is
+   :class:`StoreUnavailable`, a pack the store no longer has
+   :class:`ChunkMissing`, a location the store refuses :class:`ChunkCorrupt`,
+   and an exception nobody expected is logged and a plain
+   :class:`FetchError`: in every case EIO for the chunks of that request
+   only, never a dead nursery.  Failures are not remembered: the next read
    tries again.
 
 Who owns what: all state of a Fetcher (pending table, queue, memory LRU, held chunks,
@@ -40,7 +45,8 @@ counters) belongs to the trio loop and is only touched by trio tasks, so it
 needs no locks.  Worker threads get immutable inputs (a pack name and range; a
 read-only view of downloaded bytes; a chunk id and its bytes) and return new
 objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
-store request, cache probe and cache write run; cancelling it stops them all.
+store request, cache probe and cache write run; cancelling it stops them all
+and sets ``stop`` (a threading.Event the store's retry waits watch).
 The ``adopter`` hook (materialization) is called on the loop, with a chunk
 just fetched for a caller that keeps it; when it takes the chunk, the chunk
 cache does without it.
@@ -49,33 +55,35 @@ cache does without it.
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 from bisect import bisect_left, insort
 import math
 import logging
 import os
 import sqlite3
+import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import trio
 
 from ogrefs.repo import codec
+from ogrefs.lazy import fetchio
 from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.errors import CorruptObject, OgrefsError
-from ogrefs.store.base import (
-    BytesRange,
-    NotFound,
-    PermissionDenied,
-    RangeReader,
-    ShortRead,
-    StoreError,
-    TransientError,
+from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
+    ChunkCorrupt,
+    ChunkMissing,
+    ChunkRef,
+    DecodeBlob,
+    FetchError,
+    OpenRange,
+    ReadRange,
+    StoreUnavailable,
 )
-
-if TYPE_CHECKING:
-    from ogrefs.repo.catalog import Extent
+from ogrefs.errors import CorruptObject
+from ogrefs.store.base import BytesRange
 
 log = logging.getLogger(__name__)
 
@@ -88,59 +96,10 @@ PREFETCH_RANGE_WHILE_READING = 4 * 1024 * 1024
 
 MiB = 1024 * 1024
 
-ReadRange = Callable[[str, int, int], bytes]
-#: (pack, offset, length) -> a stream of the range (``Repository.open_pack_range``)
-OpenRange = Callable[[str, int, int], "RangeReader"]
-#: (blob, raw length, chunk id) -> verified plaintext; raises CorruptObject.  ``Repository.codec.decode_blob``
-#: for an encrypted repository.
-DecodeBlob = Callable[[memoryview, int, bytes], bytes]
-
 #: A failing cache never fails a read: it only costs a fetch.
 _CACHE_ERRORS = (OSError, sqlite3.Error)
 #: Cached chunks loaded and verified by one worker-thread call.
 _PROBE_BATCH = 4
-#: A streaming GET hands decoded chunks to the trio loop once this many bytes are ready (or at its end).
-_DELIVER_BYTES = 256 * 1024
-#: ... and reads its body at least this much at a time (small blobs are cut from the piece).
-_READ_PIECE = 256 * 1024
-
-
-class _BlobReader:
-    """Exact-size reads from a range, in pieces of at least ``_READ_PIECE`` bytes.
-
-    A pack range of small files holds thousands of blobs of a few KiB; one
-    call into the HTTP stack per blob costs more CPU than the bytes do.
-    Owned by the one worker thread that reads the range.
-    """
-
-    def __init__(self, body: "RangeReader") -> None:
-        self._body = body
-        self._buf = b""
-        self._pos = 0
-
-    def read_exact(self, n: int) -> bytes:
-        have = len(self._buf) - self._pos
-        if n <= have:
-            out = self._buf[self._pos:self._pos + n]
-            self._pos += n
-            return out
-        parts = [self._buf[self._pos:]] if have else []
-        need = n - have
-        self._buf, self._pos = b"", 0
-        while need > 0:
-            piece = self._body.read(max(need, _READ_PIECE))
-            if not piece:
-                raise TransientError(f"the store's answer ended {need} bytes early")
-            if len(piece) > need:  # keep the rest for the next blobs
-                parts.append(piece[:need])
-                self._buf, self._pos = piece, need
-                need = 0
-            else:
-                parts.append(piece)
-                need -= len(piece)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 class Keep(enum.IntEnum):
     """Where a fetched chunk is kept besides the callers waiting for it."""
 
@@ -158,43 +117,6 @@ class Priority(enum.IntEnum):
     BACKGROUND = 3  # materialization of everything else
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
-    """Everything needed to fetch and verify one chunk."""
-
-    chunk: bytes  # BLAKE3-256 of the plaintext
-    pack: str
-    offset: int  # of the blob in the pack
-    stored_len: int
-    raw_len: int
-
-    @classmethod
-    def from_extent(cls, ext: "Extent") -> "ChunkRef":
-        """The chunk behind a catalog extent (an extent is always one whole chunk)."""
-        return cls(ext.chunk, ext.pack, ext.pack_offset, ext.stored_len, ext.length)
-
-
-class FetchError(OgrefsError):
-    """A chunk could not be delivered; its reader gets EIO, never wrong bytes."""
-
-    def __init__(self, ref: ChunkRef, reason: str) -> None:
-        super().__init__(f"chunk {ref.chunk.hex()[:16]} (pack {ref.pack[:16]} at {ref.offset}): {reason}")
-        self.ref = ref
-        self.reason = reason
-
-
-class ChunkCorrupt(FetchError):
-    """The bytes in the store do not decode to the chunk the catalog names."""
-
-
-class ChunkMissing(FetchError):
-    """The store no longer has the pack that holds the chunk."""
-
-
-class StoreUnavailable(FetchError):
-    """The store kept failing (unreachable, refusing) for longer than the retry window."""
-
-
 @dataclass
 class FetchStats:
     hits_memory: int = 0  # chunk requests answered from the memory LRU
@@ -205,7 +127,7 @@ class FetchStats:
     bytes_bridged: int = 0  # of those, bytes of gaps read across and dropped (bridged requests)
     chunks_fetched: int = 0  # chunks decoded and verified from the store
     read_missed_bytes: int = 0  # plaintext bytes of chunks an application read that were not in memory
-    retries: int = 0  # store requests repeated after a transient failure
+    retries: int = 0  # store calls the store repeated after a transient failure (``retries`` given)
     corrupt: int = 0  # blobs that failed verification
     errors: int = 0  # chunk deliveries that failed
     cache_write_errors: int = 0
@@ -269,12 +191,18 @@ class Fetcher:
 
     def __init__(self, read_range: ReadRange, cache: ChunkCache | None = None, *, max_requests: int = 8,
                  reserved_for_read: int = 2, max_range: int = 16 * MiB, max_gap: int = 256 * 1024,
-                 memory_bytes: int = 128 * MiB,
-                 retry_for: float = 60.0, decode_threads: int | None = None,
-                 decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None) -> None:
+                 memory_bytes: int = 128 * MiB, decode_threads: int | None = None,
+                 decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None,
+                 stop: threading.Event | None = None, retries: Callable[[], int] | None = None) -> None:
+        """``read_range``/``open_range``: the packs (a :class:`~ogrefs.lazy.fetchio.PackReads`' methods
+        carry the caller's retry budget); ``stop``: set when :meth:`run` ends, so that a store call waiting
+        out an outage in a worker thread gives up at once; ``retries``: how many store calls were retried
+        (the PackReads' count, for :attr:`stats`)."""
         if not 0 <= reserved_for_read < max_requests:
             raise ValueError("reserved_for_read must be below max_requests")
         self._read_range = read_range
+        self._stop = stop
+        self._retries = retries
         self._open_range: OpenRange = open_range or (lambda pack, off, n: BytesRange(read_range(pack, off, n)))
         self._decode_blob = decode
         # Called on the loop with every chunk fetched from the store for a caller that keeps it (a
@@ -287,7 +215,6 @@ class Fetcher:
         self.max_range = max_range
         self.max_gap = max_gap
         self.memory_bytes = memory_bytes
-        self.retry_for = retry_for
         self.stats = FetchStats()
         self._pending: dict[bytes, _Pending] = {}
         self._heap: list[tuple[int, int, _Pending]] = []
@@ -320,12 +247,22 @@ class Fetcher:
                 self._nursery = nursery
                 nursery.start_soon(self._dispatch)
                 nursery.start_soon(self._flush_ticker)
+                nursery.start_soon(self._stop_when_cancelled)
                 task_status.started()
         finally:
             self._nursery = None
             if self.cache is not None:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self.cache.flush)
+
+    async def _stop_when_cancelled(self) -> None:
+        """Sets ``stop`` as soon as the nursery is cancelled: store calls in threads stop waiting to retry,
+        so the nursery, which waits for its threads, ends at once even during an outage."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            if self._stop is not None:
+                self._stop.set()
 
     # -- the public API --------------------------------------------------------------------
     async def get(self, ref: ChunkRef, priority: Priority = Priority.READ) -> bytes:
@@ -436,6 +373,8 @@ class Fetcher:
         return self._queued
 
     def snapshot_stats(self) -> dict[str, int]:
+        if self._retries is not None:
+            self.stats.retries = self._retries()
         out = asdict(self.stats)
         out.update(in_flight=self._fetching, queued=self._queued, active_requests=self._active,
                    pending=len(self._pending), memory_bytes=self._mem_size, held_bytes=self._held_size)
@@ -653,75 +592,26 @@ class Fetcher:
     async def _fetch_run(self, run: list[_Pending], is_read: bool = False) -> None:
         """One ranged GET for a run of neighbouring chunks, handed out one by one as they arrive.
 
-        The response is read in a worker thread that decodes and verifies each
-        blob as soon as its bytes are in and hands finished blobs to the trio
-        loop in small batches: a reader waiting for the first chunk of a long
-        run never waits for the last.  A stream that breaks part way is asked
-        for again from the first chunk not yet delivered, within ``retry_for``.
+        The response is read in a worker thread (:func:`fetchio.stream_blobs`)
+        that decodes and verifies each blob as soon as its bytes are in and
+        hands finished blobs to the trio loop in small batches: a reader
+        waiting for the first chunk of a long run never waits for the last.
+        Whatever fails (after the store's own retries) fails the chunks not yet
+        delivered, classified once (:func:`fetchio.classify`).
         """
         delivered = [False] * len(run)
-        deadline = trio.current_time() + self.retry_for
-        delay = 0.1
-
-        def deliver(batch: list[tuple[int, bytes | CorruptObject]]) -> None:  # on the trio thread
-            for i, result in batch:
-                if i < 0:  # bytes of a gap, read and dropped
-                    self.stats.bytes_fetched += result  # type: ignore[operator]
-                    self.stats.bytes_bridged += result  # type: ignore[operator]
-                    continue
-                delivered[i] = True
-                p = run[i]
-                if is_read:
-                    self._read_bytes -= p.ref.stored_len
-                self.stats.bytes_fetched += p.ref.stored_len
-                if isinstance(result, CorruptObject):
-                    self.stats.corrupt += 1
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._retry_corrupt, p, str(result))
-                    continue
-                self._fetching -= 1
-                self.stats.chunks_fetched += 1
-                self._finish(p, result)
-                if p.keep >= Keep.ALL and not self._adopted(p, result) and self.cache is not None:
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._store, p.ref.chunk, result)
-
+        first, last = run[0].ref, run[-1].ref
+        blobs = tuple((i, p.ref.offset - first.offset, p.ref.stored_len, p.ref.raw_len, p.ref.chunk)
+                      for i, p in enumerate(run))
+        deliver = functools.partial(trio.from_thread.run_sync, self._deliver, run, delivered, is_read)
         failure: FetchError | None = None
         try:
-            while True:
-                todo = [i for i, d in enumerate(delivered) if not d]
-                if not todo:
-                    break
-                first = run[todo[0]].ref
-                start = first.offset
-                last = run[todo[-1]].ref
-                blobs = tuple((i, run[i].ref.offset - start, run[i].ref.stored_len, run[i].ref.raw_len,
-                               run[i].ref.chunk) for i in todo)
-                try:
-                    await trio.to_thread.run_sync(self._stream_blobs, first.pack, start,
-                                                  last.offset + last.stored_len - start, blobs, deliver,
-                                                  limiter=self._net_limiter)
-                    self.stats.requests += 1
-                except NotFound:
-                    failure = ChunkMissing(first, f"pack {first.pack} is missing from the repository")
-                except ShortRead as exc:
-                    failure = ChunkCorrupt(first, f"pack {first.pack} is shorter than the catalog says ({exc})")
-                except PermissionDenied as exc:
-                    failure = StoreUnavailable(first, f"permission denied: {exc}")
-                except (TransientError, ConnectionError, TimeoutError) as exc:
-                    if trio.current_time() + delay > deadline:
-                        failure = StoreUnavailable(first, f"store unreachable for {self.retry_for:.0f} s ({exc})")
-                    else:
-                        self.stats.retries += 1
-                        log.warning("store request failed (%s); retrying in %.1f s", exc, delay)
-                        await trio.sleep(delay)
-                        delay = min(delay * 2, 5.0)
-                        continue
-                except StoreError as exc:
-                    failure = StoreUnavailable(first, str(exc))
-                except ValueError as exc:  # a location no store accepts (a forged pack name, a negative offset)
-                    failure = ChunkCorrupt(first, f"the catalog's location is invalid: {exc}")
-                break
+            await trio.to_thread.run_sync(fetchio.stream_blobs, self._open_range, self._decode_blob, first.pack,
+                                          first.offset, last.offset + last.stored_len - first.offset, blobs,
+                                          deliver, limiter=self._net_limiter)
+            self.stats.requests += 1
+        except Exception as exc:  # noqa: BLE001 - every failure is EIO for these chunks, never a dead nursery
+            failure = fetchio.classify(exc, first)
         finally:
             self._active -= 1
             if is_read:
@@ -729,47 +619,40 @@ class Fetcher:
                 self._read_bytes -= sum(p.ref.stored_len for p, d in zip(run, delivered) if not d)
                 self._last_read_want = trio.current_time()
             self._changed.set()
+        left = [p for p, d in zip(run, delivered) if not d]
+        if failure is None and left:  # a store that answered less than asked without saying so
+            failure = ChunkCorrupt(left[0].ref, "the store's answer ended early")
         if failure is not None:
-            left = [p for p, d in zip(run, delivered) if not d]
-            log.error("fetch of %d chunk(s) from pack %s failed: %s", len(left), run[0].ref.pack, failure.reason)
+            log.error("fetch of %d chunk(s) from pack %s failed: %s", len(left), first.pack, failure.reason)
             for p in left:
                 self._fetching -= 1
                 self._fail(p, type(failure)(p.ref, failure.reason))
 
-    def _stream_blobs(self, pack: str, start: int, length: int,
-                      blobs: tuple[tuple[int, int, int, int, bytes], ...],
-                      deliver: Callable[[list[tuple[int, bytes | CorruptObject]]], None]) -> None:
-        """Worker thread: read one range, decode and verify each blob, hand results to the trio loop.
-
-        ``blobs``: (index, offset in the range, stored length, raw length, chunk
-        id), in range order.  Results go to ``deliver`` on the trio thread
-        (``trio.from_thread``) in batches of about ``_DELIVER_BYTES``, and
-        whatever was decoded is delivered before an error propagates.
-        """
-        batch: list[tuple[int, bytes | CorruptObject]] = []
-        batch_bytes = 0
-        try:
-            with self._open_range(pack, start, length) as body:
-                reader = _BlobReader(body)
-                pos = 0
-                for i, off, slen, rlen, cid in blobs:
-                    if off > pos:
-                        reader.read_exact(off - pos)  # blobs in a gap nobody asked for (max_gap)
-                        batch.append((-1, off - pos))  # type: ignore[arg-type]
-                    raw = reader.read_exact(slen)
-                    pos = off + slen
-                    try:
-                        result: bytes | CorruptObject = self._decode_blob(memoryview(raw), rlen, cid)
-                    except CorruptObject as exc:
-                        result = exc
-                    batch.append((i, result))
-                    batch_bytes += slen
-                    if batch_bytes >= _DELIVER_BYTES:
-                        trio.from_thread.run_sync(deliver, batch)
-                        batch, batch_bytes = [], 0
-        finally:
-            if batch:
-                trio.from_thread.run_sync(deliver, batch)
+    def _deliver(self, run: list[_Pending], delivered: list[bool], is_read: bool, batch: fetchio.Delivery) -> None:
+        """On the trio thread: blobs of a request in flight that arrived, decoded and verified (or not)."""
+        for i, result in batch:
+            if i < 0:  # bytes of a gap, read and dropped
+                assert isinstance(result, int)
+                self.stats.bytes_fetched += result
+                self.stats.bytes_bridged += result
+                continue
+            delivered[i] = True
+            p = run[i]
+            if is_read:
+                self._read_bytes -= p.ref.stored_len
+            self.stats.bytes_fetched += p.ref.stored_len
+            if isinstance(result, CorruptObject):
+                self.stats.corrupt += 1
+                assert self._nursery is not None
+                self._nursery.start_soon(self._retry_corrupt, p, str(result))
+                continue
+            assert isinstance(result, bytes)
+            self._fetching -= 1
+            self.stats.chunks_fetched += 1
+            self._finish(p, result)
+            if p.keep >= Keep.ALL and not self._adopted(p, result) and self.cache is not None:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._store, p.ref.chunk, result)
 
     async def _retry_corrupt(self, p: _Pending, reason: str) -> None:
         """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
@@ -789,47 +672,18 @@ class Fetcher:
             self._fetching -= 1
 
     async def _refetch(self, ref: ChunkRef) -> bytes:
-        """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
-        body = await self._get_range(ref, ref.offset, ref.stored_len)
-        self.stats.requests += 1
-        self.stats.bytes_fetched += len(body)
-        return await self._decode(memoryview(body), ref)
-
-    async def _decode(self, view: memoryview, ref: ChunkRef) -> bytes:
-        if len(view) != ref.stored_len:
-            self.stats.corrupt += 1
-            raise ChunkCorrupt(ref, f"store returned {len(view)} bytes, expected {ref.stored_len}")
+        """One blob on its own: read, then decoded and verified in a worker thread; raises FetchError only."""
         try:
-            return await trio.to_thread.run_sync(self._decode_blob, view, ref.raw_len, ref.chunk,
+            body = await trio.to_thread.run_sync(fetchio.read_blob, self._read_range, ref, limiter=self._net_limiter)
+            self.stats.requests += 1
+            self.stats.bytes_fetched += len(body)
+            return await trio.to_thread.run_sync(self._decode_blob, memoryview(body), ref.raw_len, ref.chunk,
                                                  limiter=self._cpu_limiter)
-        except CorruptObject as exc:
+        except Exception as exc:  # noqa: BLE001 - as in _fetch_run: EIO for this chunk, the nursery lives
+            failure = fetchio.classify(exc, ref)
+        if isinstance(failure, ChunkCorrupt):
             self.stats.corrupt += 1
-            raise ChunkCorrupt(ref, str(exc)) from None
-
-    async def _get_range(self, ref: ChunkRef, offset: int, length: int) -> bytes:
-        deadline = trio.current_time() + self.retry_for
-        delay = 0.1
-        while True:
-            try:
-                return await trio.to_thread.run_sync(self._read_range, ref.pack, offset, length,
-                                                     limiter=self._net_limiter)
-            except NotFound:
-                raise ChunkMissing(ref, f"pack {ref.pack} is missing from the repository") from None
-            except ShortRead as exc:
-                raise ChunkCorrupt(ref, f"pack {ref.pack} is shorter than the catalog says ({exc})") from None
-            except PermissionDenied as exc:
-                raise StoreUnavailable(ref, f"permission denied: {exc}") from None
-            except (TransientError, ConnectionError, TimeoutError) as exc:
-                if trio.current_time() + delay > deadline:
-                    raise StoreUnavailable(ref, f"store unreachable for {self.retry_for:.0f} s ({exc})") from None
-                self.stats.retries += 1
-                log.warning("store request failed (%s); retrying in %.1f s", exc, delay)
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            except StoreError as exc:
-                raise StoreUnavailable(ref, str(exc)) from None
-            except ValueError as exc:  # a location no store accepts: this chunk's reader gets EIO, the mount lives
-                raise ChunkCorrupt(ref, f"the catalog's location is invalid: {exc}") from None
+        raise failure
 
     # -- caches -------------------------------------------------------------------------------------
     async def _store(self, chunk: bytes, data: bytes) -> None:

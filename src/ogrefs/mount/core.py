@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -437,6 +438,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     from ogrefs.repo.catalog import Catalog
     from ogrefs.lazy.chunkcache import ChunkCache
     from ogrefs.lazy.fetcher import Fetcher
+    from ogrefs.lazy.fetchio import PackReads
     from ogrefs.repo import default_cache_dir
     from ogrefs.lazy.vfs import SnapshotFS
 
@@ -448,9 +450,11 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
 
     cipher = CacheCipher(repo.codec.cache_key()) if opts.encrypt_cache else None
     cache = ChunkCache(chunk_dir, opts.cache_size, chunk_id=repo.codec.chunk_id, cipher=cipher)
-    fetcher = Fetcher(repo.read_pack_range, cache, max_requests=opts.max_requests, retry_for=opts.retry_for,
-                      memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob,
-                      open_range=repo.open_pack_range)
+    stop = threading.Event()  # set when the fetcher stops: a store call waiting out an outage gives up
+    packs = PackReads(repo.store, opts.retry_for, stop)  # the one retry: the store's, within --retry-for
+    fetcher = Fetcher(packs.read_range, cache, max_requests=opts.max_requests, memory_bytes=opts.memory_cache,
+                      decode=repo.codec.decode_blob, open_range=packs.open_range, stop=stop,
+                      retries=lambda: packs.retries)
     from ogrefs.lazy.materialize.materializer import Materializer
     from ogrefs.lazy.prefetch import Prefetch
     from ogrefs.lazy.trace import Recorder, save_trace, save_when_recorded

@@ -23,6 +23,8 @@ them.  This wrapper reproduces them on demand, on top of any store:
 * ``break_next_list(after=n)`` -- the next listing raises TransientError
   after yielding ``n`` keys (a connection dying between pages); a listing
   with ``n`` keys or fewer completes normally.
+* ``break_next_range(after=n)`` -- the next ``open_range`` stream raises
+  TransientError after delivering ``n`` bytes (a connection reset mid-body).
 * ``down = True``     -- every call raises TransientError until set back,
   like a store that went away.
 
@@ -35,7 +37,7 @@ single calling thread the same seed gives the same faults; with many
 threads the interleaving (and therefore which call gets which draw) is up
 to the scheduler.
 
-Locking: ``_lock`` guards ``_rng``, ``_script``, ``_list_breaks``, ``_puts`` and the
+Locking: ``_lock`` guards ``_rng``, ``_script``, ``_list_breaks``, ``_range_breaks``, ``_puts`` and the
 ``calls``/``injected`` counters.  It is never held while sleeping or while
 calling the inner store.
 """
@@ -48,7 +50,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 
-from ogrefs.store.base import Store, StoreError, TransientError
+from ogrefs.store.base import BytesRange, RangeReader, Store, StoreError, TransientError
 
 __all__ = ["FaultyStore", "ALL_OPS"]
 
@@ -82,6 +84,7 @@ class FaultyStore(Store):
         self._rng = random.Random(seed)
         self._script: list[tuple[frozenset[str], Callable[[str], StoreError]]] = []
         self._list_breaks: list[int] = []
+        self._range_breaks: list[int] = []
         self._puts = 0
 
     # -- configuration ----------------------------------------------------
@@ -99,6 +102,11 @@ class FaultyStore(Store):
         with self._lock:
             self._script.extend([(which, make)] * n)
 
+    def break_next_range(self, after: int) -> None:
+        """Make the next ``open_range`` stream raise TransientError after delivering ``after`` bytes."""
+        with self._lock:
+            self._range_breaks.append(after)
+
     def break_next_list(self, after: int) -> None:
         """Make the next listing raise TransientError after yielding ``after`` keys."""
         with self._lock:
@@ -109,6 +117,7 @@ class FaultyStore(Store):
         with self._lock:
             self._script.clear()
             self._list_breaks.clear()
+            self._range_breaks.clear()
             self.calls.clear()
             self.injected.clear()
             self.down = False
@@ -175,6 +184,12 @@ class FaultyStore(Store):
         self._before("get_range")
         return self._mangle("get_range", self.inner.get_range(key, offset, length))
 
+    def open_range(self, key: str, offset: int, length: int) -> RangeReader:
+        data = self.get_range(key, offset, length)  # counted, failed and mangled as a get_range
+        with self._lock:
+            after = self._range_breaks.pop(0) if self._range_breaks else None
+        return BytesRange(data) if after is None else _BrokenRange(data, after, self)
+
     def put(self, key: str, data: bytes) -> None:
         self._before("put")
         self.inner.put(key, data)
@@ -210,3 +225,19 @@ class FaultyStore(Store):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _BrokenRange(RangeReader):
+    """A stream whose connection "resets" after ``after`` bytes (see FaultyStore.break_next_range)."""
+
+    def __init__(self, data: bytes, after: int, store: FaultyStore) -> None:
+        self._data, self._after, self._store, self._pos = data, after, store, 0
+
+    def read(self, n: int) -> bytes:
+        if self._pos >= self._after:
+            with self._store._lock:
+                self._store.injected["range_break"] += 1
+            raise TransientError(f"{self._store.url}: injected break after {self._after} bytes of a range")
+        out = self._data[self._pos:min(self._pos + n, self._after)]
+        self._pos += len(out)
+        return out

@@ -8,12 +8,21 @@ NotFound, PermissionDenied, ShortRead, plain StoreError, ValueError -- is
 passed through on the first occurrence, because repeating it cannot help.
 
 How long: by default a call is tried ``attempts`` times (about 6 s of
-backoff in all).  A caller that must ride through an outage -- ``snapshot``
-and ``restore`` with ``--retry-for``, like the mount's fetcher -- gives
-``retry_for`` seconds instead: a call is then retried, however often, until
-that much time has passed since it started (restic's ``MaxElapsedTime``),
+backoff in all).  A caller that must ride through an outage says how long
+each of its calls may take (restic's ``MaxElapsedTime``): ``retry_for``
+seconds, given when the store is opened (``snapshot`` and ``restore`` with
+``--retry-for``) or per caller with :meth:`RetryingStore.budget` (the mount's
+fetcher: ``--retry-for``, and a stop event its unmount sets).  A call is then
+retried, however often, until that much time has passed since it started,
 and the last wait is cut so that the budget is not overrun by more than one
-attempt.
+attempt.  A caller's stop event ends a wait at once: the call gives up with
+the TransientError it had.
+
+Streams: ``open_range`` retries the opening like any call, and a stream that
+breaks part way (a TransientError from ``read``) is opened again from the
+first byte not yet delivered, within the same budget counted from the last
+byte that arrived (a long download that keeps making progress is never cut
+off); its reader never sees the break.
 
 Backoff is exponential with jitter (each delay is drawn from the upper half
 of the exponential step), so that many threads hitting the same outage do
@@ -26,12 +35,14 @@ caller never sees a key twice; the attempt counter resets whenever a retry
 makes progress, since a long listing over a flaky link should finish.
 
 Locking: ``_rng_lock`` guards ``_rng`` (random.Random is not documented as
-thread-safe).  Nothing else is shared between calls; the inner store does
-its own locking.
+thread-safe); the views :meth:`budget` makes share both.  Nothing else is
+shared between calls; a resuming stream belongs to the one thread reading
+it; the inner store does its own locking.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import threading
@@ -67,6 +78,18 @@ class RetryingStore(Store):
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._rng_lock = threading.Lock()
+        self._stop: threading.Event | None = None
+        #: Retries made so far (by this view of the store: see budget()); read without the lock.
+        self.retries = 0
+
+    def budget(self, retry_for: float | None, stop: threading.Event | None = None) -> "RetryingStore":
+        """This store, for one caller: each of its calls retries for ``retry_for`` seconds (None: ``attempts``
+        tries), and a wait ends at once when ``stop`` is set (the call then gives up)."""
+        if retry_for is not None and not retry_for >= 0:
+            raise ValueError("retry_for must be a number of seconds >= 0")
+        view = copy.copy(self)  # shares the inner store, the clock, the sleep and the (locked) rng
+        view.retry_for, view._stop, view.retries = retry_for, stop, 0
+        return view
 
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (1-based)."""
@@ -86,8 +109,15 @@ class RetryingStore(Store):
             if left <= 0:
                 raise TransientError(f"{exc} (gave up after {self.retry_for:.0f} s, {attempt} attempts)") from exc
             wait = min(wait, left)
+        if self._stop is not None and self._stop.is_set():
+            raise TransientError(f"{exc} (gave up: stopping)") from exc
         log.info("%s failed (%s); retry %d in %.2fs", what, exc, attempt, wait)
-        self._sleep(wait)
+        with self._rng_lock:
+            self.retries += 1
+        if self._stop is None:
+            self._sleep(wait)
+        elif self._stop.wait(wait):
+            raise TransientError(f"{exc} (gave up: stopping)") from exc
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         started = self._clock()
@@ -106,9 +136,9 @@ class RetryingStore(Store):
         return self._call(f"get_range {key}", lambda: self.inner.get_range(key, offset, length))
 
     def open_range(self, key: str, offset: int, length: int) -> RangeReader:
-        # Only the opening is retried: a stream that breaks later is the reader's to restart
-        # (the fetcher asks again for the chunks it has not received).
-        return self._call(f"open_range {key}", lambda: self.inner.open_range(key, offset, length))
+        # the opening raises what the store says at once (NotFound, ShortRead, a refused key) ...
+        first = self._call(f"open_range {key}", lambda: self.inner.open_range(key, offset, length))
+        return _ResumingRange(self, key, offset, length, first)  # ... a break later is resumed
 
     def put(self, key: str, data: bytes) -> None:
         # Safe to repeat: a put that failed after the store committed it
@@ -149,3 +179,47 @@ class RetryingStore(Store):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _ResumingRange(RangeReader):
+    """A range whose stream, when it breaks, is opened again from the first byte not yet delivered.
+
+    Owned by the one thread that reads it.  The budget of each resumption is
+    counted from the last byte that arrived (see the module docstring).
+    """
+
+    def __init__(self, store: RetryingStore, key: str, offset: int, length: int, body: RangeReader) -> None:
+        self._store = store
+        self._key = key
+        self._end = offset + length
+        self._pos = offset
+        self._body: RangeReader | None = body
+
+    def read(self, n: int) -> bytes:
+        failures = 0
+        started = self._store._clock()
+        while True:
+            if self._pos >= self._end:
+                return b""
+            try:
+                if self._body is None:
+                    self._body = self._store.inner.open_range(self._key, self._pos, self._end - self._pos)
+                piece = self._body.read(n)
+            except TransientError as exc:
+                self._drop_body()
+                failures += 1
+                self._store._wait_or_give_up(f"open_range {self._key} at {self._pos}", exc, failures, started)
+                continue
+            self._pos += len(piece)
+            return piece
+
+    def _drop_body(self) -> None:
+        body, self._body = self._body, None
+        if body is not None:
+            try:
+                body.close()
+            except Exception:  # noqa: BLE001 - a broken stream may fail to close too; it is dropped either way
+                pass
+
+    def close(self) -> None:
+        self._drop_body()
