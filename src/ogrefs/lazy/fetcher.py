@@ -11,14 +11,10 @@ recorded trace, hints and background materialization next):
 3. New entries are looked up in the disk cache (:class:`ChunkCache`) in a
    worker thread, all entries of one request at once; hits are loaded and
    verified there, a few per thread call, and finish their entries.
-4. A miss goes into a priority queue.  The dispatcher starts store requests in
-   priority order with at most ``max_requests`` in flight, of which
-   ``reserved_for_read`` can only be used by ``Priority.READ``: a reader never
-   waits behind prefetch or materialization.  When it starts a request it
-   takes every queued chunk near it in the same pack (gaps of up to
-   ``max_gap`` bytes are fetched and dropped; up to ``max_range`` bytes in
-   all) into the same ranged GET: packs keep the files of a directory
-   together, so read-ahead and prefetch cost few requests.
+4. A miss goes into the request queue (:mod:`ogrefs.lazy.fetchqueue`): the
+   dispatcher starts store requests in priority order, a reader never waits
+   behind prefetch or materialization, and a request takes every queued
+   chunk near it in the same pack into one ranged GET.
 5. The response is read as it arrives;  each blob is decoded and
    BLAKE3-verified in the reading worker thread as soon as its bytes are in,
    handed to its waiters, put in the memory LRU and written to the
@@ -40,7 +36,7 @@ recorded trace, hints and background materialization next):
    only, never a dead nursery.  Failures are not remembered: the next read
    tries again.
 
-Who owns what: all state of a Fetcher (pending table, queue, memory LRU, held chunks,
+Who owns what: all state of a Fetcher (pending table, request queue, memory LRU, held chunks,
 counters) belongs to the trio loop and is only touched by trio tasks, so it
 needs no locks.  Worker threads get immutable inputs (a pack name and range; a
 read-only view of downloaded bytes; a chunk id and its bytes) and return new
@@ -56,9 +52,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import heapq
-from bisect import bisect_left, insort
-import math
 import logging
 import os
 import sqlite3
@@ -72,6 +65,7 @@ import trio
 from ogrefs.repo import codec
 from ogrefs.lazy import fetchio
 from ogrefs.lazy.chunkcache import ChunkCache
+from ogrefs.lazy.fetchqueue import Priority, RequestQueue
 from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
     ChunkCorrupt,
     ChunkMissing,
@@ -87,13 +81,6 @@ from ogrefs.store.base import BytesRange
 
 log = logging.getLogger(__name__)
 
-#: After an application's last store read, hints and background wait this long before taking the link back.
-READ_QUIET_S = 0.05
-#: Readers with this many bytes on their way keep the link full by themselves: prefetch pauses.
-READ_FILLS_LINK = 4 * 1024 * 1024
-#: While an application reads from the store, a prefetch request covers at most this much.
-PREFETCH_RANGE_WHILE_READING = 4 * 1024 * 1024
-
 MiB = 1024 * 1024
 
 #: A failing cache never fails a read: it only costs a fetch.
@@ -106,15 +93,6 @@ class Keep(enum.IntEnum):
     NONE = 0  # nowhere (materialization writes it to its file)
     MEMORY = 1  # the memory LRU
     ALL = 2  # the memory LRU and the disk cache
-
-
-class Priority(enum.IntEnum):
-    """Why a chunk is wanted; lower is more urgent."""
-
-    READ = 0  # an application is waiting (and read-ahead of a sequential reader)
-    TRACE = 1  # replay of a recorded access trace
-    HINT = 2  # catalog hints: python, cuda, checkpoints
-    BACKGROUND = 3  # materialization of everything else
 
 
 @dataclass
@@ -198,8 +176,7 @@ class Fetcher:
         carry the caller's retry budget); ``stop``: set when :meth:`run` ends, so that a store call waiting
         out an outage in a worker thread gives up at once; ``retries``: how many store calls were retried
         (the PackReads' count, for :attr:`stats`)."""
-        if not 0 <= reserved_for_read < max_requests:
-            raise ValueError("reserved_for_read must be below max_requests")
+        self._queue = RequestQueue(max_requests, reserved_for_read, max_range, max_gap)
         self._read_range = read_range
         self._stop = stop
         self._retries = retries
@@ -210,29 +187,15 @@ class Fetcher:
         # and the chunk cache can do without it.
         self.adopter: Callable[[ChunkRef, bytes], bool] | None = None
         self.cache = cache
-        self.max_requests = max_requests
-        self.reserved_for_read = reserved_for_read
-        self.max_range = max_range
-        self.max_gap = max_gap
         self.memory_bytes = memory_bytes
         self.stats = FetchStats()
         self._pending: dict[bytes, _Pending] = {}
-        self._heap: list[tuple[int, int, _Pending]] = []
-        self._by_start: dict[tuple[str, int], _Pending] = {}  # queued, by (pack, blob offset)
-        self._offsets: dict[str, list[int]] = {}  # queued blob offsets per pack, sorted
-        self._seq = 0
-        self._active = 0  # store requests in flight
-        self._reads_active = 0  # of which started for an application's read
-        self._read_bytes = 0  # bytes those read requests have still to deliver
-        self._last_read_want = -math.inf  # trio time of the last chunk an application had to wait for
-        self._queued = 0
         self._fetching = 0  # chunks inside requests in flight
         self._mem: OrderedDict[bytes, bytes] = OrderedDict()
         self._mem_size = 0
         self._held: dict[bytes, bytes] = {}  # replayed chunks kept until taken (see hold())
         self._held_size = 0
         self.hold_bytes = 0  # bound of _held; 0: nothing is held
-        self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._net_limiter = trio.CapacityLimiter(max_requests)
         self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
@@ -370,13 +333,13 @@ class Fetcher:
     @property
     def queued(self) -> int:
         """Chunks waiting for a free store request slot."""
-        return self._queued
+        return self._queue.queued
 
     def snapshot_stats(self) -> dict[str, int]:
         if self._retries is not None:
             self.stats.retries = self._retries()
         out = asdict(self.stats)
-        out.update(in_flight=self._fetching, queued=self._queued, active_requests=self._active,
+        out.update(in_flight=self._fetching, queued=self._queue.queued, active_requests=self._queue.active,
                    pending=len(self._pending), memory_bytes=self._mem_size, held_bytes=self._held_size)
         return out
 
@@ -391,8 +354,7 @@ class Fetcher:
                 p.hold = p.hold or hold
                 if priority < p.priority:
                     p.priority = priority
-                    if p.state == "queued":
-                        self._push(p)
+                    self._queue.raised(p)
             else:
                 p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
                 p.bridge = bridge
@@ -400,7 +362,7 @@ class Fetcher:
                 new.append(p)
             out.append(p)
         if priority == Priority.READ and new:
-            self._last_read_want = trio.current_time()
+            self._queue.read_wanted()
             self.stats.read_missed_bytes += sum(p.ref.raw_len for p in new)
         if new:
             if self._nursery is None:
@@ -447,11 +409,7 @@ class Fetcher:
     def _enqueue(self, batch: list[_Pending]) -> None:
         for p in batch:
             self.stats.misses += 1
-            p.state = "queued"
-            self._queued += 1
-            self._by_start[(p.ref.pack, p.ref.offset)] = p
-            insort(self._offsets.setdefault(p.ref.pack, []), p.ref.offset)
-            self._push(p)
+            self._queue.add(p)
 
     def _present(self, chunks: list[bytes]) -> list[bool]:
         """Worker thread: which chunks have a file in the disk cache."""
@@ -481,112 +439,19 @@ class Fetcher:
         p.done.set()
 
     # -- the queue -------------------------------------------------------------------------------
-    def _push(self, p: _Pending) -> None:
-        self._seq += 1
-        p.seq = self._seq
-        heapq.heappush(self._heap, (int(p.priority), p.seq, p))
-        self._changed.set()
-
-    def _peek(self) -> _Pending | None:
-        while self._heap:
-            prio, seq, p = self._heap[0]
-            if p.state == "queued" and p.seq == seq:
-                return p
-            heapq.heappop(self._heap)  # superseded by a priority raise, or already taken by a neighbour
-        return None
-
-    def _reads_hot(self) -> bool:
-        """An application is reading from the store right now (or was, a moment ago)."""
-        return self._reads_active > 0 or trio.current_time() - self._last_read_want < READ_QUIET_S
-
-    def _may_start(self, priority: Priority) -> bool:
-        if priority == Priority.READ:
-            return self._active < self.max_requests
-        if self._active >= self.max_requests - self.reserved_for_read:
-            return False
-        # Prefetch yields the link to readers.  While an application's requests have enough bytes
-        # outstanding to fill the link (a big file read sequentially), nothing else starts, not even
-        # the trace.  Otherwise a recorded trace keeps going (it is what the reader needs next), and
-        # hints and materialization keep at most one request in flight while an application waits on
-        # the store: enough to keep the link busy when it reads many small files one by one.
-        if not self._reads_hot():
-            return True
-        if self._read_bytes >= READ_FILLS_LINK:
-            return False
-        return priority == Priority.TRACE or self._active - self._reads_active < 1
-
     async def _dispatch(self) -> None:
+        """Start store requests from the queue as the link allows (see :mod:`ogrefs.lazy.fetchqueue`)."""
         assert self._nursery is not None
         while True:
-            p = self._peek()
-            if p is None or not self._may_start(p.priority):
-                changed = self._changed
-                # held back only by a reader? look again once the reads have gone quiet
-                with trio.move_on_after(READ_QUIET_S if p is not None and self._reads_hot() else math.inf):
-                    await changed.wait()
-                if self._changed is changed and changed.is_set():
-                    self._changed = trio.Event()
+            p = self._queue.peek()
+            if p is None or not self._queue.may_start(p.priority):
+                await self._queue.wait_for_change(p)
                 continue
-            heapq.heappop(self._heap)
-            batch = self._take_run(p)
-            self._active += 1
+            run: list[_Pending] = self._queue.take_run(p)  # type: ignore[assignment] # the entries it was given
+            self._fetching += len(run)
             is_read = p.priority == Priority.READ
-            if is_read:
-                self._reads_active += 1
-                self._read_bytes += sum(q.ref.stored_len for q in batch)
-            self._nursery.start_soon(self._fetch_run, batch, is_read)
-
-    def _unqueue(self, p: _Pending) -> None:
-        p.state = "fetching"
-        self._queued -= 1
-        self._fetching += 1
-        del self._by_start[(p.ref.pack, p.ref.offset)]
-        offsets = self._offsets[p.ref.pack]
-        del offsets[bisect_left(offsets, p.ref.offset)]
-        if not offsets:
-            del self._offsets[p.ref.pack]
-
-    def _take_run(self, p: _Pending) -> list[_Pending]:
-        """``p`` plus the queued chunks near it in its pack, up to ``max_range`` bytes.
-
-        Chunks requested with ``bridge`` take neighbours across gaps of up to
-        ``max_gap`` bytes (blobs no one asked for, read and dropped): a few KiB
-        more on the wire is far cheaper than another request, and the small
-        files an import touches sit between ones it does not.  Others take
-        only exact neighbours.
-        """
-        pack = p.ref.pack
-        self._unqueue(p)
-        gap = self.max_gap if p.bridge else 0
-        # while an application reads, prefetch requests stay short: one that starts just before the
-        # reader's read-ahead fills the link gives the link back within ~35 ms, not ~270 ms
-        limit = self.max_range if p.priority == Priority.READ or not self._reads_hot() else \
-            min(self.max_range, PREFETCH_RANGE_WHILE_READING)
-        run = [p]
-        start, end = p.ref.offset, p.ref.offset + p.ref.stored_len
-        offsets = self._offsets.get(pack, [])
-        while offsets:
-            i = bisect_left(offsets, end)
-            if i == len(offsets) or offsets[i] - end > (gap if self._by_start[(pack, offsets[i])].bridge else 0):
-                break
-            q = self._by_start[(pack, offsets[i])]
-            if q.ref.offset + q.ref.stored_len - start > limit:
-                break
-            self._unqueue(q)
-            run.append(q)
-            end = q.ref.offset + q.ref.stored_len
-        while offsets:
-            i = bisect_left(offsets, start) - 1
-            if i < 0:
-                break
-            q = self._by_start[(pack, offsets[i])]
-            q_end = q.ref.offset + q.ref.stored_len
-            if start - q_end > (gap if q.bridge else 0) or end - q.ref.offset > limit:
-                break
-            self._unqueue(q)
-            run.insert(0, q)
-            start = q.ref.offset
-        return run
+            self._queue.started(run, is_read)
+            self._nursery.start_soon(self._fetch_run, run, is_read)
 
     # -- store requests ----------------------------------------------------------------------------
     async def _fetch_run(self, run: list[_Pending], is_read: bool = False) -> None:
@@ -613,12 +478,7 @@ class Fetcher:
         except Exception as exc:  # noqa: BLE001 - every failure is EIO for these chunks, never a dead nursery
             failure = fetchio.classify(exc, first)
         finally:
-            self._active -= 1
-            if is_read:
-                self._reads_active -= 1
-                self._read_bytes -= sum(p.ref.stored_len for p, d in zip(run, delivered) if not d)
-                self._last_read_want = trio.current_time()
-            self._changed.set()
+            self._queue.finished(sum(p.ref.stored_len for p, d in zip(run, delivered) if not d), is_read)
         left = [p for p, d in zip(run, delivered) if not d]
         if failure is None and left:  # a store that answered less than asked without saying so
             failure = ChunkCorrupt(left[0].ref, "the store's answer ended early")
@@ -639,7 +499,7 @@ class Fetcher:
             delivered[i] = True
             p = run[i]
             if is_read:
-                self._read_bytes -= p.ref.stored_len
+                self._queue.read_delivered(p.ref.stored_len)
             self.stats.bytes_fetched += p.ref.stored_len
             if isinstance(result, CorruptObject):
                 self.stats.corrupt += 1
