@@ -96,9 +96,9 @@ def metadata(request):
 
 
 class _Agent:
-    def __init__(self, env: dict, args: list[str]) -> None:
-        self.proc = subprocess.Popen([PY, "-m", "ogrefs", "agent", "--json", *args], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+    def __init__(self, env: dict, args: list[str], argv: list[str] | None = None) -> None:
+        self.proc = subprocess.Popen(argv or [PY, "-m", "ogrefs", "agent", "--json", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.events: list[dict] = []
         self._buf = ""
 
@@ -272,3 +272,75 @@ def test_triggers_during_a_snapshot_wait_and_become_one_more_snapshot(tmp_path):
     snaps = [e for e in events if e["event"] == "snapshot"]
     assert [s["reasons"] for s in snaps] == [["start"], ["checkpoint", "notice"]]
     assert snaps[1]["before_deadline_s"] > 0 and json.loads((tmp_path / "agent.json").read_text())["snapshots"] == 2
+
+
+#: The agent as `ogrefs agent --path BOX --no-on-checkpoint --json` builds it, over a store that holds the
+#: snapshot's first pack upload until the test creates GATE/release: a signal sent after GATE/entered
+#: appears is delivered in the middle of that snapshot, for certain (no sleep decides it).
+_GATED_AGENT = r"""
+import json, os, sys, time
+from pathlib import Path
+from ogrefs.agent.loop import Agent, AgentOptions
+from ogrefs.repo import Repository
+from ogrefs.store import FaultyStore, open_store
+
+url, gate, box = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+
+class GatedStore(FaultyStore):
+    held = False
+
+    def put(self, key, data):
+        if key.startswith("packs/") and not self.held:
+            self.held = True
+            (gate / "entered").write_text(key)
+            deadline = time.monotonic() + 120
+            while not (gate / "release").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the test never released the gate")
+                time.sleep(0.01)
+        super().put(key, data)
+
+def emit(ev):
+    print(json.dumps({"time": time.time(), **ev}, sort_keys=True, default=str), flush=True)
+
+repo = Repository.open(url, store=GatedStore(open_store(url)))
+opts = AgentOptions(paths=[os.fsencode(box)], on_checkpoint=False, status_path=gate / "agent.json")
+sys.exit(Agent(repo, opts, emit).run())
+"""
+
+
+def test_sigterm_in_the_middle_of_a_snapshot_lets_it_finish_takes_one_more_and_exits_0(env, tmp_path):
+    """As documented (README, contrib/ogrefs-agent.service): the running snapshot completes (whole and
+    verifiable), one more saves what changed meanwhile, the lock goes, exit 0."""
+    gate, box = tmp_path / "gate", tmp_path / "box"
+    gate.mkdir()
+    agent = _Agent(env, [], argv=[PY, "-c", _GATED_AGENT, env["OGREFS_REPO"], str(gate), str(box)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (gate / "entered").exists():
+            assert agent.proc.poll() is None and time.monotonic() < deadline, agent.stderr_tail()
+            time.sleep(0.02)
+        running = json.loads((gate / "agent.json").read_text())["running"]
+        assert running["reasons"] == ["start"]  # the agent's own word: mid-snapshot
+        (box / "written-during-the-snapshot").write_text("new")
+        agent.proc.send_signal(signal.SIGTERM)
+        (gate / "release").write_text("")
+        first = agent.next(lambda e: e["event"] == "snapshot", unwanted=lambda e: e["event"] == "error")
+        assert first["reasons"] == ["start"] and first["files"] >= 1
+        last = agent.next(lambda e: e["event"] == "snapshot", unwanted=lambda e: e["event"] == "error")
+        assert last["reasons"] == ["sigterm"]
+        assert agent.proc.wait(timeout=60) == 0
+    finally:
+        agent.kill()
+
+    def ogrefs(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "ogrefs", *args], env=env, capture_output=True, text=True, timeout=120)
+
+    listed = json.loads(ogrefs("snapshots", "--json").stdout)
+    assert [m["id"] for m in listed] == [first["id"], last["id"]]
+    check = ogrefs("check", "--read-data")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"{box}/written-during-the-snapshot" in ogrefs("ls", last["id"]).stdout.splitlines()
+    assert os.listdir(tmp_path / "repo" / "locks") == []  # the snapshots' locks are gone
+    status = json.loads((gate / "agent.json").read_text())
+    assert status["running"] is None and status["stopped"] and status["snapshots"] == 2

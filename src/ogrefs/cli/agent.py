@@ -81,7 +81,11 @@ def agent(ctx: click.Context, paths, whole_box, excludes, box, every, on_checkpo
           providers, metadata_endpoint, poll, keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly,
           keep_tags, no_initial, status_file, as_json) -> None:
     """Keep this box protected: snapshots every N minutes, on each new checkpoint, on a preemption notice
-    and on SIGTERM; one at a time, in the foreground."""
+    and on SIGTERM; one at a time, in the foreground.
+
+    On SIGTERM or Ctrl-C a running snapshot finishes, one more saves what
+    changed meanwhile, and the agent exits 0 (1 if no snapshot succeeded).
+    """
     if ctx.invoked_subcommand is not None:
         return
     from ogrefs.agent.loop import Agent, AgentOptions
