@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from ogrefs.lazy import trace as trace_mod
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject
 from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Priority
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
-from ogrefs.lazy.trace import Recorder, Replayer, find_trace, load_trace, save_trace, save_when_recorded
+from ogrefs.lazy.recorder import Recorder, save_trace, save_when_recorded
+from ogrefs.lazy.replay import Replayer, load_trace
+from ogrefs.repo.traces import decode_trace, find_trace
 from ogrefs.lazy.vfs import SnapshotFS
 
 from tests.resume_box import CallLog, run_trio
@@ -77,7 +78,7 @@ def test_save_load_and_refine_round_trip(repo, tmp_path):
     write_tree(src)
     m, cat = snap(repo, src)
     f1, f2, f3 = (os.fsencode(src / p) for p in ("lib/f1.bin", "lib/f2.bin", "f3.txt"))
-    assert load_trace(repo, m) == []
+    assert load_trace(repo, m, cat) == []
     r1 = Recorder(cat)
     r1.record(cat.resolve(f1).ino, 0)
     r1.record(cat.resolve(f2).ino, MiB)
@@ -88,7 +89,7 @@ def test_save_load_and_refine_round_trip(repo, tmp_path):
         assert b"ogrefs-trace" not in raw and b"f1.bin" not in raw and raw[5] & 0x80
         with pytest.raises(CorruptObject):  # sealed under its own key: moved elsewhere, it fails authentication
             repo.codec.open(f"traces/{m['id']}/other", raw)
-    first = load_trace(repo, m)
+    first = load_trace(repo, m, cat)
     assert first == [(f1, 0), (f2, MiB)]
     # a later mount touches f3, then f2: its trace is its own order, then what it did not touch
     r2 = Recorder(cat)
@@ -99,10 +100,11 @@ def test_save_load_and_refine_round_trip(repo, tmp_path):
     # a fresh handle (for an encrypted repository: unlocked again) reads the newest one
     again = Repository.open(repo.store.url, cache_root=tmp_path / "cache2",
                             secret=Secret(b"pw", "scrypt") if repo.codec.encrypted else None)
-    assert find_trace(again, m) == (key2, [(f3, 0), (f2, MiB), (f1, 0)])
+    found = find_trace(again, m)
+    assert (found.key, found.entries, found.recorded_on["id"]) == (key2, [(f3, 0), (f2, MiB), (f1, 0)], m["id"])
     # a mount that read nothing has nothing to add: no new trace object
     before = sorted(repo.store.list(f"traces/{m['id']}/"))
-    assert save_trace(repo, m["id"], Recorder(cat), find_trace(again, m)[1]) is None
+    assert save_trace(repo, m["id"], Recorder(cat), find_trace(again, m).entries) is None
     assert sorted(repo.store.list(f"traces/{m['id']}/")) == before
 
 
@@ -117,10 +119,11 @@ def test_unreadable_traces_are_skipped_for_an_older_good_one(tmp_path, caplog):
     repo.store.put(f"traces/{m['id']}/zzzz-broken", b"not an object")
     repo.store.put(f"traces/{m['id']}/zzzz-json", repo.codec.seal(f"traces/{m['id']}/zzzz-json", b'{"a": 1}'))
     with caplog.at_level(logging.WARNING, logger="ogrefs"):
-        assert find_trace(repo, m) == (good, [(os.fsencode(src / "f3.txt"), 0)])
+        found = find_trace(repo, m)
+        assert (found.key, found.entries) == (good, [(os.fsencode(src / "f3.txt"), 0)])
     assert "zzzz-broken" in caplog.text and "zzzz-json" in caplog.text
     with pytest.raises(CorruptObject):
-        trace_mod.decode_trace(b'{"format": "ogrefs-trace", "version": 9, "entries": []}')
+        decode_trace(b'{"format": "ogrefs-trace", "version": 9, "entries": []}')
 
 
 def test_an_older_snapshots_trace_serves_a_newer_snapshot_of_the_same_paths(tmp_path, caplog):
@@ -143,8 +146,9 @@ def test_an_older_snapshots_trace_serves_a_newer_snapshot_of_the_same_paths(tmp_
     (src / "f3.txt").unlink()
     m_new, cat_new = snap(repo, src)
     with caplog.at_level(logging.INFO, logger="ogrefs"):
-        key, entries = find_trace(repo, m_new)
-    assert key == old_key
+        found = find_trace(repo, m_new)
+    key, entries = found.key, found.entries
+    assert key == old_key and found.recorded_on["id"] == m_old["id"]
     assert f"older snapshot {m_old['id'][:12]}" in caplog.text
     # replayed on the new catalog: paths resolve there, offsets map to its extents, f3 is dropped
     log = CallLog(repo.read_pack_range)
@@ -164,7 +168,7 @@ def test_an_older_snapshots_trace_serves_a_newer_snapshot_of_the_same_paths(tmp_
     r_new = Recorder(cat_new)
     r_new.record(ino(cat_new, src / "f4.bin"), 0)
     new_key = save_trace(repo, m_new["id"], r_new, entries)
-    assert find_trace(repo, m_new)[0] == new_key
+    assert find_trace(repo, m_new).key == new_key
 
 
 def test_replay_fetches_in_trace_order_at_trace_priority(tmp_path, monkeypatch):
@@ -239,7 +243,7 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
 
     run_trio(fetcher, body)
     assert rec.raw() == [(f1, ext1[1].offset), (f1, 0), (f4, 0), (f4, MiB)]
-    assert load_trace(repo, m) == [(os.fsencode(src / "lib" / "f1.bin"), ext1[1].offset),
+    assert load_trace(repo, m, cat) == [(os.fsencode(src / "lib" / "f1.bin"), ext1[1].offset),
                                    (os.fsencode(src / "lib" / "f1.bin"), 0),
                                    (os.fsencode(src / "f4.bin"), 0), (os.fsencode(src / "f4.bin"), MiB)]
 
@@ -284,3 +288,184 @@ def test_spare_cpu_waits_while_the_box_is_busy_and_goes_once_cores_are_idle(tmp_
 
     trio.run(main)
     assert went[0] >= 0.18, went  # not while the box was busy
+
+
+# -- a trace that read a stale checkpoint (issue 13: box C resumes from B's snapshot with A's trace) ------
+def _safetensors(path: Path, nbytes: int) -> None:
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [0, nbytes]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + os.urandom(nbytes))
+
+
+def _hf_checkpoint(run: Path, step: int) -> Path:
+    """A Hugging Face style checkpoint directory of multi-chunk files (random bytes: no chunk is shared)."""
+    import io
+    import json
+
+    import torch
+
+    d = run / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    _safetensors(d / "model.safetensors", 3 * MiB)
+    buf = io.BytesIO()
+    torch.save({"state": {0: {"step": step, "exp_avg": torch.rand(MiB // 2)}}, "param_groups": [{"lr": 0.1}]}, buf)
+    (d / "optimizer.pt").write_bytes(buf.getvalue())
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": step / 100}))
+    return d
+
+
+def _snap_with_probe(repo: Repository, src: Path) -> tuple[dict, Catalog]:
+    from ogrefs.inspect.probe import EnvironmentProbe
+
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], observers=[EnvironmentProbe()]))
+    return m, Catalog(repo.catalog_path(m["id"]))
+
+
+def _refs(cat: Catalog, path: Path) -> list[ChunkRef]:
+    return [ChunkRef.from_extent(e) for e in cat.extents(ino(cat, path))]
+
+
+@pytest.fixture
+def spot_loop(tmp_path):
+    """A trains from checkpoint-100 (its mount's trace reads it); B writes checkpoint-200 and is snapshotted."""
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache", pack_target_size=2 * MiB)
+    src = tmp_path / "box"
+    write_tree(src)
+    run = src / "run"
+    old = _hf_checkpoint(run, 100)
+    m_a, cat_a = _snap_with_probe(repo, src)
+    rec = Recorder(cat_a)  # A's start-up: a library, then the whole checkpoint it resumes from
+    for path in (src / "lib" / "f1.bin", old / "trainer_state.json", old / "model.safetensors", old / "optimizer.pt"):
+        for e in cat_a.extents(ino(cat_a, path)):
+            rec.record(ino(cat_a, path), e.offset)
+    save_trace(repo, m_a["id"], rec)
+    new = _hf_checkpoint(run, 200)
+    m_b, cat_b = _snap_with_probe(repo, src)
+    latest = m_b["environment"]["checkpoints"]["latest_coherent"]
+    assert latest["id"] == str(new) and latest["coherent"]  # what the capture knows, not made up by the test
+    stale = [r for f in ("trainer_state.json", "model.safetensors", "optimizer.pt") for r in _refs(cat_b, old / f)]
+    fresh = [r for f in ("trainer_state.json", "model.safetensors", "optimizer.pt") for r in _refs(cat_b, new / f)]
+    assert not {r.chunk for r in stale} & {r.chunk for r in fresh}
+    return repo, src, m_b, cat_b, stale, fresh
+
+
+def _requests(fetcher: Fetcher, monkeypatch) -> list[tuple[Priority, ChunkRef]]:
+    """Every chunk asked of ``fetcher``, with its priority, in order."""
+    asked: list[tuple[Priority, ChunkRef]] = []
+    real = fetcher.request
+
+    def spy(refs, priority, **kw):
+        refs = list(refs)
+        asked.extend((priority, r) for r in refs)
+        return real(refs, priority, **kw)
+
+    monkeypatch.setattr(fetcher, "request", spy)
+    return asked
+
+
+def test_a_trace_of_an_older_checkpoint_replays_the_snapshots_newest_coherent_one(spot_loop, monkeypatch):
+    repo, src, m_b, cat_b, stale, fresh = spot_loop
+    entries = load_trace(repo, m_b, cat_b)  # A's trace (B's snapshot has none yet), checkpoint-100 replaced
+    assert not any(b"checkpoint-100" in p for p, _off in entries)
+    log = CallLog(repo.read_pack_range)
+    fetcher = Fetcher(log)
+    asked = _requests(fetcher, monkeypatch)
+    rep = Replayer(cat_b, fetcher, entries)
+    run_trio(fetcher, rep.run)
+    lib = _refs(cat_b, src / "lib" / "f1.bin")
+    assert [r for _p, r in asked] == lib + fresh  # the library, then all of checkpoint-200, in the traced order
+    assert {p for p, _r in asked} == {Priority.TRACE}
+    assert log.chunks_fetched(stale) == [] and log.chunks_fetched(fresh) == fresh
+    assert rep.stats.dropped == 0 and rep.stats.chunks_done == len(lib) + len(fresh)
+
+
+def _manifest(*runs: tuple[str, str | None, list[dict]]) -> dict:
+    """A manifest whose environment capture found ``runs``: (dir, id of the latest coherent, checkpoints)."""
+    return {"environment": {"checkpoints": {"runs": [{"dir": d, "latest_coherent": best, "checkpoints": cks}
+                                                     for d, best, cks in runs]}}}
+
+
+def _ck(path: str, step: int | None, files: dict[str, int], *, coherent: bool = True, mtime: float = 0.0) -> dict:
+    return {"id": path, "path": path, "step": step, "epoch": None, "coherent": coherent, "mtime": mtime,
+            "files": [{"path": f, "size": n} for f, n in files.items()]}
+
+
+def test_stale_checkpoint_reads_map_to_the_corresponding_files_of_the_newest_coherent_one():
+    from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
+
+    old = _ck("/r", 100, {"/r/model_step100.pt": 10 * MiB, "/r/mp_rank_00_step100.pt": 4 * MiB,
+                          "/r/extra_step100.bin": MiB})
+    old["id"] = "/r#step 100"
+    new = _ck("/r", 200, {"/r/model_step200.pt": 12 * MiB, "/r/mp_rank_00_step200.pt": 4 * MiB})
+    new["id"] = "/r#step 200"
+    mounted = _manifest(("/r", new["id"], [new, old]))
+    chunks = {b"/r/model_step200.pt": [0, 3 * MiB, 7 * MiB, 11 * MiB], b"/r/mp_rank_00_step200.pt": [0, 2 * MiB],
+              b"/r/model_step100.pt": [0, 4 * MiB, 9 * MiB], b"/r/mp_rank_00_step100.pt": [0, 2 * MiB]}
+    entries = [(b"/venv/x.py", 0), (b"/r/mp_rank_00_step100.pt", 0), (b"/r/model_step100.pt", 0),
+               (b"/r/extra_step100.bin", 0), (b"/r/model_step100.pt", 5 * MiB), (b"/r/model_step100.pt", 9 * MiB),
+               (b"/venv/y.py", 0)]
+    out = replace_stale_checkpoints(entries, mounted, None, lambda p: chunks.get(p, []))
+    assert out == [(b"/venv/x.py", 0), (b"/r/mp_rank_00_step200.pt", 0),  # a prefix, chunk by chunk ...
+                   (b"/r/model_step200.pt", 0), (b"/r/model_step200.pt", 3 * MiB),
+                   # ... and read to its end (9 MiB is in its last chunk): the newer file to its own end
+                   (b"/r/model_step200.pt", 7 * MiB), (b"/r/model_step200.pt", 11 * MiB), (b"/venv/y.py", 0)]
+    # (extra has no counterpart: dropped; mp_rank_00's "00" is no step number: the files still correspond)
+    # the stale file's chunks unknown (not in the mounted snapshot): a read within a chunk of its end is to its end
+    del chunks[b"/r/mp_rank_00_step100.pt"]
+    out = replace_stale_checkpoints(entries[1:2], mounted, None, lambda p: chunks.get(p, []))
+    assert out == [(b"/r/mp_rank_00_step200.pt", 0), (b"/r/mp_rank_00_step200.pt", 2 * MiB)]
+    # nothing changes when the trace read the newest coherent checkpoint, or one ahead of it (torn here) ...
+    newest = [(b"/r/model_step200.pt", 0)]
+    assert replace_stale_checkpoints(newest, mounted, None, lambda p: chunks.get(p, [])) == newest
+    torn = _ck("/r", 300, {"/r/model_step300.pt": 10 * MiB}, coherent=False)
+    torn["id"] = "/r#step 300"
+    ahead = [(b"/r/model_step300.pt", 0)]
+    assert replace_stale_checkpoints(ahead, _manifest(("/r", new["id"], [torn, new])), None, chunks.get) == ahead
+    # ... or when the mounted snapshot knows no coherent checkpoint of the run (only the trace's snapshot does)
+    assert replace_stale_checkpoints(entries, _manifest(("/r", None, [])), mounted, chunks.get) == entries
+
+
+def test_replay_of_a_trace_recorded_on_a_stale_checkpoint_never_requests_it_ahead_of_what_the_run_reads(
+        spot_loop, monkeypatch, tmp_path):
+    """Issue 17's rule (the trace never loses), on a workload where a naive replay loses: A's trace read
+    checkpoint-100, C resumes from B's snapshot and reads checkpoint-200.  Replayed as recorded, the trace
+    fetches all of checkpoint-100 at trace priority and checkpoint-200 only with the hints, after it; replayed
+    by ogrefs, checkpoint-200 goes at trace priority and checkpoint-100 is never asked for ahead of it."""
+    from ogrefs.lazy.materialize import Materializer
+    from ogrefs.lazy.prefetch import Prefetch
+
+    repo, _src, m_b, cat_b, stale, fresh = spot_loop
+    stale_ids, fresh_ids = {r.chunk for r in stale}, {r.chunk for r in fresh}
+
+    def prefetch(entries, materialize: bool) -> list[tuple[Priority, ChunkRef]]:
+        fetcher = Fetcher(repo.read_pack_range)
+        asked = _requests(fetcher, monkeypatch)
+        m = Materializer(cat_b, fetcher, tmp_path / f"state-{len(os.listdir(tmp_path))}") if materialize else None
+        pf = Prefetch(cat_b, fetcher, trace_entries=entries, materializer=m)
+        run_trio(fetcher, pf.run)
+        assert m is None or m.complete
+        return asked
+
+    def first_request(asked, ids) -> dict[bytes, tuple[int, Priority]]:
+        first: dict[bytes, tuple[int, Priority]] = {}
+        for i, (prio, ref) in enumerate(asked):
+            if ref.chunk in ids:
+                first.setdefault(ref.chunk, (i, prio))
+        return first
+
+    naive = prefetch(find_trace(repo, m_b).entries, materialize=False)  # the workload where naive replay loses
+    assert {p for p, r in naive if r.chunk in stale_ids} == {Priority.TRACE}
+    assert {p for p, r in naive if r.chunk in fresh_ids} == {Priority.HINT}  # after all of the stale checkpoint
+
+    for materialize in (False, True):
+        asked = prefetch(load_trace(repo, m_b, cat_b), materialize)
+        fresh_first = first_request(asked, fresh_ids)
+        assert set(fresh_first) == fresh_ids and {p for _i, p in fresh_first.values()} == {Priority.TRACE}
+        stale_asked = [(i, p) for i, (p, r) in enumerate(asked) if r.chunk in stale_ids]
+        if not materialize:
+            assert stale_asked == []  # into the chunk cache: trace, then hints; the stale checkpoint is neither
+        else:  # the local copy holds everything, the stale checkpoint too: in the background, after the run's reads
+            assert stale_asked and {p for _i, p in stale_asked} == {Priority.BACKGROUND}
+            assert min(i for i, _p in stale_asked) > max(i for i, _p in fresh_first.values())

@@ -527,16 +527,13 @@ def test_cli_reports_damaged_objects_in_one_line(tmp_path):
         assert len(res.stderr.strip().splitlines()) == 1
 
 
-# -- access traces (traces/<snapshot>/<name>; the module may not exist in older trees) ------------------
-
-def _trace_module():
-    return pytest.importorskip("ogrefs.lazy.trace")
-
+# -- access traces (traces/<snapshot>/<name>) ------------------------------------------------------------
 
 def _decode_trace(data: bytes) -> None:
-    trace = _trace_module()
+    from ogrefs.repo.traces import decode_trace
+
     try:
-        entries = trace.decode_trace(data, "traces/x/y")
+        entries = decode_trace(data, "traces/x/y")
     except CorruptObject as exc:
         assert "\n" not in str(exc)
         return

@@ -42,7 +42,8 @@ from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Keep, Priority
 from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.materialize.plan import CLASSES
 from ogrefs.units import human_bytes
-from ogrefs.lazy.trace import Entry, Replayer
+from ogrefs.lazy.replay import Replayer
+from ogrefs.repo.traces import Entry
 
 log = logging.getLogger(__name__)
 

@@ -141,7 +141,7 @@ class VfsStats:
 
 
 class AccessRecorder(Protocol):
-    """What the vfs tells about reads (``ogrefs.lazy.trace.Recorder``): first touches of chunks."""
+    """What the vfs tells about reads (``ogrefs.lazy.recorder.Recorder``): first touches of chunks."""
 
     active: bool
 

@@ -201,10 +201,10 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
             opts.save_trace = not opts.read_only
         if opts.prefetch is None:  # a browse mount fetches only what is read
             opts.prefetch = not opts.read_only
-        from ogrefs.lazy.trace import load_trace
+        from ogrefs.lazy.replay import load_trace
 
         try:
-            opts.trace_entries = load_trace(repo, manifest) if opts.replay_trace else None
+            opts.trace_entries = load_trace(repo, manifest, catalog) if opts.replay_trace else None
         except (OgrefsError, OSError) as exc:
             log.warning("no access trace replayed: %s", exc)
             opts.trace_entries = None
@@ -457,7 +457,7 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
                       retries=lambda: packs.retries)
     from ogrefs.lazy.materialize.materializer import Materializer
     from ogrefs.lazy.prefetch import Prefetch
-    from ogrefs.lazy.trace import Recorder, save_trace, save_when_recorded
+    from ogrefs.lazy.recorder import Recorder, save_trace, save_when_recorded
 
     recorder = Recorder(catalog) if opts.save_trace else None
     materializer = (Materializer(catalog, fetcher, opts.state_dir)

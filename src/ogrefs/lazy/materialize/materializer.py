@@ -38,7 +38,7 @@ from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
 from ogrefs.lazy.materialize.plan import CLASSES, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter
 from ogrefs.lazy.residency import Residency
-from ogrefs.lazy.trace import Entry
+from ogrefs.repo.traces import Entry
 from ogrefs.repo.catalog import Catalog
 from ogrefs.units import human_bytes as human
 
