@@ -16,7 +16,8 @@ from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.recorder import Recorder, save_trace, save_when_recorded
-from ogrefs.lazy.replay import Replayer, load_trace
+from ogrefs.lazy.replay import Replayer
+from ogrefs.lazy.resolve import load_trace
 from ogrefs.repo.traces import decode_trace, find_trace
 from ogrefs.lazy.vfs import SnapshotFS
 
@@ -433,7 +434,7 @@ def test_replay_of_a_trace_recorded_on_a_stale_checkpoint_never_requests_it_ahea
     checkpoint-100, C resumes from B's snapshot and reads checkpoint-200.  Replayed as recorded, the trace
     fetches all of checkpoint-100 at trace priority and checkpoint-200 only with the hints, after it; replayed
     by ogrefs, checkpoint-200 goes at trace priority and checkpoint-100 is never asked for ahead of it."""
-    from ogrefs.lazy.materialize import Materializer
+    from ogrefs.lazy.materialize.materializer import Materializer
     from ogrefs.lazy.prefetch import Prefetch
 
     repo, _src, m_b, cat_b, stale, fresh = spot_loop

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import trio
 
 from ogrefs.errors import CorruptObject
-from ogrefs.repo.catalog import Catalog
+from ogrefs.repo.catalog import Catalog, paths_of
 from ogrefs.repo.traces import Entry, encode_trace, merge_traces, store_trace
 from ogrefs.store.base import StoreError
 
@@ -85,7 +85,7 @@ class Recorder:
     def entries(self) -> list[Entry]:
         """(path, offset) in first-touch order; blocking (catalog queries): call it from a worker thread."""
         seen = list(self._seen)
-        paths = self.catalog.paths_of(ino for ino, _off in seen)
+        paths = paths_of(self.catalog, (ino for ino, _off in seen))
         return [(path, off) for ino, off in seen if (path := paths[ino]) is not None]
 
     def to_bytes(self, previous: Iterable[Entry] | None = None, *, snap_id: str | None = None) -> bytes:

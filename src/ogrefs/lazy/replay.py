@@ -1,132 +1,36 @@
-"""Replaying an access trace: entries resolved to the chunks of the mounted catalog, fetched in order.
-
-A trace's entries are ``(path, file offset)`` (:mod:`ogrefs.repo.traces`).
-:class:`EntryResolver` maps them onto a catalog — which may be a *newer*
-snapshot's than the one the trace was recorded on: a path is resolved in this
-catalog, an offset mapped to the extent that holds it, and entries whose file
-or data no longer exist are dropped.  :func:`load_trace` finds the trace a
-mount replays and puts the mounted snapshot's newest coherent checkpoint in
-place of a stale one the trace read (:mod:`ogrefs.lazy.newer_checkpoint`).
+"""Replaying an access trace (or a list of chunks): fetched in order, at a priority, a window at a time.
 
 :class:`Replayer` feeds a list of chunks to the fetcher at a priority, in
-order, a bounded number of bytes at a time (the windowed request engine of
-:mod:`ogrefs.lazy.window`).
+order, in groups of neighbours, a bounded number of bytes outstanding (the
+windowed request engine of :mod:`ogrefs.lazy.window`).  A trace's entries are
+first resolved to the mounted catalog's chunks (:mod:`ogrefs.lazy.resolve`).
 
 Ownership: a Replayer belongs to the trio loop (its stats are read by the
-status file on the same loop).  Resolution and catalog queries run in a
-worker thread, on the catalog and the immutable entry list only; the
-resolver lives in that thread alone.
+status file on the same loop).  Resolution runs in a worker thread, on the
+catalog and the immutable entry list only, and returns its result: the
+thread assigns nothing of the Replayer's.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from typing import Awaitable, Callable
 
 import trio
 
-from ogrefs.errors import CorruptObject
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Keep, Priority, Ticket
-from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
+from ogrefs.lazy.resolve import EntryResolver
 from ogrefs.lazy.window import RequestWindow, groups
-from ogrefs.repo.catalog import Catalog, Extent
-from ogrefs.repo.traces import Entry, find_trace
-
-if TYPE_CHECKING:
-    from ogrefs.repo import Repository
+from ogrefs.repo.catalog import Catalog
+from ogrefs.repo.traces import Entry
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
 
-def load_trace(repo: Repository, manifest: dict[str, Any], catalog: Catalog) -> list[Entry]:
-    """The entries a mount of ``manifest`` (whose catalog is ``catalog``) replays ([] when there is none).  Blocking.
-
-    The trace :func:`~ogrefs.repo.traces.find_trace` picks, with the reads of
-    a training checkpoint older than the newest coherent one of its run in
-    ``manifest`` turned into reads of that newest one: a run resumed from this
-    snapshot loads the newest checkpoint, not the one the trace's run loaded.
-    """
-    found = find_trace(repo, manifest)
-    if not found.entries:
-        return []
-    return replace_stale_checkpoints(found.entries, manifest, found.recorded_on, lambda p: _chunk_starts(catalog, p))
-
-
-def _chunk_starts(catalog: Catalog, path: bytes) -> list[int]:
-    """The offsets of a file's chunks in ``catalog`` ([] if it is no regular file there, or unreadable)."""
-    try:
-        node = catalog.resolve(path)
-        return [e.offset for e in catalog.extents(node.ino)] if node is not None and node.is_reg else []
-    except CorruptObject as exc:
-        log.warning("trace: %s: %s", os.fsdecode(path), exc)
-        return []
-
-
-# -- mapping entries to chunks -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Resolved:
-    ino: int
-    extent: Extent
-
-    @property
-    def ref(self) -> ChunkRef:
-        return ChunkRef.from_extent(self.extent)
-
-
-class EntryResolver:
-    """Maps (path, offset) entries to the extents of a catalog; memoizes files.  Blocking (one thread)."""
-
-    def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
-        self._files: dict[bytes, tuple[int, list[Extent], list[int]] | None] = {}
-        self.dropped = 0  # entries whose file or data does not exist in this catalog
-
-    def _file(self, path: bytes) -> tuple[int, list[Extent], list[int]] | None:
-        if path in self._files:
-            return self._files[path]
-        try:
-            node = self.catalog.resolve(path)
-            info = None
-            if node is not None and node.is_reg and node.size:
-                extents = self.catalog.extents(node.ino)
-                info = (node.ino, extents, [e.offset for e in extents])
-        except CorruptObject as exc:
-            log.warning("trace entry %s: %s", os.fsdecode(path), exc)
-            info = None
-        self._files[path] = info
-        return info
-
-    def resolve(self, entries: Iterable[Entry]) -> list[Resolved]:
-        """The extent holding each entry, in order, each extent once; entries that map to nothing are dropped."""
-        out: list[Resolved] = []
-        seen: set[tuple[int, int]] = set()
-        for path, off in entries:
-            info = self._file(path)
-            if info is None:
-                self.dropped += 1
-                continue
-            ino, extents, starts = info
-            k = bisect_right(starts, off) - 1
-            if k < 0 or off >= extents[k].end:
-                self.dropped += 1  # a hole now, or past the end of the file
-                continue
-            if (ino, extents[k].offset) not in seen:
-                seen.add((ino, extents[k].offset))
-                out.append(Resolved(ino, extents[k]))
-        return out
-
-
-def resolve_entries(catalog: Catalog, entries: Iterable[Entry]) -> list[Resolved]:
-    return EntryResolver(catalog).resolve(entries)
-
-
-# -- replay ----------------------------------------------------------------------------------------------
 @dataclass
 class ReplayStats:
     entries: int = 0
@@ -182,7 +86,7 @@ class Replayer:
             refs = self._refs
         else:
             resolver = EntryResolver(self.catalog)
-            refs = [r.ref for r in resolver.resolve(self.entries)]
+            refs = [ChunkRef.from_extent(r.extent) for r in resolver.resolve(self.entries)]
             dropped = resolver.dropped
         out, seen, total = [], set(), 0
         for ref in refs:

@@ -201,7 +201,7 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None)
             opts.save_trace = not opts.read_only
         if opts.prefetch is None:  # a browse mount fetches only what is read
             opts.prefetch = not opts.read_only
-        from ogrefs.lazy.replay import load_trace
+        from ogrefs.lazy.resolve import load_trace
 
         try:
             opts.trace_entries = load_trace(repo, manifest, catalog) if opts.replay_trace else None

@@ -530,51 +530,6 @@ class Catalog:
             node = self.lookup(node.ino, part)
         return node
 
-    def paths_of(self, inos: Iterable[int]) -> dict[int, bytes | None]:
-        """One absolute path of each inode (a hard link has several; any one will do), None if unreachable.
-
-        The inverse of :meth:`resolve`, for the access trace (which stores
-        paths): walks ``dirents`` up to the root, remembering every directory
-        it met, so a trace's thousands of files cost one query each.  A name
-        that is not a valid file name, or a parent chain deeper than 4096 or
-        looping, gives None.
-        """
-        dirs: dict[int, bytes | None] = {ROOT_INO: b""}
-        out: dict[int, bytes | None] = {}
-        for ino in inos:
-            if ino not in out:
-                pn = self._parent_and_name(ino)
-                parent = None if pn is None else self._dir_path(pn[0], dirs)
-                out[ino] = None if parent is None else parent + b"/" + pn[1]
-        return out
-
-    def _parent_and_name(self, ino: int) -> tuple[int, bytes] | None:
-        rows = self._rows("SELECT parent, name FROM dirents WHERE ino=? LIMIT 1", (ino,))
-        if not rows or type(rows[0][0]) is not int or not valid_name(rows[0][1]):
-            return None
-        return rows[0][0], rows[0][1]
-
-    def _dir_path(self, ino: int, dirs: dict[int, bytes | None]) -> bytes | None:
-        """The path of directory ``ino`` (memoized in ``dirs``), iteratively: a deep tree cannot overflow."""
-        chain: list[tuple[int, bytes]] = []
-        on_chain: set[int] = set()
-        cur = ino
-        while cur not in dirs:
-            pn = self._parent_and_name(cur) if len(chain) < 4096 else None
-            on_chain.add(cur)
-            if pn is None or pn[0] in on_chain:
-                for c, _name in chain:
-                    dirs[c] = None
-                dirs[cur] = None
-                return None
-            chain.append((cur, pn[1]))
-            cur = pn[0]
-        path = dirs[cur]
-        for c, name in reversed(chain):
-            path = None if path is None else path + b"/" + name
-            dirs[c] = path
-        return dirs[ino]
-
     def walk(self, ino: int = ROOT_INO, prefix: bytes = b"") -> Iterator[tuple[bytes, Inode]]:
         """Depth-first (path, inode) for every entry below ``ino`` (not ``ino`` itself), names sorted.
 
@@ -754,6 +709,54 @@ class Catalog:
 
 
 # -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------
+def paths_of(cat: Catalog, inos: Iterable[int]) -> dict[int, bytes | None]:
+    """One absolute path of each inode (a hard link has several; any one will do), None if unreachable.
+
+    The inverse of :meth:`Catalog.resolve`, for the access trace (which stores
+    paths): walks ``dirents`` up to the root, remembering every directory it
+    met, so a trace's thousands of files cost one query each.  A name that is
+    not a valid file name, or a parent chain deeper than 4096 or looping,
+    gives None.
+    """
+    dirs: dict[int, bytes | None] = {ROOT_INO: b""}
+    out: dict[int, bytes | None] = {}
+    for ino in inos:
+        if ino not in out:
+            pn = _parent_and_name(cat, ino)
+            parent = None if pn is None else _dir_path(cat, pn[0], dirs)
+            out[ino] = None if parent is None else parent + b"/" + pn[1]
+    return out
+
+
+def _parent_and_name(cat: Catalog, ino: int) -> tuple[int, bytes] | None:
+    rows = cat._rows("SELECT parent, name FROM dirents WHERE ino=? LIMIT 1", (ino,))
+    if not rows or type(rows[0][0]) is not int or not valid_name(rows[0][1]):
+        return None
+    return rows[0][0], rows[0][1]
+
+
+def _dir_path(cat: Catalog, ino: int, dirs: dict[int, bytes | None]) -> bytes | None:
+    """The path of directory ``ino`` (memoized in ``dirs``), iteratively: a deep tree cannot overflow."""
+    chain: list[tuple[int, bytes]] = []
+    on_chain: set[int] = set()
+    cur = ino
+    while cur not in dirs:
+        pn = _parent_and_name(cat, cur) if len(chain) < 4096 else None
+        on_chain.add(cur)
+        if pn is None or pn[0] in on_chain:
+            for c, _name in chain:
+                dirs[c] = None
+            dirs[cur] = None
+            return None
+        chain.append((cur, pn[1]))
+        cur = pn[0]
+    path = dirs[cur]
+    for c, name in reversed(chain):
+        path = None if path is None else path + b"/" + name
+        dirs[c] = path
+    return dirs[ino]
+
+
 def file_chunks(cat: Catalog, ino: int) -> list[tuple[Extent, int]]:
     """A regular file's extents in file order, each with its chunk's plaintext length (to decode it)."""
     rows = cat._rows("SELECT e.offset, b.raw_len FROM extents e JOIN blobs b ON b.id = e.blob "

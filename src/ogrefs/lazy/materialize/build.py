@@ -25,7 +25,7 @@ from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.lazy.materialize import space
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter, syncfs
-from ogrefs.lazy.replay import EntryResolver
+from ogrefs.lazy.resolve import EntryResolver
 from ogrefs.repo.traces import Entry
 from ogrefs.localtree import LocalTree
 from ogrefs.repo.catalog import ROOT_INO, Catalog
