@@ -400,7 +400,7 @@ def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_ag
     fetcher = Fetcher(log)
     m2 = Materializer(box.catalog, fetcher, state)  # not run: only what the earlier run wrote
     ino = box.catalog.resolve(box.path(rel)).ino
-    assert m2.local_path(ino) is None and all(m2.chunk_done(r.chunk) for r in done)
+    assert m2.local_path(ino) is None and all(m2.residency.in_tree(r.chunk) for r in done)
     fs = SnapshotFS(box.catalog, fetcher, local=m2)
     got = bytearray()
 
@@ -774,7 +774,6 @@ def test_what_a_reader_fetches_is_adopted_into_the_tree_not_cached_and_never_fet
     log = CallLog(box.repo.read_pack_range)
     fetcher = Fetcher(log, cache)
     m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=MiB, group_bytes=256 * 1024)
-    fetcher.adopter = m.adopt
     # background class: the materializer gets there last (three files: at least three chunks, whatever the
     # random content makes of each)
     refs = [r for name in ("shard1", "shard2", "shard3") for r in box.refs_of(f"data/{name}.bin")]
@@ -805,7 +804,6 @@ def test_a_chunk_the_materializer_asked_for_that_a_reader_also_reads_skips_the_c
     gate = threading.Event()
     fetcher = Fetcher(gated(box, gate), cache)
     m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=64 * MiB)
-    fetcher.adopter = m.adopt
     ref = box.refs_of("data/shard1.bin")[0]
 
     async def body():
@@ -854,7 +852,7 @@ def test_a_chunk_fetched_for_the_tree_but_not_yet_written_is_read_from_hand_not_
         async with trio.open_nursery() as n:
             n.start_soon(m.run)
             with trio.fail_after(20):
-                while m.chunk_in_hand(ref.chunk) is None:
+                while m.residency.in_hand(ref.chunk) is None:
                     await trio.sleep(0.01)
             got["calls"] = len(log.calls)
             fh = await fs.open(node.ino, os.O_RDONLY)
@@ -867,7 +865,7 @@ def test_a_chunk_fetched_for_the_tree_but_not_yet_written_is_read_from_hand_not_
     assert got["data"] == Path(os.fsdecode(path)).read_bytes()[:ref.raw_len]
     covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
     assert len(covering) == 1, covering  # the materializer's GET only
-    assert m.complete and m.chunk_in_hand(ref.chunk) is None
+    assert m.complete and m.residency.in_hand(ref.chunk) is None
 
 
 def test_adoption_stops_at_its_bound_and_the_cache_keeps_the_rest(box, tmp_path):
@@ -875,7 +873,6 @@ def test_adoption_stops_at_its_bound_and_the_cache_keeps_the_rest(box, tmp_path)
     fetcher = Fetcher(box.repo.read_pack_range, cache)
     m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=MiB, group_bytes=256 * 1024,
                      adopt_bytes=1)  # room for nothing
-    fetcher.adopter = m.adopt
     refs = box.refs_of("data/shard2.bin")
 
     async def body():

@@ -218,11 +218,6 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
         def local_path(self, i):
             return os.fsencode(copy) if i == f4 else None
 
-        def chunk_done(self, chunk):
-            return False
-
-        def chunk_in_hand(self, chunk):
-            return None
 
         def tree_path(self, i):
             return None

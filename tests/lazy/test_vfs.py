@@ -271,11 +271,6 @@ class SourceCopy:
     def local_path(self, ino: int) -> bytes | None:
         return self.paths.get(ino)
 
-    def chunk_done(self, chunk: bytes) -> bool:
-        return False
-
-    def chunk_in_hand(self, chunk: bytes) -> bytes | None:
-        return None
 
     def local_paths(self, inos: list[int]) -> dict[int, bytes]:
         return {ino: self.paths[ino] for ino in inos if ino in self.paths}

@@ -3,8 +3,10 @@
 The fetch path every lazy reader shares (the FUSE mount today; prefetch from a
 recorded trace, hints and background materialization next):
 
-1. ``get(ref)`` answers from a small in-memory LRU of verified chunks, or from
-   the chunks a replay holds in memory for the materializer (:meth:`Fetcher.hold`).
+1. ``get(ref)`` answers from memory: the :class:`~ogrefs.lazy.residency.Residency`
+   it was given holds the LRU of verified chunks, the chunks a replay holds for
+   the materializer (:meth:`Fetcher.hold`) and the chunks the materializer has
+   in hand; the fetcher asks it first and puts what it fetches there.
 2. Otherwise the chunk gets exactly one *pending* entry, however many readers
    want it; later callers wait on the same entry (single flight) and a caller
    with a more urgent priority raises the entry's priority.
@@ -43,8 +45,11 @@ read-only view of downloaded bytes; a chunk id and its bytes) and return new
 objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
 store request, cache probe and cache write run; cancelling it stops them all
 and sets ``stop`` (a threading.Event the store's retry waits watch).
-The ``adopter`` hook (materialization) is called on the loop, with a chunk
-just fetched for a caller that keeps it; when it takes the chunk, the chunk
+Where each chunk is (memory, held, in hand, in the local tree) is the
+:class:`~ogrefs.lazy.residency.Residency`'s, given at construction and shared
+with the materializer; the fetcher only calls its mutators on the loop.  A
+chunk just fetched from the store for a caller that keeps it is offered to it
+(:meth:`Residency.adopt`); when the local tree takes the chunk, the chunk
 cache does without it.
 """
 
@@ -56,7 +61,6 @@ import logging
 import os
 import sqlite3
 import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
@@ -65,6 +69,7 @@ import trio
 from ogrefs.repo import codec
 from ogrefs.lazy import fetchio
 from ogrefs.lazy.chunkcache import ChunkCache
+from ogrefs.lazy.residency import ABSENT, Residency
 from ogrefs.lazy.fetchqueue import Priority, RequestQueue
 from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
     ChunkCorrupt,
@@ -171,31 +176,26 @@ class Fetcher:
                  reserved_for_read: int = 2, max_range: int = 16 * MiB, max_gap: int = 256 * 1024,
                  memory_bytes: int = 128 * MiB, decode_threads: int | None = None,
                  decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None,
-                 stop: threading.Event | None = None, retries: Callable[[], int] | None = None) -> None:
+                 stop: threading.Event | None = None, retries: Callable[[], int] | None = None,
+                 residency: Residency | None = None) -> None:
         """``read_range``/``open_range``: the packs (a :class:`~ogrefs.lazy.fetchio.PackReads`' methods
         carry the caller's retry budget); ``stop``: set when :meth:`run` ends, so that a store call waiting
         out an outage in a worker thread gives up at once; ``retries``: how many store calls were retried
-        (the PackReads' count, for :attr:`stats`)."""
+        (the PackReads' count, for :attr:`stats`); ``residency``: where chunks are (memory, the local tree),
+        shared with the materializer; a fresh one whose memory LRU holds ``memory_bytes`` when not given."""
         self._queue = RequestQueue(max_requests, reserved_for_read, max_range, max_gap)
         self._read_range = read_range
         self._stop = stop
         self._retries = retries
         self._open_range: OpenRange = open_range or (lambda pack, off, n: BytesRange(read_range(pack, off, n)))
         self._decode_blob = decode
-        # Called on the loop with every chunk fetched from the store for a caller that keeps it (a
-        # reader, its read-ahead); True means it was taken (materialization writes it to its tree)
-        # and the chunk cache can do without it.
-        self.adopter: Callable[[ChunkRef, bytes], bool] | None = None
         self.cache = cache
-        self.memory_bytes = memory_bytes
+        # memory, held and in-hand chunks, the local tree: one owner, shared with the materializer
+        # (``memory_bytes`` sizes the LRU of a residency of its own; a residency given is sized by its maker)
+        self.residency = residency if residency is not None else Residency(memory_bytes)
         self.stats = FetchStats()
         self._pending: dict[bytes, _Pending] = {}
         self._fetching = 0  # chunks inside requests in flight
-        self._mem: OrderedDict[bytes, bytes] = OrderedDict()
-        self._mem_size = 0
-        self._held: dict[bytes, bytes] = {}  # replayed chunks kept until taken (see hold())
-        self._held_size = 0
-        self.hold_bytes = 0  # bound of _held; 0: nothing is held
         self._nursery: trio.Nursery | None = None
         self._net_limiter = trio.CapacityLimiter(max_requests)
         self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
@@ -230,7 +230,7 @@ class Fetcher:
     # -- the public API --------------------------------------------------------------------
     async def get(self, ref: ChunkRef, priority: Priority = Priority.READ) -> bytes:
         """The chunk's verified plaintext; raises :class:`FetchError`."""
-        data = self._mem_get(ref.chunk)
+        data = self.residency.in_memory(ref.chunk)
         if data is not None:
             self.stats.hits_memory += 1
             return data
@@ -249,7 +249,8 @@ class Fetcher:
         pack share one ranged GET.
         """
         before = len(self._pending)
-        self._want([r for r in refs if not self.is_cached_in_memory(r.chunk)], priority)
+        res = self.residency  # (nothing the loop has or the local tree holds is fetched for it)
+        self._want([r for r in refs if res.where(r.chunk) == ABSENT], priority)
         return len(self._pending) - before
 
     def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True,
@@ -272,14 +273,13 @@ class Fetcher:
         """
         out: list[Ticket] = []
         missing: list[ChunkRef] = []
+        res = self.residency
         for ref in refs:
-            data = self._held.pop(ref.chunk, None) if take else None
-            if data is not None:
-                self._held_size -= len(data)
-            else:
-                data = self._mem_get(ref.chunk)
+            data = res.take_held(ref.chunk) if take else None
+            if data is None:
+                data = res.cached(ref.chunk)
                 if data is not None and hold:
-                    self._hold_put(ref.chunk, data)  # (the LRU may drop it before the materializer takes it)
+                    res.hold_put(ref.chunk, data)  # (the LRU may drop it before the materializer takes it)
             if data is not None:
                 self.stats.hits_memory += 1
             else:
@@ -293,10 +293,17 @@ class Fetcher:
 
     def set_memory_limit(self, limit: int) -> None:
         """Resize the memory LRU."""
-        self.memory_bytes = limit
-        while self._mem_size > self.memory_bytes and self._mem:
-            _, old = self._mem.popitem(last=False)
-            self._mem_size -= len(old)
+        self.residency.set_memory_limit(limit)
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory LRU's bound."""
+        return self.residency.memory_bytes
+
+    @property
+    def hold_bytes(self) -> int:
+        """The bound of held chunks (0: nothing is held)."""
+        return self.residency.hold_bytes
 
     def hold(self, limit: int) -> None:
         """Keep chunks requested with ``hold=True`` in memory, up to ``limit`` bytes, until taken.
@@ -308,22 +315,19 @@ class Fetcher:
         them (``request(..., take=True)``), which releases them.  What does not
         fit goes to the LRU as before.  ``hold(0)`` releases everything.
         """
-        self.hold_bytes = limit
-        if limit <= 0:
-            self._held.clear()
-            self._held_size = 0
+        self.residency.hold(limit)
 
     @property
     def held_size(self) -> int:
         """Bytes held now (see :meth:`hold`)."""
-        return self._held_size
+        return self.residency.held_size
 
     def held_chunks(self) -> frozenset[bytes]:
         """The chunks held now (a copy: for a worker thread)."""
-        return frozenset(self._held)
+        return self.residency.held_chunks()
 
     def is_cached_in_memory(self, chunk: bytes) -> bool:
-        return chunk in self._held or chunk in self._mem
+        return self.residency.is_cached(chunk)
 
     @property
     def in_flight(self) -> int:
@@ -340,7 +344,8 @@ class Fetcher:
             self.stats.retries = self._retries()
         out = asdict(self.stats)
         out.update(in_flight=self._fetching, queued=self._queue.queued, active_requests=self._queue.active,
-                   pending=len(self._pending), memory_bytes=self._mem_size, held_bytes=self._held_size)
+                   pending=len(self._pending), memory_bytes=self.residency.memory_size,
+                   held_bytes=self.residency.held_size)
         return out
 
     # -- single flight -------------------------------------------------------------------------
@@ -424,13 +429,14 @@ class Fetcher:
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data
         self._pending.pop(p.ref.chunk, None)
-        if not (p.hold and self._hold_put(p.ref.chunk, data)) and p.keep >= Keep.MEMORY:
-            self._mem_put(p.ref.chunk, data)
+        res = self.residency
+        if not (p.hold and res.hold_put(p.ref.chunk, data)) and p.keep >= Keep.MEMORY:
+            res.mem_put(p.ref.chunk, data)
         p.done.set()
 
     def _adopted(self, p: _Pending, data: bytes) -> bool:
-        """Offer a chunk fetched from the store for a keeping caller to the adopter (materialization)."""
-        return self.adopter is not None and self.adopter(p.ref, data)
+        """Offer a chunk fetched from the store for a keeping caller to the local tree (materialization)."""
+        return self.residency.adopt(p.ref, data)
 
     def _fail(self, p: _Pending, error: FetchError) -> None:
         p.error = error
@@ -564,31 +570,3 @@ class Fetcher:
                     await trio.to_thread.run_sync(self.cache.flush, limiter=self._cache_write_limiter)
                 except _CACHE_ERRORS as exc:
                     log.warning("chunk cache bookkeeping failed: %s", exc)
-
-    def _hold_put(self, chunk: bytes, data: bytes) -> bool:
-        """Hold ``chunk`` if there is room (see :meth:`hold`); True if it is held now."""
-        if chunk in self._held:
-            return True
-        if self._held_size + len(data) > self.hold_bytes:
-            return False
-        self._held[chunk] = data
-        self._held_size += len(data)
-        return True
-
-    def _mem_get(self, chunk: bytes) -> bytes | None:
-        data = self._held.get(chunk)
-        if data is not None:
-            return data
-        data = self._mem.get(chunk)
-        if data is not None:
-            self._mem.move_to_end(chunk)
-        return data
-
-    def _mem_put(self, chunk: bytes, data: bytes) -> None:
-        if chunk in self._mem or len(data) > self.memory_bytes:
-            return
-        self._mem[chunk] = data
-        self._mem_size += len(data)
-        while self._mem_size > self.memory_bytes:
-            _, old = self._mem.popitem(last=False)
-            self._mem_size -= len(old)

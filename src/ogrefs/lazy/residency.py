@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 MiB = 1024 * 1024
 
+#: Where a chunk is (:meth:`Residency.where`).
+IN_MEMORY, IN_TREE, ABSENT = 0, 1, 2
+
 
 class Residency:
     """The loop's single answer to "where is chunk X"; see the module docstring."""
@@ -69,6 +72,20 @@ class Residency:
         self._adopt_wakeup = trio.Event()
 
     # -- queries --------------------------------------------------------------------------------
+    def where(self, chunk: bytes) -> int:
+        """``IN_MEMORY`` (cached, held, or in the materializer's hand: its bytes are here),
+        ``IN_TREE`` (durable in the local tree), or ``ABSENT`` (the fetcher must get it).
+
+        Memory is answered first: a chunk the loop has costs no disk read.
+        """
+        if chunk in self._held or chunk in self._mem:
+            return IN_MEMORY
+        if chunk in self._done:
+            return IN_TREE
+        if (self._in_hand or self._tickets) and self.in_hand(chunk) is not None:
+            return IN_MEMORY
+        return ABSENT
+
     def cached(self, chunk: bytes) -> bytes | None:
         """The chunk's bytes from the memory LRU or the held chunks (a hit in the LRU refreshes it)."""
         data = self._held.get(chunk)

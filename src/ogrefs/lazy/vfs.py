@@ -59,6 +59,7 @@ from ogrefs.repo import codec
 from ogrefs.repo.catalog import ROOT_INO, Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
+from ogrefs.lazy.residency import IN_TREE
 from ogrefs.store.base import StoreError
 
 log = logging.getLogger(__name__)
@@ -149,16 +150,19 @@ class AccessRecorder(Protocol):
 
 
 class LocalCopy(Protocol):
-    """Where a complete local copy of a file is, and which chunks of incomplete ones are in place
-    (``ogrefs.lazy.materialize.materializer.Materializer``)."""
+    """Where the local copy of a file is (``ogrefs.lazy.materialize.materializer.Materializer``).
 
-    def local_path(self, ino: int) -> bytes | None: ...
+    Which chunks of it are in place is the fetcher's residency's to say
+    (:meth:`~ogrefs.lazy.residency.Residency.where`).
+    """
 
-    def chunk_done(self, chunk: bytes) -> bool: ...
+    def local_path(self, ino: int) -> bytes | None:
+        """The complete local copy of ``ino`` (data durable, metadata applied), or None."""
+        ...
 
-    def chunk_in_hand(self, chunk: bytes) -> bytes | None: ...
-
-    def tree_path(self, ino: int) -> bytes | None: ...
+    def tree_path(self, ino: int) -> bytes | None:
+        """The local copy of ``ino``, complete or not (the residency says which chunks are in it)."""
+        ...
 
     def local_paths(self, inos: list[int]) -> dict[int, bytes]:
         """Blocking, thread-safe (worker threads): the complete local copies among ``inos``."""
@@ -632,13 +636,11 @@ class SnapshotFS:
             for k in wanted:
                 self.recorder.record(f.ino, f.extents[k].offset)
         ahead = self._read_ahead(f, offset, end, last)
-        local = self.local
         if len(wanted) > 1 or ahead:
-            # one call: the chunks of this read and of the read-ahead are probed and queued together
-            refs = [f.refs[k] for k in wanted] + ahead
-            if local is not None:  # chunks the materializer has (written or about to be) are not fetched
-                refs = [r for r in refs if not local.chunk_done(r.chunk) and local.chunk_in_hand(r.chunk) is None]
-            self.fetcher.prefetch(refs, Priority.READ)
+            # one call: the chunks of this read and of the read-ahead are probed and queued together (the
+            # fetcher skips what the residency has: in memory, in the materializer's hand, in the local tree)
+            self.fetcher.prefetch([f.refs[k] for k in wanted] + ahead, Priority.READ)
+        where = self.fetcher.residency.where if self.local is not None else None
         parts: list[bytes | memoryview] = []
         pos = offset
         try:
@@ -647,14 +649,12 @@ class SnapshotFS:
                 if ext.offset > pos:
                     parts.append(bytes(ext.offset - pos))
                     pos = ext.offset
-                chunk = f.refs[k].chunk
-                if self.fetcher.is_cached_in_memory(chunk):
-                    data = await self.fetcher.get(f.refs[k], Priority.READ)
-                elif local is not None and local.chunk_done(chunk) and (
+                # the residency says where the chunk is: in the local tree it is read from there (unless
+                # the copy is unreadable or damaged); in memory (cached, held, in the materializer's hand)
+                # the fetcher answers at once; absent, the fetcher gets it
+                if where is not None and where(f.refs[k].chunk) == IN_TREE and (
                         tree := await self._read_done_chunk(f, ext, k)) is not None:
                     data = tree
-                elif local is not None and (held := local.chunk_in_hand(chunk)) is not None:
-                    data = held  # fetched by the materializer, on its way into the tree
                 else:
                     t0 = trio.current_time()
                     data = await self.fetcher.get(f.refs[k], Priority.READ)

@@ -460,10 +460,10 @@ def _serve(opts: MountOptions, repo: Repository, manifest: dict, cat_path: Path,
     from ogrefs.lazy.recorder import Recorder, save_trace, save_when_recorded
 
     recorder = Recorder(catalog) if opts.save_trace else None
+    # (the materializer shares the fetcher's residency: what readers fetch goes to the tree at once, not via
+    # the chunk cache)
     materializer = (Materializer(catalog, fetcher, opts.state_dir)
                     if (opts.state_dir is not None and opts.materialize) else None)
-    if materializer is not None:
-        fetcher.adopter = materializer.adopt  # what readers fetch goes to the tree at once, not via the cache
     view = catalog
     if opts.host_paths is not None and opts.host_paths.hidden:
         from ogrefs.mount.hostpaths import HostView

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import trio
 
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetcher import ChunkRef, Fetcher
+from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize import space
 from ogrefs.lazy.materialize.build import Prepared, prepare
 from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
@@ -51,8 +51,8 @@ class Materializer:
     """Copies a snapshot into ``state_dir/tree`` in the background; see the package docstring.
 
     The vfs also reads chunks already done from the tree's files before those
-    files are complete (:meth:`chunk_done`, :meth:`tree_path`), so nothing
-    written is fetched again.
+    files are complete (the residency says which: ``Residency.where``; the file
+    is :meth:`tree_path`), so nothing written is fetched again.
     """
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, state_dir: Path, *, window_bytes: int = 96 * MiB,
@@ -62,7 +62,8 @@ class Materializer:
                  free_bytes: space.FreeBytes = space.free_bytes) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
-        self.residency = residency if residency is not None else Residency()
+        # where each chunk is: the fetcher's residency (so what readers fetch is adopted into the tree)
+        self.residency = residency if residency is not None else fetcher.residency
         self.state_dir = Path(state_dir)
         self.tree = self.state_dir / "tree"
         self.reserve_bytes = reserve_bytes
@@ -119,18 +120,6 @@ class Materializer:
         if self.state == "not materializing":
             return {}
         return {ino: self._tree_b + path for ino, path in self._plan.complete_paths(inos).items()}
-
-    def chunk_done(self, chunk: bytes) -> bool:
-        """Whether ``chunk`` is in the tree at every place it belongs (durable, recorded)."""
-        return self.residency.in_tree(chunk)
-
-    def chunk_in_hand(self, chunk: bytes) -> bytes | None:
-        """The verified bytes of ``chunk`` if it was fetched for the tree and is not yet recorded done."""
-        return self.residency.in_hand(chunk)
-
-    def adopt(self, ref: ChunkRef, data: bytes) -> bool:
-        """Offer a chunk fetched for someone else to the tree (:meth:`Residency.adopt`)."""
-        return self.residency.adopt(ref, data)
 
     def tree_path(self, ino: int) -> bytes | None:
         """The tree's file for regular file ``ino``, complete or not (its done chunks are in place)."""
