@@ -17,6 +17,13 @@ refused unless ``force``.
 
 Unmounting takes the overlays down in reverse order and keeps the upper
 directories: mounting again with the same state directory resumes.
+
+``OGREFS_METACOPY=1`` (opt-in, docs/mount.md) mounts new overlays with
+``metacopy=on``: a chmod or chown of a file not yet local copies up its
+metadata only, instead of fetching all its bytes through the FUSE lower.
+Once an overlay has been mounted so, ``state/work/<n>.metacopy`` says it
+and every later mount of that state uses it too (its upper directory may
+hold metadata-only files that overlayfs without metacopy refuses to open).
 No locks here: the mount daemon's parent process owns these calls.
 """
 
@@ -161,6 +168,23 @@ def lowerdir(o: Overlay) -> str:
     return ":".join(layers)
 
 
+METACOPY_ENV = "OGREFS_METACOPY"
+
+
+def _metacopy_marker(o: Overlay) -> str:
+    return o.work.rstrip("/") + ".metacopy"
+
+
+def uses_metacopy(o: Overlay) -> bool:
+    """Whether ``o`` is mounted with ``metacopy=on``: asked for now, or ever before for this state."""
+    return os.path.exists(_metacopy_marker(o)) or os.environ.get(METACOPY_ENV) == "1"
+
+
+def mount_options(o: Overlay) -> str:
+    metacopy = ",metacopy=on" if uses_metacopy(o) else ""  # implies redirect_dir=on (the kernel's rule)
+    return f"lowerdir={lowerdir(o)},upperdir={o.upper},workdir={o.work}{metacopy}"
+
+
 def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
     """Mount ``o``; then bind the box's submounts and ogrefs' own directories back on top of it.
 
@@ -182,9 +206,12 @@ def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
     fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in back}
     try:
         try:
-            mountsys.overlay(o.target, f"lowerdir={lowerdir(o)},upperdir={o.upper},workdir={o.work}")
+            mountsys.overlay(o.target, mount_options(o))
         except OSError as exc:
-            raise OverlayError(f"overlay at {o.target} failed: {exc.strerror}") from None
+            extra = " (with metacopy=on)" if uses_metacopy(o) else ""
+            raise OverlayError(f"overlay at {o.target} failed{extra}: {exc.strerror}") from None
+        if uses_metacopy(o):
+            Path(_metacopy_marker(o)).touch()
         done: list[str] = []
         try:
             for p in back:
