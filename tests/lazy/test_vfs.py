@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from ogrefs.lazy import localread, pagepush
 from ogrefs.lazy import vfs as vfs_mod
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.lazy.fetcher import Fetcher
@@ -365,7 +366,7 @@ def test_a_push_skips_files_the_kernel_was_not_told_about(snap):
 
 def test_a_push_stops_at_the_byte_cap_per_directory(snap, monkeypatch):
     repo, cat, src = snap
-    monkeypatch.setattr(vfs_mod, "PUSH_DIR_MAX", 10 * 5)  # room for ten of the 5-byte files f01000...
+    monkeypatch.setattr(pagepush, "PUSH_DIR_MAX", 10 * 5)  # room for ten of the 5-byte files f01000...
     got: dict[str, object] = {}
 
     async def body(fs):
@@ -455,12 +456,12 @@ def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
             if exc.errno == errno.EOPNOTSUPP:
                 pytest.skip("the test directory's file system has no RWF_NOWAIT (tmpfs)")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        probe = vfs_mod.pread_if_cached(fd, 65536, 65536)
+        probe = localread.pread_if_cached(fd, 65536, 65536)
         assert probe is None, "dropped pages were read inline"
         assert os.pread(fd, len(data), 0) == data  # a plain read brings them back ...
-        assert vfs_mod.pread_if_cached(fd, 65536, 65536) == data[65536:131072]  # ... and then it answers
-        assert vfs_mod.pread_if_cached(fd, 65536, len(data) - 100) is None  # short (end of file): the thread's job
-        got = trio.run(vfs_mod._pread, fd, 65536, 65536)
+        assert localread.pread_if_cached(fd, 65536, 65536) == data[65536:131072]  # ... and then it answers
+        assert localread.pread_if_cached(fd, 65536, len(data) - 100) is None  # short (end of file): the thread's job
+        got = trio.run(localread.pread, fd, 65536, 65536)
         assert got == data[65536:131072]
     finally:
         os.close(fd)

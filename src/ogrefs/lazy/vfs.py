@@ -11,11 +11,9 @@ xattrs of one inode) run inline on the trio thread.  They are indexed lookups
 in a local, immutable SQLite file and take microseconds, less than the hop to
 a worker thread would.  Queries that scale with the data (a page of a
 directory listing, the extent list of a file at open) run in a worker thread.
-The same rule holds for complete local copies: a read of up to
-``LOCAL_INLINE_READ`` bytes is one ``pread`` inline (a thread hop costs more
-than the read when a crawl opens thousands of small files) when the page cache
-holds it (``RWF_NOWAIT``: :func:`pread_if_cached`); a read that would wait for
-the disk, and every larger read, goes to a worker thread.
+The same rule holds for complete local copies (:mod:`ogrefs.lazy.localread`):
+a small read the page cache holds is one ``pread`` inline, any other goes to
+a worker thread.
 
 Per-open-file state (:class:`_OpenFile`) holds the file's extents, their
 cumulative start offsets (bisect maps a read offset to its chunk) and the
@@ -27,16 +25,14 @@ the fetcher coalesces into few ranged GETs.
 Fewer round trips: a snapshot without extended attributes answers getxattr
 with ENOSYS (the kernel stops asking), and the small complete local copies of
 a directory a program is crawling go into the kernel's page cache ahead of
-their reads (:meth:`SnapshotFS._push_siblings`; docs/mount.md).
+their reads (:mod:`ogrefs.lazy.pagepush`; docs/mount.md).
 
 Who owns what: a SnapshotFS, its lookup counts and its handle tables belong to
 the trio loop; every method is called from trio tasks only.  Worker threads
 get the Catalog (thread-safe: one SQLite connection per thread) and an inode
-number or name, and return fresh lists.  The push channel belongs to the loop
-too: :meth:`SnapshotFS._queue_push` sends, :meth:`SnapshotFS.run_pushes` (a
-task in the mount's nursery) receives; its worker thread gets a tuple of
-(inode, size) and two thread-safe functions: the adapter's store and the
-local copy's path query (its own SQLite connection per thread).
+number or name, and return fresh lists.  The page-cache pusher
+(:class:`~ogrefs.lazy.pagepush.PagePusher`) belongs to the SnapshotFS and
+says who owns its channel.
 
 Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
 place that turns any exception into an errno for an adapter.
@@ -48,7 +44,6 @@ import errno
 import logging
 import os
 import sqlite3
-import stat
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
@@ -56,9 +51,11 @@ from typing import Callable, NamedTuple, Protocol
 import trio
 
 from ogrefs.repo import codec
-from ogrefs.repo.catalog import ROOT_INO, Catalog, Extent, Inode
+from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
+from ogrefs.lazy.localread import LocalReads, pread
+from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
 from ogrefs.store.base import StoreError
 
@@ -79,13 +76,6 @@ SIBLING_FILE_MAX = 256 * 1024
 #: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
 SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
-#: Reads of complete local copies up to this size are served inline (see the module docstring).
-LOCAL_INLINE_READ = 128 * 1024
-#: Page-cache push: complete local copies of files up to this size ...
-PUSH_FILE_MAX = 128 * 1024
-#: ... up to this many bytes per directory, go into the kernel's page cache together.
-PUSH_DIR_MAX = 16 * MiB
-PUSH_BATCH = 64  # files opened and read ahead at once
 
 
 #: Extended attributes overlayfs interprets on its lower layers (metacopy, redirect, opaque, origin):
@@ -201,82 +191,6 @@ class _OpenDir:
         self.complete = False  # entries reach the end of the directory
 
 
-def _push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list[int]], dict[int, bytes]],
-                candidates: tuple[tuple[int, int], ...],
-                is_right: Callable[[int, bytes], bool] = lambda ino, data: True) -> int:
-    """Worker thread: hand the bytes of the complete local copies among ``candidates`` (ino, size) to ``store``.
-
-    In listing order, up to ``PUSH_DIR_MAX`` bytes.  Files go in batches: each batch is opened and announced to the kernel's
-    read-ahead first (WILLNEED), so a cold disk reads them in parallel rather
-    than one small read at a time.  A copy that cannot be read whole is
-    skipped (its reads then come as usual); so is an inode the kernel no longer
-    knows (``store`` raises OSError).  Returns how many files were stored.
-    """
-    paths = local_paths([ino for ino, _ in candidates])
-    files: list[tuple[int, bytes, int]] = []
-    total = 0
-    for ino, size in candidates:
-        path = paths.get(ino)
-        if path is None:
-            continue
-        if total + size > PUSH_DIR_MAX:
-            break
-        files.append((ino, path, size))
-        total += size
-    done = 0
-    for i in range(0, len(files), PUSH_BATCH):
-        fds: list[tuple[int, int, int]] = []
-        try:
-            for ino, path, size in files[i:i + PUSH_BATCH]:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                except OSError:
-                    continue
-                fds.append((ino, fd, size))
-                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-            for ino, fd, size in fds:
-                try:
-                    data = os.pread(fd, size + 1, 0)
-                    if len(data) == size and is_right(ino, data):  # a damaged copy is not pushed
-                        store(ino, data)
-                        done += 1
-                except OSError:
-                    continue
-        finally:
-            for _, fd, _ in fds:
-                os.close(fd)
-    return done
-
-
-def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
-    """``size`` bytes at ``offset`` if the page cache holds them all; None if the read would wait for the disk.
-
-    ``preadv2(RWF_NOWAIT)``: on a busy box (another job writing with fsync)
-    a page-cache miss queues behind that writer's I/O for hundreds of
-    milliseconds, and an inline read would stop the whole loop meanwhile.
-    A file system without RWF_NOWAIT (tmpfs: memory anyway) is read plainly.
-    A short answer (part cached, or the end of the file) is None too: the
-    caller's thread read sorts it out.
-    """
-    buf = bytearray(size)
-    try:
-        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return None
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return os.pread(fd, size, offset)
-        raise
-    return bytes(buf) if n == size else None
-
-
-async def _pread(fd: int, size: int, offset: int) -> bytes:
-    """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes when cached, else in a worker thread."""
-    if size <= LOCAL_INLINE_READ and (data := pread_if_cached(fd, size, offset)) is not None:
-        return data
-    return await trio.to_thread.run_sync(os.pread, fd, size, offset)
-
-
 class SnapshotFS:
     """The file-system operations of one mounted snapshot."""
 
@@ -293,15 +207,15 @@ class SnapshotFS:
         self.recorder = recorder  # told the first chunks each read touches (access trace)
         self.local = local  # complete local copies of files are read from there, never from the store
         self._dirs_prefetched: set[int] = set()  # directories whose small files were requested together
-        # Puts a file's whole content into the kernel's page cache (the adapter's; thread-safe, called
-        # in worker threads only); its reads then never reach the daemon. None: no such thing.
-        self.page_cache = page_cache
-        self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
-        self._push_send, self._push_recv = trio.open_memory_channel[tuple[int, int]](64)
         self.readahead_max = readahead_max
         self.readahead_min = readahead_min
         self.stats = VfsStats()
+        # page_cache: puts a file's whole content into the kernel's page cache (the adapter's); its reads
+        # then never reach the daemon. None: no such thing, and no pushes
+        self._local_reads = LocalReads(catalog, chunk_id, self.stats, recorder)
         self._lookups: dict[int, int] = {}
+        self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__)
+                        if page_cache is not None and local is not None else None)
         self._files: dict[int, _OpenFile] = {}
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
@@ -367,8 +281,8 @@ class SnapshotFS:
                 self._lookups[ino] = left
             else:
                 self._lookups.pop(ino, None)
-                # a directory the kernel forgot took its files' cached pages along: push again next time
-                self._dirs_pushed.discard(ino)
+                if self._pusher is not None:
+                    self._pusher.forgotten(ino)
 
     def lookup_count(self, ino: int) -> int:
         return self._lookups.get(ino, 0)
@@ -436,7 +350,8 @@ class SnapshotFS:
                 if i == len(d.entries) and d.complete:
                     if not d.listed:
                         d.listed = True
-                        self._listed(d.ino)
+                        if self._pusher is not None:
+                            self._pusher.listed(d.ino)
                     return
                 if i == len(d.entries) and d.entries:
                     after, skip = d.entries[-1][0], 0
@@ -477,15 +392,16 @@ class SnapshotFS:
         if not node.is_reg:
             raise FsError(errno.ENXIO)
         if self.local is not None:
-            fd = self._open_local(node)
+            path = self.local.local_path(ino)
+            fd = self._local_reads.open(path, node.size) if path is not None else None
             if fd is not None:
                 fh = self._new_fh()
                 f = self._files[fh] = _OpenFile(ino, node.size, [])
                 f.local_fd = fd
                 self.stats.opens += 1
                 self.stats.local_opens += 1
-                if self.page_cache is not None and node.size <= PUSH_FILE_MAX:
-                    self._push_siblings(ino)
+                if self._pusher is not None and node.size <= PUSH_FILE_MAX:
+                    self._pusher.opened(ino)
                 return fh
         if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
             extents = self.catalog.extents(ino) if node.size else []
@@ -516,92 +432,10 @@ class SnapshotFS:
         if refs:
             self.fetcher.prefetch(refs, Priority.READ)
 
-    def _listed(self, ino: int) -> None:
-        """A listing of directory ``ino`` reached its end: inside a crawl, its small files go to the page cache now.
-
-        A crawl lists a directory, then opens its files in listing order.  When
-        the parent's files were pushed, this directory is most likely next, and
-        pushing at the listing puts its first files in the page cache before
-        their opens arrive, instead of racing them.
-        """
-        if self.page_cache is None or ino in self._dirs_pushed or ino == ROOT_INO:
-            return
-        if self.catalog.parent_of(ino) in self._dirs_pushed:
-            self._queue_push(ino, 0)
-
-    def _push_siblings(self, ino: int) -> None:
-        """The first small local file opened in a directory sends its small local neighbours to the page cache.
-
-        A crawl (tar, rsync, an import of a big package) opens file after file
-        of one directory; each open, read and close is a round trip to this
-        daemon.  With the neighbours' bytes in the kernel's page cache their
-        reads are served there, so one round trip is left per file (the open).
-        Once per directory per mount, in the background (:meth:`run_pushes`).
-        """
-        parent = self.catalog.parent_of(ino)
-        if parent not in self._dirs_pushed:
-            self._queue_push(parent, ino)
-
-    def _queue_push(self, parent: int, opened: int) -> None:
-        try:
-            self._push_send.send_nowait((parent, opened))
-        except trio.WouldBlock:
-            return  # busy: a later open in this directory asks again
-        self._dirs_pushed.add(parent)
-
     async def run_pushes(self) -> None:
-        """Serve page-cache pushes until cancelled (a task in the mount's nursery)."""
-        async for parent, opened in self._push_recv:
-            try:
-                await self._push_dir(parent, opened)
-            except Exception as exc:  # noqa: BLE001 - a push only saves round trips
-                log.warning("page-cache push for directory inode %d failed: %s", parent, exc)
-
-    async def _push_dir(self, parent: int, opened: int) -> None:
-        assert self.local is not None and self.page_cache is not None
-        rows = await trio.to_thread.run_sync(self.catalog.small_files, parent, PUSH_FILE_MAX)
-        # only inodes the kernel holds (listed or looked up): it drops a push for any other
-        candidates = tuple((ino, size) for ino, size in rows if ino != opened and ino in self._lookups)
-        if candidates:
-            self.stats.page_cache_pushed += await trio.to_thread.run_sync(
-                _push_files, self.page_cache, self.local.local_paths, candidates, self._holds_catalog_bytes)
-
-    def _holds_catalog_bytes(self, ino: int, data: bytes) -> bool:
-        """Worker thread: whether ``data`` is file ``ino`` as the catalog names it, chunk by chunk."""
-        try:
-            extents = self.catalog.extents(ino)
-        except OgrefsError:
-            return False
-        return all(self.chunk_id(data[e.offset:e.end]) == e.chunk for e in extents)
-
-    def _open_local(self, node: Inode) -> int | None:
-        """An fd of the complete local copy of ``node``, or None (then the store serves it).
-
-        Inline on the trio thread, like a catalog point query: one open and one
-        fstat of a local file.  A copy that cannot be opened or has the wrong size
-        is not used.
-        """
-        assert self.local is not None
-        path = self.local.local_path(node.ino)
-        if path is None:
-            return None
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-        try:
-            try:
-                fd = os.open(path, flags | os.O_NOATIME)
-            except PermissionError:  # O_NOATIME needs ownership (or root)
-                fd = os.open(path, flags)
-        except OSError as exc:
-            log.warning("local copy %s cannot be opened (%s); reading from the store", os.fsdecode(path),
-                        exc.strerror)
-            return None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != node.size:
-            os.close(fd)
-            log.warning("local copy %s is not the snapshot's file (size %d, expected %d); reading from the store",
-                        os.fsdecode(path), st.st_size, node.size)
-            return None
-        return fd
+        """Serve page-cache pushes until cancelled (a task in the mount's nursery; see :mod:`ogrefs.lazy.pagepush`)."""
+        if self._pusher is not None:
+            await self._pusher.run()
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
@@ -624,7 +458,7 @@ class SnapshotFS:
         if offset >= end:
             return b""
         if f.local_fd is not None:
-            local_data = await self._read_local(f, offset, end)
+            local_data = await self._local_reads.read(f, offset, end)
             if local_data is not None:
                 return local_data
         first = max(0, bisect_right(f.starts, offset) - 1)
@@ -673,66 +507,6 @@ class SnapshotFS:
         self.stats.bytes_read += end - offset
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _verify_local(self, f: _OpenFile, offset: int, end: int) -> bool:
-        """Whether every chunk of ``[offset, end)`` in the complete local copy holds the catalog's bytes.
-
-        Each chunk is read whole and named (BLAKE3, in a worker thread) the first time this handle
-        reads it; afterwards the handle trusts it.  A copy damaged on disk since it was written is
-        never served: False, and the caller reads through the store.
-        """
-        assert f.local_fd is not None
-        if not f.extents and f.size:
-            f.set_extents(await trio.to_thread.run_sync(self.catalog.extents, f.ino))
-        first = max(0, bisect_right(f.starts, offset) - 1)
-        k = first
-        while k < len(f.extents) and f.extents[k].offset < end:
-            ext = f.extents[k]
-            if k not in f.verified and ext.end > offset:
-                data = await _pread(f.local_fd, ext.length, ext.offset)
-                if len(data) != ext.length or await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
-                    return False
-                f.verified.add(k)
-            k += 1
-        return True
-
-    async def _read_local(self, f: _OpenFile, offset: int, end: int) -> bytes | None:
-        """A read served from the complete local copy (pread in a worker thread), its chunks verified first.
-
-        None when the copy is damaged: the handle then reads through the store for good.
-        """
-        assert f.local_fd is not None
-        try:
-            right = await self._verify_local(f, offset, end)
-        except OSError as exc:
-            log.error("read of the local copy of inode %d failed: %s", f.ino, exc.strerror)
-            right = False
-        if not right:
-            self.stats.local_corrupt += 1
-            log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
-                      "reading it from the store", f.ino, offset)
-            os.close(f.local_fd)
-            f.local_fd = None
-            f.verified.clear()
-            return None
-        if self.recorder is not None and self.recorder.active:
-            granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
-            for off in range(offset - offset % granule, end, granule):
-                self.recorder.record(f.ino, off)
-        try:
-            data = await _pread(f.local_fd, end - offset, offset)
-        except OSError as exc:
-            data = b""
-            log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
-        if len(data) != end - offset:
-            self.stats.read_errors += 1
-            if data:
-                log.error("local copy of inode %d is shorter than the snapshot's file", f.ino)
-            raise FsError(errno.EIO)
-        self.stats.reads += 1
-        self.stats.local_reads += 1
-        self.stats.bytes_read += len(data)
-        return data
-
     async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
         """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
         or not the chunk's bytes (then it comes from the store).
@@ -755,7 +529,7 @@ class SnapshotFS:
         if f.partial_fd < 0:
             return None
         try:
-            data = await _pread(f.partial_fd, ext.length, ext.offset)
+            data = await pread(f.partial_fd, ext.length, ext.offset)
         except OSError as exc:
             log.warning("local copy of inode %d: read failed (%s); reading from the store", f.ino, exc.strerror)
             return None

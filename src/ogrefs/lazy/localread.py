@@ -1,0 +1,177 @@
+"""Reads of complete local copies (the materializer's tree), verified before they are served.
+
+A file whose local copy is complete is opened there (:meth:`LocalReads.open`)
+and read there, never from the store; each chunk a handle reads is named
+(BLAKE3, in a worker thread) the first time, so a copy damaged on disk since
+it was written is never served: the handle then reads through the store for
+good.  A read of up to ``LOCAL_INLINE_READ`` bytes is one ``pread`` inline (a
+thread hop costs more than the read when a crawl opens thousands of small
+files) when the page cache holds it (``RWF_NOWAIT``: :func:`pread_if_cached`);
+a read that would wait for the disk, and every larger read, goes to a worker
+thread (:func:`pread`).
+
+Who owns what: a LocalReads belongs to its SnapshotFS and so to the trio
+loop, as do the handles it is given (their fd and the set of chunks found
+right).  Worker threads get an fd, a size and an offset, or bytes to name,
+and return new objects.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from bisect import bisect_right
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import trio
+
+from ogrefs.repo.catalog import Catalog, Extent
+
+if TYPE_CHECKING:
+    from ogrefs.lazy.vfs import AccessRecorder, VfsStats
+
+log = logging.getLogger(__name__)
+
+#: Reads of complete local copies up to this size are served inline (see the module docstring).
+LOCAL_INLINE_READ = 128 * 1024
+
+
+class LocalHandle(Protocol):
+    """What a read of a complete local copy needs of an open file (the vfs's per-handle state)."""
+
+    ino: int
+    size: int
+    local_fd: int | None  # the complete local copy; None once it was found damaged
+    extents: list[Extent]
+    starts: list[int]
+    verified: set[int]  # indices of extents whose local bytes were read and found right
+
+    def set_extents(self, extents: list[Extent]) -> None: ...
+
+
+class LocalReads:
+    """Opens and reads complete local copies for the vfs; see the module docstring."""
+
+    def __init__(self, catalog: Catalog, chunk_id: Callable[[bytes], bytes], stats: "VfsStats",
+                 recorder: "AccessRecorder | None") -> None:
+        self.catalog = catalog
+        self.chunk_id = chunk_id  # the repository's (keyed when encrypted)
+        self.stats = stats
+        self.recorder = recorder
+
+    def open(self, path: bytes, size: int) -> int | None:
+        """An fd of the complete local copy at ``path`` of a file of ``size`` bytes, or None (then the store
+        serves it).
+
+        Inline on the trio thread, like a catalog point query: one open and one
+        fstat of a local file.  A copy that cannot be opened or has the wrong size
+        is not used.
+        """
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            try:
+                fd = os.open(path, flags | os.O_NOATIME)
+            except PermissionError:  # O_NOATIME needs ownership (or root)
+                fd = os.open(path, flags)
+        except OSError as exc:
+            log.warning("local copy %s cannot be opened (%s); reading from the store", os.fsdecode(path),
+                        exc.strerror)
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            os.close(fd)
+            log.warning("local copy %s is not the snapshot's file (size %d, expected %d); reading from the store",
+                        os.fsdecode(path), st.st_size, size)
+            return None
+        return fd
+
+    async def _verify(self, f: LocalHandle, offset: int, end: int) -> bool:
+        """Whether every chunk of ``[offset, end)`` in the complete local copy holds the catalog's bytes.
+
+        Each chunk is read whole and named (BLAKE3, in a worker thread) the first time this handle
+        reads it; afterwards the handle trusts it.  A copy damaged on disk since it was written is
+        never served: False, and the caller reads through the store.
+        """
+        assert f.local_fd is not None
+        if not f.extents and f.size:
+            f.set_extents(await trio.to_thread.run_sync(self.catalog.extents, f.ino))
+        first = max(0, bisect_right(f.starts, offset) - 1)
+        k = first
+        while k < len(f.extents) and f.extents[k].offset < end:
+            ext = f.extents[k]
+            if k not in f.verified and ext.end > offset:
+                data = await pread(f.local_fd, ext.length, ext.offset)
+                if len(data) != ext.length or await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
+                    return False
+                f.verified.add(k)
+            k += 1
+        return True
+
+    async def read(self, f: LocalHandle, offset: int, end: int) -> bytes | None:
+        """A read served from the complete local copy (pread in a worker thread), its chunks verified first.
+
+        None when the copy is damaged: the handle then reads through the store for good.
+        """
+        assert f.local_fd is not None
+        try:
+            right = await self._verify(f, offset, end)
+        except OSError as exc:
+            log.error("read of the local copy of inode %d failed: %s", f.ino, exc.strerror)
+            right = False
+        if not right:
+            self.stats.local_corrupt += 1
+            log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
+                      "reading it from the store", f.ino, offset)
+            os.close(f.local_fd)
+            f.local_fd = None
+            f.verified.clear()
+            return None
+        if self.recorder is not None and self.recorder.active:
+            granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
+            for off in range(offset - offset % granule, end, granule):
+                self.recorder.record(f.ino, off)
+        try:
+            data = await pread(f.local_fd, end - offset, offset)
+        except OSError as exc:
+            data = b""
+            log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
+        if len(data) != end - offset:
+            self.stats.read_errors += 1
+            if data:
+                log.error("local copy of inode %d is shorter than the snapshot's file", f.ino)
+            raise OSError(errno.EIO, "the local copy is shorter than the snapshot's file")  # EIO (errno_for)
+        self.stats.reads += 1
+        self.stats.local_reads += 1
+        self.stats.bytes_read += len(data)
+        return data
+
+
+def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
+    """``size`` bytes at ``offset`` if the page cache holds them all; None if the read would wait for the disk.
+
+    ``preadv2(RWF_NOWAIT)``: on a busy box (another job writing with fsync)
+    a page-cache miss queues behind that writer's I/O for hundreds of
+    milliseconds, and an inline read would stop the whole loop meanwhile.
+    A file system without RWF_NOWAIT (tmpfs: memory anyway) is read plainly.
+    A short answer (part cached, or the end of the file) is None too: the
+    caller's thread read sorts it out.
+    """
+    buf = bytearray(size)
+    try:
+        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return os.pread(fd, size, offset)
+        raise
+    return bytes(buf) if n == size else None
+
+
+async def pread(fd: int, size: int, offset: int) -> bytes:
+    """A read of a local file: inline up to ``LOCAL_INLINE_READ`` bytes when cached, else in a worker thread."""
+    if size <= LOCAL_INLINE_READ and (data := pread_if_cached(fd, size, offset)) is not None:
+        return data
+    return await trio.to_thread.run_sync(os.pread, fd, size, offset)
