@@ -66,13 +66,20 @@ def mount(box: Box, ogrefs: str):
 
 
 def mounts_of_kind(box: Box, *kinds: str) -> list[str]:
-    """Mount points of the given file-system types in the box's namespace (as the box sees them)."""
+    """Mount points of the given file-system types in the box's namespace, below the box's root.
+
+    The box's namespace starts as a copy of the host's, so a mount some other program has on
+    the host elsewhere (another test run's FUSE mount) is in its table too: not the box's."""
     lines = Path(f"/proc/{box.init_pid}/mountinfo").read_text().splitlines()
+    root = str(box.root).rstrip("/")
     found = []
     for line in lines:
         fields = line.split()
+        point = fields[4]
+        if point != root and not point.startswith(root + "/"):
+            continue
         if fields[fields.index("-") + 1].split(".")[0] in kinds:
-            found.append(fields[4])
+            found.append(point)
     return found
 
 
