@@ -387,7 +387,7 @@ class Fetcher:
         present = [False] * len(batch)
         if self.cache is not None:
             try:
-                present = await trio.to_thread.run_sync(self._present, [p.ref.chunk for p in batch],
+                present = await trio.to_thread.run_sync(fetchio.cached, self.cache, [p.ref.chunk for p in batch],
                                                         limiter=self._cache_limiter)
             except _CACHE_ERRORS as exc:
                 log.warning("chunk cache unreadable (%s); fetching from the store", exc)
@@ -400,7 +400,8 @@ class Fetcher:
     async def _load(self, batch: list[_Pending]) -> None:
         found: list[bytes | None] = [None] * len(batch)
         try:
-            found = await trio.to_thread.run_sync(self._load_many, [(p.ref.chunk, p.ref.raw_len) for p in batch],
+            found = await trio.to_thread.run_sync(fetchio.load_cached, self.cache,
+                                                  [(p.ref.chunk, p.ref.raw_len) for p in batch],
                                                   limiter=self._cache_limiter)
         except _CACHE_ERRORS as exc:
             log.warning("chunk cache unreadable (%s); fetching from the store", exc)
@@ -415,16 +416,6 @@ class Fetcher:
         for p in batch:
             self.stats.misses += 1
             self._queue.add(p)
-
-    def _present(self, chunks: list[bytes]) -> list[bool]:
-        """Worker thread: which chunks have a file in the disk cache."""
-        assert self.cache is not None
-        return [self.cache.contains(c) for c in chunks]
-
-    def _load_many(self, keys: list[tuple[bytes, int]]) -> list[bytes | None]:
-        """Worker thread: read and verify cached chunks."""
-        assert self.cache is not None
-        return [self.cache.load(chunk, raw_len) for chunk, raw_len in keys]
 
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data

@@ -4,7 +4,8 @@ The :class:`~ogrefs.lazy.fetcher.Fetcher` decides *what* to fetch on the trio
 loop; this module does the blocking part in worker threads and has no trio
 import: ranged reads of packs through the store (:class:`PackReads`), a
 streamed range cut into blobs (:func:`stream_blobs`, :class:`BlobReader`), one
-blob read and verified on its own (:func:`read_blob`), and
+blob read on its own (:func:`read_blob`), disk-cache probes and loads
+(:func:`cached`, :func:`load_cached`), and
 :func:`classify`, the single mapping from whatever a store, a decoder or a
 forged catalog location raised to a :class:`FetchError` subclass.  Its
 catch-all turns an exception nobody expected into a logged
@@ -38,6 +39,7 @@ from ogrefs.store.base import NotFound, PermissionDenied, RangeReader, ShortRead
 from ogrefs.store.retry import RetryingStore
 
 if TYPE_CHECKING:
+    from ogrefs.lazy.chunkcache import ChunkCache
     from ogrefs.repo.catalog import Extent
 
 log = logging.getLogger(__name__)
@@ -239,3 +241,13 @@ def read_blob(read_range: ReadRange, ref: ChunkRef) -> bytes:
     if len(body) != ref.stored_len:
         raise ShortRead(f"store returned {len(body)} bytes, expected {ref.stored_len}")
     return body
+
+
+def cached(cache: "ChunkCache", chunks: list[bytes]) -> list[bool]:
+    """Worker thread: which of ``chunks`` have a file in the disk cache (one stat each)."""
+    return [cache.contains(c) for c in chunks]
+
+
+def load_cached(cache: "ChunkCache", keys: list[tuple[bytes, int]]) -> list[bytes | None]:
+    """Worker thread: the cached chunks (chunk id, plaintext length) read and verified; None where gone or bad."""
+    return [cache.load(chunk, raw_len) for chunk, raw_len in keys]

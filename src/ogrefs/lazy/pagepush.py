@@ -118,8 +118,9 @@ def push_files(store: Callable[[int, bytes], None], local_paths: Callable[[list[
                 is_right: Callable[[int, bytes], bool] = lambda ino, data: True) -> int:
     """Worker thread: hand the bytes of the complete local copies among ``candidates`` (ino, size) to ``store``.
 
-    In listing order, up to ``PUSH_DIR_MAX`` bytes.  Files go in batches: each batch is opened and announced to the kernel's
-    read-ahead first (WILLNEED), so a cold disk reads them in parallel rather
+    In listing order, up to ``PUSH_DIR_MAX`` bytes.  Files go in batches: each
+    batch is opened and announced to the kernel's read-ahead first
+    (WILLNEED), so a cold disk reads them in parallel rather
     than one small read at a time.  A copy that cannot be read whole is
     skipped (its reads then come as usual); so is an inode the kernel no longer
     knows (``store`` raises OSError).  Returns how many files were stored.
