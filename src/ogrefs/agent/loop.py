@@ -244,17 +244,17 @@ class Agent:
         return mine[-1] if mine else None
 
     def _retain(self) -> list[str]:
-        """Forget this box's snapshots the policy does not keep (manifests and catalogs; prune frees packs)."""
+        """Forget this box's snapshots the policy does not keep (manifests, catalogs, access traces; prune frees packs)."""
         if self.opts.policy is None or self.opts.policy.empty():
             return []
         from ogrefs.maint.forget import apply_policy
+        from ogrefs.maint.remove import remove_snapshot
         from ogrefs.snapshot.selection import box_of
 
         mine = [m for m in self.repo.list_snapshots(on_error=lambda *_: None) if box_of(m) == self.status["box"]]
         _kept, removed = apply_policy(mine, self.opts.policy)
         for m in removed:
-            self.repo.store.delete(f"snapshots/{m['id']}")
-            self.repo.store.delete(f"catalogs/{m['id']}")
+            remove_snapshot(self.repo, m["id"])
         return [m["id"] for m in removed]
 
     def _write_status(self) -> None:

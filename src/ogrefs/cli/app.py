@@ -608,9 +608,10 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
                   and set(tags) <= set(m.get("tags", []))]
         kept, removed = apply_policy(chosen, policy, grouping)
     if not dry_run:
+        from ogrefs.maint.remove import remove_snapshot
+
         for m in removed:
-            repo.store.delete(f"snapshots/{m['id']}")
-            repo.store.delete(f"catalogs/{m['id']}")
+            remove_snapshot(repo, m["id"])  # manifest, catalog and access traces; packs are prune's
     if as_json:
         emit_json({"dry_run": dry_run, "removed": [m["id"] for m in removed],
                    "kept": [{"id": m["id"], "reasons": r} for m, r in kept]})

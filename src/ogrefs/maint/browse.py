@@ -153,14 +153,18 @@ def retag(repo: Repository, manifest: dict[str, Any], tags: list[str]) -> dict[s
 
     A new id rather than an overwrite: manifests are cached by id on every box
     that read them, and a cached manifest is never checked again. The new
-    manifest names the first id in ``original``. Order: catalog, manifest,
-    then the old manifest and catalog go, so a crash leaves at worst both.
+    manifest names the first id in ``original``; the access traces go with
+    it (a mount of the retagged snapshot replays them). Order: catalog,
+    traces, manifest, then the old manifest, catalog and traces go, so a
+    crash leaves at worst both.
     """
+    from ogrefs.maint.remove import carry_traces, remove_snapshot
+
     old, new = manifest["id"], secrets.token_hex(32)
     catalog = repo.codec.open(f"catalogs/{old}", repo.store.get(f"catalogs/{old}"))
     repo.store.put(f"catalogs/{new}", repo.codec.seal(f"catalogs/{new}", catalog))
+    carry_traces(repo, old, new)
     moved = {**manifest, "id": new, "tags": tags, "original": manifest.get("original") or old}
     repo.put_manifest(moved)
-    repo.store.delete(f"snapshots/{old}")
-    repo.store.delete(f"catalogs/{old}")
+    remove_snapshot(repo, old)
     return moved
