@@ -35,23 +35,28 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, mater
     from ogrefs.mount.hostpaths import load_rules
     from ogrefs.mount.core import MountOptions
     from ogrefs.mount.run import run
+    from ogrefs.snapshot.selection import resolve_snapshot
 
     refuse_json(obj, name, "what its command prints")
     rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path)
 
+    chosen: list[str] = []  # the snapshot's id, resolved once (in the child, where the repository is opened)
+
     def build(root: Path) -> MountOptions:
-        return MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=root, s3_endpoint=obj.s3_endpoint,
+        return MountOptions(repo_url=obj.url(), snapshot=chosen[0], mountpoint=root, s3_endpoint=obj.s3_endpoint,
                             read_only=False, state_dir=state_dir, materialize=materialize, box_root=True,
                             host_rules=rules, save_trace=False)
 
     def open_repo():
         repo = obj.open()
-        warning = environment_warning(repo.resolve(snap), False)
+        manifest = resolve_snapshot(repo, snap)  # `latest` is this box's, as for mount
+        chosen.append(manifest["id"])
+        warning = environment_warning(manifest, False)
         if warning:
             click.echo(f"warning: {warning}", err=True)
         return repo
 
-    code = run(build, open_repo, lambda repo: repo.resolve(snap)["id"], command, nspawn=nspawn)
+    code = run(build, open_repo, lambda _repo: chosen[0], command, nspawn=nspawn)
     sys.exit(code)
 
 
