@@ -18,7 +18,11 @@ The algorithm, in plain words:
 4. A worker thread fetches a range, decodes and BLAKE3-verifies each blob, and
    ``pwrite``s it into every temporary file that references it.  A blob that
    fails verification is fetched once more on its own (a bit flipped on the
-   way is not a bad pack); if it fails again it is never written.  When the
+   way is not a bad pack); if it fails again it is never written.  That
+   second fetch is a policy about bad bytes, not a retry of a failed store
+   call: those are retried only by the store's RetryingStore, within
+   ``--retry-for`` (``restore --retry-for``), and what still fails there
+   fails the range's files.  When the
    last blob of a file is written, its owner, xattrs, mode and times are set
    on its fd and it is renamed to its name; its other hardlinked names are
    linked to it then.  A file whose data fails is never renamed: every one of

@@ -216,7 +216,15 @@ class Materializer:
         self.residency.load_tree(p.done, p.complete)
 
     async def _passes(self) -> None:
-        """Passes over what is not done until none is left to retry; pauses while the store is unavailable."""
+        """Passes over what is not done until none is left to retry; pauses while the store is unavailable.
+
+        The pause is a policy, not a retry of a failed store call: every call
+        of a pass already had the mount's ``--retry-for`` budget in the
+        store's RetryingStore (the one place that retries).  A chunk that still
+        failed with StoreUnavailable is background work, so instead of failing
+        its file the materializer waits (``retry_delay``, doubling to 5 min)
+        and passes again over what is not done.
+        """
         delay = self.retry_delay
         while True:
             one = Pass(self._plan, self.fetcher, self.residency, PassSettings(bridge=self._fresh, **self._settings),
