@@ -70,7 +70,7 @@ def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
 def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
              refusal: Callable[[int], str | None]) -> Prepared | str:
     fresh = plan.meta("built") != "1"
-    reason = refusal(space.catalog_data_bytes(catalog) if fresh else plan.bytes_needed())
+    reason = refusal(catalog.file_data_total() if fresh else plan.bytes_needed())
     if reason is not None:
         return reason
     writer = TreeWriter(catalog, LocalTree(tree_root, create=fresh), plan)

@@ -4,22 +4,18 @@ Before anything is written, the bytes still needed plus a margin are compared
 with the free space of the state directory (:func:`refusal`); a full disk
 later (ENOSPC, EDQUOT, SQLITE_FULL: :func:`disk_full`) stops materialization
 the same way, with a reason that says so (:func:`stop_reason`).  Pure
-functions of their inputs; called in worker threads (statvfs, the catalog
-query) and on the loop (the reasons).
+functions of their inputs; called in worker threads (statvfs) and on the
+loop (the reasons).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import sqlite3
-import urllib.parse
 from pathlib import Path
 from typing import Callable
 
-from ogrefs.errors import CorruptObject
-from ogrefs.repo.catalog import Catalog
 from ogrefs.units import human_bytes as human
 
 MiB = 1024 * 1024
@@ -41,16 +37,6 @@ class Stop(Exception):
 def free_bytes(path: Path) -> tuple[int, int]:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def catalog_data_bytes(catalog: Catalog) -> int:
-    """The plaintext size of every extent of the snapshot (what a fresh tree needs)."""
-    uri = f"file:{urllib.parse.quote(str(Path(catalog.path).absolute()))}?mode=ro&immutable=1"
-    with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-        try:
-            return int(db.execute("SELECT coalesce(sum(length), 0) FROM extents").fetchone()[0])
-        except (sqlite3.Error, TypeError, ValueError):
-            raise CorruptObject(f"catalog {catalog.path.name} is damaged") from None
 
 
 def refusal(needed: int, state_dir: Path, reserve_bytes: int | None, free: FreeBytes = free_bytes) -> str | None:
