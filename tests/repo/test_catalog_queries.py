@@ -1,0 +1,100 @@
+"""The mount's catalog queries (Catalog.data_bytes ... small_sibling_chunks): right answers, and validated rows.
+
+They used to be raw SQL in lazy/vfs.py (``_CatalogExtra``) with an unquoted
+SQLite URI; now they are Catalog methods, so a forged catalog gives
+CorruptObject or a left-out row, never a TypeError far away, and any cache
+path opens.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from ogrefs.errors import CorruptObject
+from ogrefs.repo import Repository
+from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+
+
+@pytest.fixture(scope="module")
+def snap(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("catq")
+    src = d / "src"
+    (src / "dir").mkdir(parents=True)
+    (src / "dir" / "a.txt").write_bytes(b"a" * 1000)
+    (src / "dir" / "b.txt").write_bytes(b"b" * 3000)
+    (src / "big.bin").write_bytes(os.urandom(600_000))
+    repo = Repository.init(f"memory://catq-{secrets.token_hex(4)}", cache_root=d / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    return repo.catalog_path(m["id"]), src
+
+
+def _copy(snap: tuple[Path, Path], dest: Path) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(snap[0], dest)
+    return dest
+
+
+def test_the_mount_queries_answer_what_the_snapshot_holds(snap, tmp_path):
+    cat = Catalog(_copy(snap, tmp_path / "cache#1" / "q?x=1%41.sqlite"))  # URI characters in the path
+    src = snap[1]
+    a = cat.resolve(os.fsencode(src / "dir" / "a.txt"))
+    b = cat.resolve(os.fsencode(src / "dir" / "b.txt"))
+    d = cat.resolve(os.fsencode(src / "dir"))
+    assert cat.data_bytes(a.ino) == 1000 and cat.data_bytes_many([a.ino, b.ino]) == {a.ino: 1000, b.ino: 3000}
+    assert cat.file_data_total() == 604_000
+    assert 0 < cat.unique_data_total() <= 604_000
+    assert cat.parent_of(a.ino) == d.ino and cat.parent_of(ROOT_INO) == ROOT_INO
+    assert cat.path_of(b.ino) == os.fsencode(src / "dir" / "b.txt")
+    assert cat.small_files(d.ino, 2000) == [(a.ino, 1000)]
+    assert not cat.has_xattrs()
+    chunks = cat.small_sibling_chunks(d.ino, 256 * 1024, 4 << 20)
+    assert {c for c, _ in chunks} == {e.chunk for ino in (a.ino, b.ino) for e in cat.extents(ino)}
+
+
+@pytest.mark.parametrize("column, value", [("offset", "x"), ("stored_len", -1), ("raw_len", "y"), ("pack", 999)])
+def test_a_malformed_sibling_location_is_left_out_and_the_others_stay(snap, tmp_path, column, value):
+    path = _copy(snap, tmp_path / "forged.sqlite")
+    good = Catalog(path)
+    src = snap[1]
+    a = good.resolve(os.fsencode(src / "dir" / "a.txt"))
+    b = good.resolve(os.fsencode(src / "dir" / "b.txt"))
+    d = good.resolve(os.fsencode(src / "dir"))
+    db = sqlite3.connect(path)
+    if column == "pack":
+        db.execute("INSERT INTO packs (id, name) VALUES (999, '../../etc/passwd')")
+    db.execute(f"UPDATE blobs SET {column}=? WHERE id=(SELECT blob FROM extents WHERE ino=?)", (value, b.ino))
+    db.commit()
+    db.close()
+    cat = Catalog(path)
+    chunks = cat.small_sibling_chunks(d.ino, 256 * 1024, 4 << 20)
+    assert [c for c, _ in chunks] == [e.chunk for e in cat.extents(a.ino)]  # b's is left out, a's stays
+    with pytest.raises(CorruptObject):
+        cat.extents(b.ino)  # b itself fails on its own (EIO when it is opened)
+
+
+def test_forged_lengths_and_entries_are_corrupt_object_not_type_errors(snap, tmp_path):
+    path = _copy(snap, tmp_path / "forged2.sqlite")
+    src = snap[1]
+    good = Catalog(path)
+    a = good.resolve(os.fsencode(src / "dir" / "a.txt"))
+    b = good.resolve(os.fsencode(src / "dir" / "b.txt"))
+    d = good.resolve(os.fsencode(src / "dir"))
+    db = sqlite3.connect(path)
+    db.execute("UPDATE extents SET length='many' WHERE ino=?", (a.ino,))
+    db.execute("INSERT INTO dirents (parent, name, ino) VALUES (?, ?, ?)", (d.ino, b"x/../y", b.ino))
+    db.execute("UPDATE dirents SET parent='up' WHERE ino=?", (d.ino,))
+    db.commit()
+    db.close()
+    cat = Catalog(path)
+    for query in (lambda: cat.data_bytes(a.ino), lambda: cat.data_bytes_many([a.ino]), cat.file_data_total,
+                  lambda: cat.parent_of(d.ino)):
+        with pytest.raises(CorruptObject):
+            query()
+    assert cat.small_files(d.ino, 1 << 20) == [(a.ino, 1000), (b.ino, 3000)]  # the bad name is skipped
