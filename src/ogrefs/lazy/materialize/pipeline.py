@@ -1,7 +1,9 @@
 """One materialization pass on the trio loop: feeder -> collector -> writer, plus the adoption writer.
 
 Order.  The feeder reads the plan a page at a time (in a worker thread) and
-requests chunks in pack-ordered groups of one class (16 MiB), each class at
+requests chunks in pack-ordered groups of one class (16 MiB), through the
+windowed request engine the trace replay uses too (:mod:`ogrefs.lazy.window`),
+each class at
 its own fetcher priority (a reader, ``Priority.READ``, always goes first: the
 fetcher keeps request slots for it), while less than ``window_bytes`` are
 requested and not yet written.  Chunks already in memory (a trace or the
@@ -39,6 +41,7 @@ from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkMissing, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, TRACE, Item, Plan
 from ogrefs.lazy.residency import Residency
+from ogrefs.lazy.window import RequestWindow, groups
 
 log = logging.getLogger(__name__)
 
@@ -50,48 +53,6 @@ _KEEP = {TRACE: False, HINT: False, BACKGROUND: False}
 _PAGE = 512
 
 Batch = list[tuple[Item, bytes]]
-
-
-class Budget:
-    """Bytes requested from the fetcher and not yet written; the feeder waits while the window is full.
-
-    ``used`` counts chunks on their way over the link (or arrived, not yet
-    written); ``ready`` counts chunks that came from memory, not yet written.
-    The window is ``limit`` plus ``ready``: while the writer works through a
-    backlog from memory (a trace or the hints streamed before the tree
-    existed), the link keeps fetching what comes after it instead of idling,
-    and holds at most as much again as the backlog being written.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.ready = 0
-        self._changed = trio.Event()
-
-    async def acquire(self, n: int) -> None:
-        while self.used > 0 and self.used + n > self.limit + self.ready:
-            await self._changed.wait()
-        self.used += n
-
-    def settle(self, *, charged: int, ready: int, acquired: int) -> None:
-        """After a request: ``charged`` bytes go over the link (``acquired`` were reserved), ``ready`` came from memory."""
-        self.used += charged - acquired
-        self.ready += ready
-        self._wake()
-
-    def written(self, charged: int, ready: int) -> None:
-        self.used -= charged
-        self.ready -= ready
-        self._wake()
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
 
 
 @dataclass(frozen=True)
@@ -137,7 +98,7 @@ class Pass:
 
     async def run(self) -> None:
         res = self.residency
-        budget = Budget(self.settings.window_bytes)
+        budget = RequestWindow(self.settings.window_bytes)
         items_send, items_recv = trio.open_memory_channel[tuple[Item, Ticket, bool]](math.inf)
         batch_send, batch_recv = trio.open_memory_channel[tuple[Batch, int]](1)
         res.open_adoption(self.settings.adopt_bytes)
@@ -156,7 +117,7 @@ class Pass:
             res.end_pass()  # (nothing is left unless the pass stopped: a write failed, or cancelled)
 
     # -- the feeder ---------------------------------------------------------------------------------
-    async def _feed(self, budget: Budget, send: trio.MemorySendChannel) -> None:
+    async def _feed(self, budget: RequestWindow, send: trio.MemorySendChannel) -> None:
         """Request chunks in pack-ordered groups of one class while the window has room."""
         async with send:
             after = None
@@ -170,20 +131,11 @@ class Pass:
 
     def _groups(self, page: list[Item]) -> list[list[Item]]:
         """The page's items still wanted, in pack-ordered groups of one class of at most ``group_bytes``."""
-        res, limit = self.residency, self.settings.group_bytes
-        groups: list[list[Item]] = []
-        size = 0
-        for item in page:
-            if item.id in self.failed or res.is_local(item.ref.chunk):
-                continue  # (adopted meanwhile, or written since the page was read)
-            if not groups or item.cls != groups[-1][0].cls or size + item.ref.raw_len > limit:
-                groups.append([])
-                size = 0
-            groups[-1].append(item)
-            size += item.ref.raw_len
-        return groups
+        res = self.residency  # (a chunk may have been adopted, or written, since the page was read)
+        wanted = (i for i in page if i.id not in self.failed and not res.is_local(i.ref.chunk))
+        return list(groups(wanted, self.settings.group_bytes, size=lambda i: i.ref.raw_len, key=lambda i: i.cls))
 
-    async def _request(self, group: list[Item], budget: Budget, send: trio.MemorySendChannel) -> bool:
+    async def _request(self, group: list[Item], budget: RequestWindow, send: trio.MemorySendChannel) -> bool:
         """Ask the fetcher for one group once the window has room; False when the pass is aborted."""
         res = self.residency
         # the window counts what must come over the link: chunks in memory are ready
@@ -210,7 +162,7 @@ class Pass:
         return True
 
     # -- the collector ------------------------------------------------------------------------------
-    async def _collect(self, budget: Budget, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> None:
+    async def _collect(self, budget: RequestWindow, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> None:
         """Tickets in order -> batches; a batch goes to the writer when full or when the next chunk is slow."""
         batch: Batch = []
         size = 0
@@ -280,12 +232,12 @@ class Pass:
         log.error("materialization: chunk of %s is %s: %s", os.fsdecode(paths), kind, exc.reason)
 
     # -- the writers ----------------------------------------------------------------------------------
-    async def _write(self, budget: Budget, recv: trio.MemoryReceiveChannel) -> None:
+    async def _write(self, budget: RequestWindow, recv: trio.MemoryReceiveChannel) -> None:
         async with recv:
             async for batch, charged in recv:
                 if not await self._write_locked(batch):
                     return
-                budget.written(charged, sum(item.ref.raw_len for item, _ in batch) - charged)
+                budget.finished(charged, sum(item.ref.raw_len for item, _ in batch) - charged)
 
     async def _write_locked(self, batch: Batch) -> bool:
         """Write one batch (taking turns with the other writer) and record it; False if the pass stops."""
