@@ -152,7 +152,7 @@ def test_neighbouring_chunks_share_one_ranged_get(max_gap, bridge):
         got = [await f.get(r) for r in (refs[0], refs[1], refs[2], refs[4], refs[5])]
         assert got == [data[i] for i in (0, 1, 2, 4, 5)]
         await f.get(other[0])
-        assert not f.is_cached_in_memory(refs[3].chunk)  # read across, not kept
+        assert not f.residency.is_cached(refs[3].chunk)  # read across, not kept
 
     run_with_fetcher(f, body)
     spans = sorted(fake.calls)
@@ -255,7 +255,7 @@ def test_a_long_range_hands_out_its_first_chunks_before_the_rest_arrives():
         with trio.fail_after(5):
             assert await f.get(refs[0]) == data[0]
             assert await f.get(refs[2]) == data[2]
-        assert not f.is_cached_in_memory(refs[5].chunk)  # still on its way: the stream is held
+        assert not f.residency.is_cached(refs[5].chunk)  # still on its way: the stream is held
         fake.release.set()
         with trio.fail_after(5):
             assert [await f.get(r) for r in refs] == data
@@ -304,24 +304,24 @@ def test_held_chunks_stay_in_memory_whatever_the_lru_does_until_taken():
     data = payloads(5)
     refs = fake.add("p1", data)
     f = Fetcher(fake.read_range, memory_bytes=1)  # an LRU that keeps nothing
-    f.hold(len(data[0]) + len(data[1]))  # room for two
+    f.residency.hold(len(data[0]) + len(data[1]))  # room for two
 
     async def body(nursery):
         tickets = f.request(refs[:3], Priority.TRACE, keep=Keep.MEMORY, hold=True)
         assert [await t.result() for t in tickets] == data[:3]
         assert [await f.get(r) for r in refs[3:]] == data[3:]
-        assert f.is_cached_in_memory(refs[0].chunk) and f.is_cached_in_memory(refs[1].chunk)
-        assert not f.is_cached_in_memory(refs[2].chunk)  # no room left: the (empty) LRU had it
+        assert f.residency.is_cached(refs[0].chunk) and f.residency.is_cached(refs[1].chunk)
+        assert not f.residency.is_cached(refs[2].chunk)  # no room left: the (empty) LRU had it
         assert f.snapshot_stats()["held_bytes"] == len(data[0]) + len(data[1])
         calls = len(fake.calls)
         assert await f.get(refs[0]) == data[0] and len(fake.calls) == calls  # readers find it, it stays
-        assert f.is_cached_in_memory(refs[0].chunk)
+        assert f.residency.is_cached(refs[0].chunk)
         (t,) = f.request(refs[:1], Priority.TRACE, keep=Keep.NONE, take=True)
         assert t.ready and await t.result() == data[0] and len(fake.calls) == calls
-        assert not f.is_cached_in_memory(refs[0].chunk)  # taken: released
+        assert not f.residency.is_cached(refs[0].chunk)  # taken: released
         assert f.snapshot_stats()["held_bytes"] == len(data[1])
-        f.hold(0)
-        assert not f.is_cached_in_memory(refs[1].chunk) and f.snapshot_stats()["held_bytes"] == 0
+        f.residency.hold(0)
+        assert not f.residency.is_cached(refs[1].chunk) and f.snapshot_stats()["held_bytes"] == 0
 
     run_with_fetcher(f, body)
 
@@ -331,14 +331,14 @@ def test_a_held_request_finding_its_chunk_in_the_lru_holds_it():
     data = payloads(2)
     refs = fake.add("p1", data)
     f = Fetcher(fake.read_range)
-    f.hold(1 << 20)
+    f.residency.hold(1 << 20)
 
     async def body(nursery):
         assert await f.get(refs[0]) == data[0]  # in the LRU
         (t,) = f.request(refs[:1], Priority.TRACE, keep=Keep.MEMORY, hold=True)
         assert t.ready
-        f.set_memory_limit(1)  # the LRU drops it ...
-        assert f.is_cached_in_memory(refs[0].chunk)  # ... the hold keeps it
+        f.residency.set_memory_limit(1)  # the LRU drops it ...
+        assert f.residency.is_cached(refs[0].chunk)  # ... the hold keeps it
         assert f.snapshot_stats()["held_bytes"] == len(data[0])
 
     run_with_fetcher(f, body)
@@ -356,9 +356,9 @@ def test_keep_memory_stays_out_of_the_disk_cache(tmp_path):
         assert [await t.result() for t in tickets] == data[:2]
         assert await f.get(refs[2]) == data[2]
         await trio.sleep(0.2)
-        assert f.is_cached_in_memory(refs[0].chunk) and f.is_cached_in_memory(refs[2].chunk)
-        f.set_memory_limit(1)  # shrinking evicts
-        assert not f.is_cached_in_memory(refs[0].chunk)
+        assert f.residency.is_cached(refs[0].chunk) and f.residency.is_cached(refs[2].chunk)
+        f.residency.set_memory_limit(1)  # shrinking evicts
+        assert not f.residency.is_cached(refs[0].chunk)
 
     run_with_fetcher(f, body)
     assert not cache.contains(refs[0].chunk) and not cache.contains(refs[1].chunk)
@@ -547,7 +547,7 @@ def test_memory_lru_is_bounded():
         for r in refs:
             await f.get(r)
         assert f.snapshot_stats()["memory_bytes"] <= 350 * KiB
-        assert f.is_cached_in_memory(refs[-1].chunk) and not f.is_cached_in_memory(refs[0].chunk)
+        assert f.residency.is_cached(refs[-1].chunk) and not f.residency.is_cached(refs[0].chunk)
 
     run_with_fetcher(f, body)
 

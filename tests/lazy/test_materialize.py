@@ -621,8 +621,8 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
         covering = [c for c in log.calls if c[0] == ref.pack and c[1] <= ref.offset < c[1] + c[2]]
         assert len(covering) == 1, (ref, covering)  # once: the materializer took it from memory
         assert not cache.contains(ref.chunk)  # Keep.MEMORY: not a third copy in the disk cache
-    assert fetcher.memory_bytes == 1  # the LRU never grew for the replay
-    assert fetcher.snapshot_stats()["held_bytes"] == 0 and fetcher.hold_bytes == 0  # all taken, then released
+    assert fetcher.residency.memory_bytes == 1  # the LRU never grew for the replay
+    assert fetcher.snapshot_stats()["held_bytes"] == 0 and fetcher.residency.hold_bytes == 0  # all taken, then released
     st = pf.stats()
     if with_trace:
         assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
@@ -914,8 +914,8 @@ def test_request_keep_false_stays_out_of_the_caches_unless_a_reader_wants_it(box
         await trio.sleep(0.3)
 
     run_trio(fetcher, body)
-    assert not cache.contains(a.chunk) and not fetcher.is_cached_in_memory(a.chunk)
-    assert cache.contains(b.chunk) and fetcher.is_cached_in_memory(b.chunk)
+    assert not cache.contains(a.chunk) and not fetcher.residency.is_cached(a.chunk)
+    assert cache.contains(b.chunk) and fetcher.residency.is_cached(b.chunk)
     assert fetcher.stats.chunks_fetched == 2
 
 

@@ -5,7 +5,7 @@ recorded trace, hints and background materialization next):
 
 1. ``get(ref)`` answers from memory: the :class:`~ogrefs.lazy.residency.Residency`
    it was given holds the LRU of verified chunks, the chunks a replay holds for
-   the materializer (:meth:`Fetcher.hold`) and the chunks the materializer has
+   the materializer (``Residency.hold``) and the chunks the materializer has
    in hand; the fetcher asks it first and puts what it fetches there.
 2. Otherwise the chunk gets exactly one *pending* entry, however many readers
    want it; later callers wait on the same entry (single flight) and a caller
@@ -126,7 +126,7 @@ class _Pending:
         self.priority = priority
         self.keep = keep  # Keep level: where the chunk goes once fetched (the most any caller asked for)
         self.bridge = False  # its GET may read across gaps of unwanted blobs (see Fetcher.request)
-        self.hold = False  # held in memory until taken (a replay for the materializer; see Fetcher.hold)
+        self.hold = False  # held in memory until taken (a replay for the materializer; see Residency.hold)
         self.seq = 0
         self.state = "probe"  # probe -> queued -> fetching -> (removed)
         self.done = trio.Event()
@@ -268,7 +268,7 @@ class Fetcher:
         nobody asked for, which are dropped; only for callers who know none of
         those blobs is already on local disk (a trace replayed before anything
         is materialized), since it fetches bytes again.  ``hold=True``: the
-        chunks are held in memory (see :meth:`hold`) until a caller with
+        chunks are held in memory (``Residency.hold``) until a caller with
         ``take=True`` gets them, which releases them.
         """
         out: list[Ticket] = []
@@ -290,44 +290,6 @@ class Fetcher:
             if t._data is None:
                 t._pending = next(pending)
         return out
-
-    def set_memory_limit(self, limit: int) -> None:
-        """Resize the memory LRU."""
-        self.residency.set_memory_limit(limit)
-
-    @property
-    def memory_bytes(self) -> int:
-        """The memory LRU's bound."""
-        return self.residency.memory_bytes
-
-    @property
-    def hold_bytes(self) -> int:
-        """The bound of held chunks (0: nothing is held)."""
-        return self.residency.hold_bytes
-
-    def hold(self, limit: int) -> None:
-        """Keep chunks requested with ``hold=True`` in memory, up to ``limit`` bytes, until taken.
-
-        A trace (or the hints) replayed before the materializer's tree exists
-        is held here, apart from the memory LRU: an application reading
-        gigabytes meanwhile neither evicts it nor makes the LRU grow with it.
-        Readers find held chunks like any in memory; the materializer takes
-        them (``request(..., take=True)``), which releases them.  What does not
-        fit goes to the LRU as before.  ``hold(0)`` releases everything.
-        """
-        self.residency.hold(limit)
-
-    @property
-    def held_size(self) -> int:
-        """Bytes held now (see :meth:`hold`)."""
-        return self.residency.held_size
-
-    def held_chunks(self) -> frozenset[bytes]:
-        """The chunks held now (a copy: for a worker thread)."""
-        return self.residency.held_chunks()
-
-    def is_cached_in_memory(self, chunk: bytes) -> bool:
-        return self.residency.is_cached(chunk)
 
     @property
     def in_flight(self) -> int:

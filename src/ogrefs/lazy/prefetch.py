@@ -192,7 +192,7 @@ class Prefetch:
         self.trace_entries = trace_entries or []
         self.materializer = materializer
         if cache_budget is None:
-            bound = fetcher.cache.max_bytes if fetcher.cache is not None else fetcher.memory_bytes
+            bound = fetcher.cache.max_bytes if fetcher.cache is not None else fetcher.residency.memory_bytes
             cache_budget = bound // 2
         self.cache_budget = cache_budget
         self.window_bytes = window_bytes
@@ -226,7 +226,7 @@ class Prefetch:
                 # the application's start-up and the tree build, whatever the size of the trace
                 await self._settle()
                 await m.run(self.trace_entries, on_prepared=replay.cancel)
-            self.fetcher.hold(0)  # (what the materializer did not take: it stopped, or the disk is full)
+            self.fetcher.residency.hold(0)  # (what the materializer did not take: it stopped, or the disk is full)
             if m.state != "not materializing":
                 self.state, self.reason = m.state, m.reason
                 return
@@ -282,7 +282,7 @@ class Prefetch:
         The tree (every directory and file of the snapshot, and the plan of
         what goes where) takes seconds of CPU to build; the trace is what the
         application reads first, so it streams at once, at ``Priority.TRACE``,
-        into memory, held there for the materializer (``Fetcher.hold``: it
+        into memory, held there for the materializer (``Residency.hold``: it
         writes these chunks to the tree from memory moments later, and the
         disk cache would be a third copy).  It stops when the tree exists: the
         materializer's trace class goes on from there, taking the held chunks
@@ -313,9 +313,9 @@ class Prefetch:
                 await self._replay_trace_in_memory(Keep.MEMORY)
             else:
                 await self._replay_hints_in_memory(room)
-            room = min(self.fetcher.hold_bytes - self.fetcher.held_size, REST_HOLD_BYTES)
+            room = min(self.fetcher.residency.hold_bytes - self.fetcher.residency.held_size, REST_HOLD_BYTES)
             if room > 0:
-                refs = await trio.to_thread.run_sync(rest_refs, self.catalog, self.fetcher.held_chunks(), room)
+                refs = await trio.to_thread.run_sync(rest_refs, self.catalog, self.fetcher.residency.held_chunks(), room)
                 rest = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.BACKGROUND,
                                           window_bytes=self.window_bytes, keep=Keep.MEMORY, bridge=True, hold=True,
                                           pace=self.spare_cpu())
@@ -331,7 +331,7 @@ class Prefetch:
     def _hold_room(self) -> int:
         """Let the fetcher hold a replay in memory; returns the bytes a replay may take."""
         room = _memory_for_trace()
-        self.fetcher.hold(room)
+        self.fetcher.residency.hold(room)
         return room
 
     async def _replay_hints_in_memory(self, room: int) -> Replayer:
@@ -344,7 +344,7 @@ class Prefetch:
 
     async def _replay_trace_in_memory(self, keep: Keep, max_bytes: int | None = None) -> Replayer:
         """Hold the trace in memory, replayed at ``Priority.TRACE``; the caller releases it (``hold(0)``)."""
-        room = self.fetcher.hold_bytes or self._hold_room()
+        room = self.fetcher.residency.hold_bytes or self._hold_room()
         trace = Replayer(self.catalog, self.fetcher, self.trace_entries, priority=Priority.TRACE,
                          window_bytes=self.window_bytes, max_bytes=room if max_bytes is None else min(max_bytes, room),
                          keep=keep, bridge=True, hold=True)
@@ -361,7 +361,7 @@ class Prefetch:
             trace = await self._replay_trace_in_memory(Keep.ALL, budget)
             budget -= trace.stats.bytes_done
             await self._settle()  # then the start-up is over: the disk cache serves the trace from now on
-            self.fetcher.hold(0)
+            self.fetcher.residency.hold(0)
         if budget > 0:
             refs = await trio.to_thread.run_sync(hint_refs, self.catalog, budget)
             hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,

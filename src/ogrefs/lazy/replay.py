@@ -68,7 +68,7 @@ class Replayer:
         self.max_bytes = max_bytes
         self.keep = keep
         self.bridge = bridge  # nothing of the snapshot is on local disk yet: GETs may bridge gaps
-        self.hold = hold  # held in the fetcher's memory until the materializer takes them (Fetcher.hold)
+        self.hold = hold  # held in the fetcher's memory until the materializer takes them (Residency.hold)
         self.pace = pace  # awaited before each group is requested (background work that yields)
         self.stats = ReplayStats(entries=len(self.entries))
         self._refs: list[ChunkRef] | None = None

@@ -171,7 +171,15 @@ class Residency:
             self._mem_size -= len(old)
 
     def hold(self, limit: int) -> None:
-        """Hold chunks up to ``limit`` bytes until taken; ``hold(0)`` releases everything."""
+        """Keep chunks requested with ``hold=True`` (``Fetcher.request``) in memory, up to ``limit`` bytes, until taken.
+
+        A trace (or the hints) replayed before the materializer's tree exists
+        is held here, apart from the memory LRU: an application reading
+        gigabytes meanwhile neither evicts it nor makes the LRU grow with it.
+        Readers find held chunks like any in memory; the materializer takes
+        them (``request(..., take=True)``), which releases them.  What does not
+        fit goes to the LRU as before.  ``hold(0)`` releases everything.
+        """
         self.hold_bytes = limit
         if limit <= 0:
             self._held.clear()
