@@ -49,6 +49,7 @@ from ogrefs.inspect.ckptfiles import (
     components_from_name,
     kind_from_name,
 )
+from ogrefs.inspect.ckptsets import SHARD_RE, set_problems
 
 __all__ = ["analyze_checkpoints", "is_candidate_name", "POINTER_NAMES", "COMPONENTS"]
 
@@ -77,15 +78,7 @@ _NAME_STEP_RE = re.compile(
     r"(?<![a-z])(?:global_?step|step|steps|iter|iteration|ckpt|checkpoint)[-_=]?(\d+)(?!\d)"
 )
 _NAME_EPOCH_RE = re.compile(r"(?<![a-z])epoch[-_=]?(\d+)(?!\d)")
-_SHARD_RE = re.compile(r"^(?P<stem>.*?)-(?P<i>\d+)-of-(?P<n>\d+)(?P<ext>\..+)$")
 _DS_RE = re.compile(r"(model_states|optim_states)\.pt$")
-_RANK_FAMILIES = (
-    # (regex over the name, label), rank is group "r", the rest is the family
-    (re.compile(r"^(?P<pre>rng_state_)(?P<r>\d+)(?P<post>\.pth)$"), "RNG state rank"),
-    (re.compile(r"^(?P<pre>(?:bf16_)?zero_pp_rank_)(?P<r>\d+)(?P<post>_mp_rank_\d+_optim_states\.pt)$"), "ZeRO optimizer shard rank"),
-    (re.compile(r"^(?P<pre>mp_rank_)(?P<r>\d+)(?P<post>_model_states\.pt)$"), "model-parallel rank"),
-    (re.compile(r"^(?P<pre>__)(?P<r>\d+)(?P<post>_\d+\.distcp)$"), "DCP writer rank"),
-)
 
 
 def is_candidate_name(name: bytes) -> bool:
@@ -164,7 +157,7 @@ class _Unit:
 
 def _name_progress(stem: str) -> tuple[int | None, float | None]:
     low = stem.lower()
-    m = _SHARD_RE.match(low)
+    m = SHARD_RE.match(low)
     if m:
         low = m.group("stem")
     step = epoch = None
@@ -213,7 +206,43 @@ def analyze_checkpoints(
     not read again.
     """
     notes: list[str] = []
-    pointers: dict[str, list[tuple[str, str, str]]] = {}  # dir -> (path, kind, target)
+    pointers, files_by_dir = _sort_candidates(candidates)
+    units = _build_units(files_by_dir, pointers)
+    not_examined = _examine(units, deadline, known)
+    # A lone file that is neither a known checkpoint format nor named like
+    # one ("notes.bin", "data.pt" holding something else) is not a checkpoint.
+    units = [u for u in units if not _not_a_checkpoint(u)]
+    if not_examined:
+        notes.append(
+            f"deadline reached: {not_examined} checkpoint file(s) were not examined"
+        )
+    run_out, run_best, incomplete = _judge_runs(units, pointers)
+    overall = None
+    if run_best:
+        overall = max(
+            run_best,
+            key=lambda u: (
+                u.step is not None or u.epoch is not None
+                or bool(u.components & {"optimizer", "progress"}),
+                u.mtime,
+            ),
+        )
+    section = {
+        "latest_coherent": overall.to_json() if overall else None,
+        "runs": run_out,
+        "incomplete": incomplete,
+        "count": len(units),
+    }
+    hint_files = [c.path for c in overall.checks] if overall else []
+    return section, hint_files, notes
+
+
+_Pointers = dict[str, list[tuple[str, str, str]]]  # dir -> (path, kind, target)
+
+
+def _sort_candidates(candidates: dict[str, list[str]]) -> tuple[_Pointers, dict[str, list[str]]]:
+    """Pointers (read) apart from the regular files that may hold checkpoint data, per directory."""
+    pointers: _Pointers = {}
     files_by_dir: dict[str, list[str]] = {}
     for d, names in candidates.items():
         for name in names:
@@ -237,8 +266,11 @@ def analyze_checkpoints(
                     pointers.setdefault(d, []).append((full, ptr[0], ptr[1]))
                 continue
             files_by_dir.setdefault(d, []).append(name)
+    return pointers, files_by_dir
 
-    units = _build_units(files_by_dir, pointers)
+
+def _examine(units: list[_Unit], deadline: Deadline, known: "Callable[[str], FileCheck | None] | None") -> int:
+    """Check every file of every unit (or take its known verdict), then judge the unit; the count left unread."""
     not_examined = 0
     for u in units:
         for fpath in u.files:
@@ -251,14 +283,11 @@ def analyze_checkpoints(
             prior = known(fpath) if known is not None else None
             u.checks.append(prior if prior is not None else check_file(fpath, deadline))
         _evaluate(u)
-    # A lone file that is neither a known checkpoint format nor named like
-    # one ("notes.bin", "data.pt" holding something else) is not a checkpoint.
-    units = [u for u in units if not _not_a_checkpoint(u)]
-    if not_examined:
-        notes.append(
-            f"deadline reached: {not_examined} checkpoint file(s) were not examined"
-        )
+    return not_examined
 
+
+def _judge_runs(units: list[_Unit], pointers: _Pointers) -> tuple[list[dict], list[_Unit], list[dict]]:
+    """Per run: its latest coherent checkpoint and pointers; (runs section, each run's best, incomplete ones)."""
     runs: dict[str, list[_Unit]] = {}
     for u in units:
         runs.setdefault(u.run, []).append(u)
@@ -278,14 +307,8 @@ def analyze_checkpoints(
         })
         if best:
             run_best.append(best)
-        for m in members:
-            if not m.coherent:
-                incomplete.append({
-                    "id": m.id,
-                    "path": m.path,
-                    "reason": "; ".join(m.problems) or "not coherent",
-                })
-
+        incomplete += [{"id": m.id, "path": m.path, "reason": "; ".join(m.problems) or "not coherent"}
+                       for m in members if not m.coherent]
     # Pointers in directories that hold no checkpoints of their own.
     for d, ptrs in pointers.items():
         if d not in runs and not any(
@@ -297,25 +320,7 @@ def analyze_checkpoints(
                 "pointers": _resolve_pointers(d, ptrs, [], None),
                 "checkpoints": [],
             })
-
-    overall = None
-    if run_best:
-        overall = max(
-            run_best,
-            key=lambda u: (
-                u.step is not None or u.epoch is not None
-                or bool(u.components & {"optimizer", "progress"}),
-                u.mtime,
-            ),
-        )
-    section = {
-        "latest_coherent": overall.to_json() if overall else None,
-        "runs": run_out,
-        "incomplete": incomplete,
-        "count": len(units),
-    }
-    hint_files = [c.path for c in overall.checks] if overall else []
-    return section, hint_files, notes
+    return run_out, run_best, incomplete
 
 
 def _not_a_checkpoint(u: _Unit) -> bool:
@@ -409,25 +414,51 @@ def _build_units(files_by_dir: dict[str, list[str]], pointers: dict) -> list[_Un
     return units
 
 
+@dataclass
+class _Read:
+    """What a checkpoint's files say about it, gathered file by file."""
+
+    components: set[str] = field(default_factory=set)
+    steps: dict[str, int] = field(default_factory=dict)  # where it is written -> step
+    epoch: float | None = None  # the first epoch a file's content records
+    opaque: bool = False  # some content could not be read for components (legacy pickle, unknown keys)
+    facts: dict = field(default_factory=dict)  # DeepSpeed/Lightning facts: world sizes, flags
+
+
 def _evaluate(u: _Unit) -> None:
     """Per-checkpoint verdict: completeness, components, progress point."""
-    comps: set[str] = set()
-    steps: dict[str, int] = {}
-    epoch_from_content = None
-    unknown_content = False
-    facts_ds: dict = {}
-    present = {os.path.basename(c.path): c for c in u.checks}
-    by_dir: dict[str, dict[str, FileCheck]] = {}
-    for c in u.checks:
-        by_dir.setdefault(os.path.dirname(c.path), {})[os.path.basename(c.path)] = c
-
     if u.name_step is not None:
         what = "directory" if u.is_dir else "file name"
-        steps[f"{what} {u.name!r}"] = u.name_step
         u.evidence.append(f"{what} says step {u.name_step}")
     elif u.name_epoch is not None:
         u.evidence.append(f"name says epoch {u.name_epoch:g}")
+    read = _read_files(u)
+    problems, evidence = set_problems(u.checks, u.path if u.is_dir else None, read.facts.get("dp_world_size"))
+    u.problems += problems
+    u.evidence += evidence
+    _settle_progress(u, read)
+    u.components = read.components
+    # Opaque content (legacy pickle, non-dict pickle, unrecognised DCP keys)
+    # leaves the components unknown unless something else names them.
+    u.components_known = not read.opaque or bool(read.components - {"progress"})
+    u.format = _format_of(u, read.facts)
+    if u.format.startswith("hf-trainer") and "progress" not in read.components:
+        u.problems.append("no trainer_state.json (the HF Trainer writes it when a save completes)")
+    for p in u.inner_pointers:
+        u.evidence.append(f"pointer {p}")
+    u.mtime = max((c.mtime for c in u.checks), default=0.0)
+    u.size = sum(c.size for c in u.checks)
+    # Complete: every file intact and the set structurally whole.  Which
+    # components it holds is judged per run, in _judge_run.
+    if u.complete is not None:
+        u.complete = not any(c.ok is False for c in u.checks) and not u.problems
 
+
+def _read_files(u: _Unit) -> _Read:
+    """Each file's verdict into the unit (problems, evidence, warnings) and what they say together."""
+    read = _Read()
+    if u.name_step is not None:
+        read.steps[f"{'directory' if u.is_dir else 'file name'} {u.name!r}"] = u.name_step
     for c in u.checks:
         base = os.path.basename(c.path)
         if c.ok is False:
@@ -436,18 +467,17 @@ def _evaluate(u: _Unit) -> None:
             u.problems.extend(f"{base}: {p}" for p in c.problems)
             u.complete = None
         if kind_from_name(base) != "args":
-            comps |= c.components | components_from_name(base)
+            read.components |= c.components | components_from_name(base)
         if c.step is not None:
-            steps[base] = c.step
-        if c.epoch is not None and epoch_from_content is None:
-            epoch_from_content = c.epoch
+            read.steps[base] = c.step
+        if c.epoch is not None and read.epoch is None:
+            read.epoch = c.epoch
         if c.facts.get("opaque"):
-            unknown_content = True
+            read.opaque = True
         if c.kind == "torch-legacy":
             u.evidence.append(f"{base}: legacy torch.save file, not verified")
-        for k in ("dp_world_size", "mp_world_size", "deepspeed", "lightning"):
-            if k in c.facts:
-                facts_ds[k] = c.facts[k]
+        read.facts.update({k: c.facts[k] for k in ("dp_world_size", "mp_world_size", "deepspeed", "lightning")
+                           if k in c.facts})
         if c.unusual_globals:
             u.warnings.append(
                 f"{base}: pickle names callables outside torch/numpy/collections "
@@ -455,98 +485,28 @@ def _evaluate(u: _Unit) -> None:
             )
         for e in c.evidence:
             u.evidence.append(e if e.startswith(base) else f"{base}: {e}")
+    return read
 
-    # Shards named by an index file.
-    for c in u.checks:
-        listed = c.facts.get("index_files")
-        if listed:
-            here = by_dir.get(os.path.dirname(c.path), {})
-            missing = [f for f in listed if os.path.basename(f) not in here]
-            if missing:
-                u.problems.append(
-                    f"{os.path.basename(c.path)} lists {len(missing)} missing shard(s): "
-                    + ", ".join(missing[:3])
-                )
-    # -0000N-of-0000M families.
-    for d, files in by_dir.items():
-        fams: dict[tuple, set[int]] = {}
-        for base in files:
-            m = _SHARD_RE.match(base)
-            if m:
-                key = (m.group("stem"), m.group("n"), m.group("ext"), len(m.group("i")))
-                fams.setdefault(key, set()).add(int(m.group("i")))
-        for (stem, n, ext, width), have in fams.items():
-            want = set(range(1, int(n) + 1))
-            missing = sorted(want - have)
-            if missing:
-                names = [f"{stem}-{i:0{width}d}-of-{n}{ext}" for i in missing[:3]]
-                u.problems.append(f"missing shard(s): {', '.join(names)}")
-    # Rank families 0..N-1.
-    for d, files in by_dir.items():
-        for rx, label in _RANK_FAMILIES:
-            fams2: dict[tuple, set[int]] = {}
-            for base in files:
-                m = rx.match(base)
-                if m:
-                    fams2.setdefault((m.group("pre"), m.group("post")), set()).add(int(m.group("r")))
-            for (pre, post), ranks in fams2.items():
-                missing = sorted(set(range(max(ranks) + 1)) - ranks)
-                if missing:
-                    u.problems.append(
-                        f"{label}(s) {', '.join(map(str, missing[:5]))} missing "
-                        f"(e.g. {pre}{missing[0]}{post}); present: {', '.join(map(str, sorted(ranks)[:8]))}"
-                    )
-                world = facts_ds.get("dp_world_size") if "optim_states" in post else None
-                if world and max(ranks) + 1 < world:
-                    u.problems.append(
-                        f"model_states records dp_world_size={world} but only "
-                        f"{len(ranks)} ZeRO optimizer shard(s) ({pre}*{post}) are present"
-                    )
-    # torch.distributed.checkpoint directories.
-    for d, files in by_dir.items():
-        shards = {b for b in files if b.endswith(".distcp")}
-        meta = files.get(".metadata")
-        if not shards and not meta:
-            continue
-        rel = os.path.relpath(d, u.path) if u.is_dir else d
-        where = "" if rel == "." else f" in {rel}"
-        if meta is None:
-            u.problems.append(
-                f"no .metadata{where} (torch.distributed.checkpoint writes it last; the save did not finish)"
-            )
-            continue
-        named = set(meta.facts.get("distcp_files", []))
-        missing = sorted(named - shards)
-        if missing:
-            u.problems.append(
-                f".metadata{where} names {len(missing)} missing shard(s): {', '.join(missing[:3])}"
-            )
-        for fname, end in meta.facts.get("extents", {}).items():
-            c = files.get(fname)
-            if c is not None and c.size < end:
-                u.problems.append(f"{fname}: .metadata needs {end} bytes, file has {c.size}; truncated")
-        if not missing:
-            u.evidence.append(f".metadata{where} present and all {len(named)} named shard(s) found")
 
-    # Progress points must agree.
-    distinct = sorted(set(steps.values()))
-    if len(distinct) > 1:
+def _settle_progress(u: _Unit, read: _Read) -> None:
+    """The unit's step and epoch; every place that records a step must agree."""
+    if len(set(read.steps.values())) > 1:
         u.problems.append(
             "progress points disagree: "
-            + ", ".join(f"{src} says {v}" for src, v in steps.items())
+            + ", ".join(f"{src} says {v}" for src, v in read.steps.items())
         )
-    content_steps = [v for k, v in steps.items() if not k.startswith(("directory ", "file name "))]
+    content_steps = [v for k, v in read.steps.items() if not k.startswith(("directory ", "file name "))]
     u.step = content_steps[0] if content_steps else u.name_step
-    u.epoch = epoch_from_content if epoch_from_content is not None else u.name_epoch
+    u.epoch = read.epoch if read.epoch is not None else u.name_epoch
 
-    u.components = comps
-    # Opaque content (legacy pickle, non-dict pickle, unrecognised DCP keys)
-    # leaves the components unknown unless something else names them.
-    u.components_known = not unknown_content or bool(comps - {"progress"})
 
-    # Format.
-    names = set(present)
-    if any(_DS_RE.search(n) for n in names) or facts_ds.get("deepspeed"):
+_HF_FILES = {"model.safetensors", "pytorch_model.bin", "optimizer.pt", "scheduler.pt", "trainer_state.json"}
+
+
+def _format_of(u: _Unit, facts: dict) -> str:
+    """Which framework wrote the checkpoint, from its file names and facts."""
+    names = {os.path.basename(c.path) for c in u.checks}
+    if any(_DS_RE.search(n) for n in names) or facts.get("deepspeed"):
         fmt = "deepspeed"
     elif any(n.endswith(".distcp") for n in names) or ".metadata" in names:
         fmt = "torch-dcp"
@@ -554,7 +514,7 @@ def _evaluate(u: _Unit) -> None:
         fmt = "hf-trainer"
     elif "model_optim_rng.pt" in names:
         fmt = "megatron"
-    elif facts_ds.get("lightning") or any(n.endswith(".ckpt") for n in names):
+    elif facts.get("lightning") or any(n.endswith(".ckpt") for n in names):
         fmt = "lightning"
     elif u.is_dir:
         fmt = "checkpoint-dir"
@@ -564,22 +524,9 @@ def _evaluate(u: _Unit) -> None:
     else:
         fmt = "files"
     if u.is_dir and re.match(r"^checkpoint-\d+$", u.name) and fmt in ("checkpoint-dir", "deepspeed", "torch-dcp"):
-        if names & {"model.safetensors", "pytorch_model.bin", "optimizer.pt", "scheduler.pt", "trainer_state.json"} or any(
-            n.startswith(("rng_state", "model-0", "pytorch_model-0")) for n in names
-        ):
+        if names & _HF_FILES or any(n.startswith(("rng_state", "model-0", "pytorch_model-0")) for n in names):
             fmt = "hf-trainer" if fmt == "checkpoint-dir" else f"hf-trainer+{fmt}"
-    u.format = fmt
-    if fmt.startswith("hf-trainer") and "progress" not in comps:
-        u.problems.append("no trainer_state.json (the HF Trainer writes it when a save completes)")
-    for p in u.inner_pointers:
-        u.evidence.append(f"pointer {p}")
-
-    u.mtime = max((c.mtime for c in u.checks), default=0.0)
-    u.size = sum(c.size for c in u.checks)
-    # Complete: every file intact and the set structurally whole.  Which
-    # components it holds is judged per run, in _judge_run.
-    if u.complete is not None:
-        u.complete = not any(c.ok is False for c in u.checks) and not u.problems
+    return fmt
 
 
 def _judge_run(members: list[_Unit]) -> _Unit | None:

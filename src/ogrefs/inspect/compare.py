@@ -84,31 +84,43 @@ def diff_environments(a: dict, b: dict) -> dict:
     Only sections with differences appear; ``{}`` means no differences.
     """
     out: dict = {}
-    ma, mb = a.get("machine") or {}, b.get("machine") or {}
-    machine = {}
-    for label, get in (
-        ("hostname", lambda m: m.get("hostname")),
-        ("os", lambda m: (m.get("os") or {}).get("pretty_name")),
-        ("kernel", lambda m: m.get("kernel")),
-        ("arch", lambda m: m.get("arch")),
-        ("cpu_model", lambda m: (m.get("cpu") or {}).get("model")),
-        ("cpu_count", lambda m: (m.get("cpu") or {}).get("count")),
-        ("memory_bytes", lambda m: m.get("memory_bytes")),
-    ):
-        p = _pair(get(ma), get(mb))
-        if p:
-            machine[label] = p
-    if machine:
+    if machine := _diff_machine(a.get("machine") or {}, b.get("machine") or {}):
         out["machine"] = machine
+    out.update(_diff_gpus(a.get("gpus") or {}, b.get("gpus") or {}))
+    for section, diff in (("cuda", _diff_cuda), ("python_envs", _diff_envs), ("git", _diff_git),
+                          ("checkpoints", _diff_checkpoints)):
+        if d := diff(a, b):
+            out[section] = d
+    return out
 
-    ga, gb = a.get("gpus") or {}, b.get("gpus") or {}
+
+_MACHINE_FIELDS = (
+    ("hostname", lambda m: m.get("hostname")),
+    ("os", lambda m: (m.get("os") or {}).get("pretty_name")),
+    ("kernel", lambda m: m.get("kernel")),
+    ("arch", lambda m: m.get("arch")),
+    ("cpu_model", lambda m: (m.get("cpu") or {}).get("model")),
+    ("cpu_count", lambda m: (m.get("cpu") or {}).get("count")),
+    ("memory_bytes", lambda m: m.get("memory_bytes")),
+)
+
+
+def _diff_machine(ma: dict, mb: dict) -> dict:
+    return {label: p for label, get in _MACHINE_FIELDS if (p := _pair(get(ma), get(mb)))}
+
+
+def _diff_gpus(ga: dict, gb: dict) -> dict:
+    """The top-level ``gpus``, ``driver_version`` and ``cuda_driver_version`` entries that changed."""
+    out: dict = {}
     if gpu_summary(ga) != gpu_summary(gb):
         out["gpus"] = [gpu_summary(ga), gpu_summary(gb)]
     for key in ("driver_version", "cuda_driver_version"):
-        p = _pair(ga.get(key), gb.get(key))
-        if p:
+        if p := _pair(ga.get(key), gb.get(key)):
             out[key] = p
+    return out
 
+
+def _diff_cuda(a: dict, b: dict) -> dict:
     ca, cb = a.get("cuda") or {}, b.get("cuda") or {}
     cuda = {}
     for section, key in (("toolkits", "path"), ("cudnn", "path"), ("nccl", "path")):
@@ -116,72 +128,70 @@ def diff_environments(a: dict, b: dict) -> dict:
         xb = {f"{k}: {v.get('version')}" for k, v in _by(cb.get(section), key).items()}
         if xa != xb:
             cuda[section] = {"removed": sorted(xa - xb), "added": sorted(xb - xa)}
-    if cuda:
-        out["cuda"] = cuda
+    return cuda
 
+
+def _added_removed(xa: dict, xb: dict) -> dict:
+    """``added``/``removed`` keys from ``xa`` to ``xb``, each only when not empty."""
+    out: dict = {}
+    if set(xb) - set(xa):
+        out["added"] = sorted(set(xb) - set(xa))
+    if set(xa) - set(xb):
+        out["removed"] = sorted(set(xa) - set(xb))
+    return out
+
+
+def _diff_envs(a: dict, b: dict) -> dict:
     ea, eb = _by(a.get("python_envs"), "path"), _by(b.get("python_envs"), "path")
-    envs: dict = {}
-    if set(eb) - set(ea):
-        envs["added"] = sorted(set(eb) - set(ea))
-    if set(ea) - set(eb):
-        envs["removed"] = sorted(set(ea) - set(eb))
-    changed = {}
-    for path in sorted(set(ea) & set(eb)):
-        x, y = ea[path], eb[path]
-        d = _diff_packages(x.get("packages") or {}, y.get("packages") or {})
-        if x.get("kind") == "conda" or y.get("kind") == "conda":
-            dc = _diff_packages(x.get("conda_packages") or {}, y.get("conda_packages") or {})
-            if dc:
-                d["conda"] = dc
-        p = _pair(x.get("python"), y.get("python"))
-        if p:
-            d["python"] = p
-        p = _pair((x.get("torch") or {}).get("cuda"), (y.get("torch") or {}).get("cuda"))
-        if p:
-            d["torch_cuda"] = p
-        if d:
-            changed[path] = d
+    envs = _added_removed(ea, eb)
+    changed = {path: d for path in sorted(set(ea) & set(eb)) if (d := _diff_env(ea[path], eb[path]))}
     if changed:
         envs["changed"] = changed
-    if envs:
-        out["python_envs"] = envs
+    return envs
 
+
+def _diff_env(x: dict, y: dict) -> dict:
+    """One Python environment's packages (and conda's), interpreter and torch's CUDA."""
+    d = _diff_packages(x.get("packages") or {}, y.get("packages") or {})
+    if x.get("kind") == "conda" or y.get("kind") == "conda":
+        dc = _diff_packages(x.get("conda_packages") or {}, y.get("conda_packages") or {})
+        if dc:
+            d["conda"] = dc
+    if p := _pair(x.get("python"), y.get("python")):
+        d["python"] = p
+    if p := _pair((x.get("torch") or {}).get("cuda"), (y.get("torch") or {}).get("cuda")):
+        d["torch_cuda"] = p
+    return d
+
+
+def _diff_git(a: dict, b: dict) -> dict:
     ra, rb = _by(a.get("git"), "path"), _by(b.get("git"), "path")
-    git: dict = {}
-    if set(rb) - set(ra):
-        git["added"] = sorted(set(rb) - set(ra))
-    if set(ra) - set(rb):
-        git["removed"] = sorted(set(ra) - set(rb))
-    gchanged = {}
+    git = _added_removed(ra, rb)
+    changed = {}
     for path in sorted(set(ra) & set(rb)):
         d = {k: p for k in ("head", "branch", "dirty") if (p := _pair(ra[path].get(k), rb[path].get(k)))}
         if d:
-            gchanged[path] = d
-    if gchanged:
-        git["changed"] = gchanged
-    if git:
-        out["git"] = git
+            changed[path] = d
+    if changed:
+        git["changed"] = changed
+    return git
 
+
+def _diff_checkpoints(a: dict, b: dict) -> dict:
     ka, kb = _all_checkpoints(a), _all_checkpoints(b)
-    ck: dict = {}
-    if set(kb) - set(ka):
-        ck["added"] = sorted(set(kb) - set(ka))
-    if set(ka) - set(kb):
-        ck["removed"] = sorted(set(ka) - set(kb))
-    kchanged = {}
+    ck = _added_removed(ka, kb)
+    changed = {}
     for cid in sorted(set(ka) & set(kb)):
         d = {k: p for k in ("coherent", "complete", "step", "size") if (p := _pair(ka[cid].get(k), kb[cid].get(k)))}
         if d:
-            kchanged[cid] = d
-    if kchanged:
-        ck["changed"] = kchanged
+            changed[cid] = d
+    if changed:
+        ck["changed"] = changed
     la = ((a.get("checkpoints") or {}).get("latest_coherent") or {}).get("id")
     lb = ((b.get("checkpoints") or {}).get("latest_coherent") or {}).get("id")
     if la != lb:
         ck["latest_coherent"] = [la, lb]
-    if ck:
-        out["checkpoints"] = ck
-    return out
+    return ck
 
 
 def compatibility_warnings(snapshot_env: dict, here: dict) -> list[str]:
