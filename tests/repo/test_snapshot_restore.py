@@ -154,16 +154,16 @@ def test_changed_during_snapshot_is_flagged(repo, tmp_path, monkeypatch):
     src.mkdir()
     f = src / "growing.log"
     f.write_bytes(os.urandom(MiB))
-    import ogrefs.snapshot.pipeline as snapmod
+    import ogrefs.snapshot.packer as packer
 
-    real = snapmod.data_extents
+    real = packer.data_extents
 
     def touching(fd, size):
         with open(f, "ab") as fh:  # the file changes while we read it, every time
             fh.write(b"more")
         return real(fd, size)
 
-    monkeypatch.setattr(snapmod, "data_extents", touching)
+    monkeypatch.setattr(packer, "data_extents", touching)
     m = _snap(repo, src)
     assert m["changed_during_snapshot"] == [str(f)]
 

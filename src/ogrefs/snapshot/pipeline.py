@@ -2,17 +2,17 @@
 
 The pipeline (docs/architecture.md has the picture):
 
-1. The *main thread* walks the tree in sorted order, stats every entry, decides
-   whether a file is unchanged since the parent snapshot, reads changed files
-   and cuts them into chunks.  It alone owns the CatalogWriter, the
-   PackBuilder, the local chunk index's write side and the ``_pending`` queue.
-2. *Hash workers* (a thread pool) get one immutable ``bytes`` chunk each: they
-   hash it, ask :meth:`Snapshotter._claim` whether this run must store it (the
-   claim set is guarded by ``_claim_lock``) and compress it if so.
-3. The main thread consumes results strictly in submission order, so blobs
-   land in packs in walk order (files of one directory stay together), and
-   seals a pack when it reaches the target size.
-4. *Upload workers* put a sealed pack and its per-pack index object; the main
+1. The *main thread* walks the tree in sorted order, stats every entry and
+   decides whether a file is unchanged since the parent snapshot (or taken
+   unchanged from the snapshot the box runs from: snapshot/frommount.py). It
+   alone owns the CatalogWriter and, through the Packer, the open pack, the
+   local chunk index's write side and the queue of chunks in flight.
+2. Changed files go to the data path (snapshot/packer.py): *hash workers*
+   get one immutable ``bytes`` chunk each, hash it, claim it (this run stores
+   it) or find it stored, and compress it if claimed; the main thread consumes
+   results strictly in submission order, so blobs land in packs in walk order
+   (files of one directory stay together), and seals a pack at the target size.
+3. *Upload workers* put a sealed pack and its per-pack index object; the main
    thread then records the pack in the local index.
 
 Nothing is visible as a snapshot until the manifest is written, last, after
@@ -22,7 +22,6 @@ packs with their index objects, which the next run finds and reuses.
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import os
 import pwd
@@ -31,17 +30,15 @@ import socket
 import sqlite3
 import stat
 import tempfile
-import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode
-from ogrefs.snapshot.chunker import Chunker, data_extents
+from ogrefs.snapshot.frommount import MountedSnapshots
+from ogrefs.snapshot.packer import PackStats, Packer
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
 from ogrefs.repo.trash import read_trash
@@ -49,9 +46,6 @@ from ogrefs.snapshot.walk import WalkRules
 
 
 EXIT_PARTIAL = 3  # snapshot written, but some files could not be read
-
-MAX_PENDING_CHUNKS = 64
-MAX_REREADS = 3
 
 
 @dataclass
@@ -75,40 +69,15 @@ class SnapshotOptions:
 
 
 @dataclass
-class Stats:
+class Stats(PackStats):
     files: int = 0
     dirs: int = 0
     others: int = 0
     bytes: int = 0  # apparent size of regular files seen
-    read_bytes: int = 0
     reused_files: int = 0
     mount_reused_files: int = 0  # taken from the mounted snapshot's catalog: nothing in the upper directory
     local_copy_bytes: int = 0  # read from a mount's local copy (into another repository)
-    chunks: int = 0
-    new_chunks: int = 0
-    new_raw_bytes: int = 0
-    stored_bytes: int = 0  # bytes of blobs written by this run
-    packs: int = 0
     started: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _FileRec:
-    ino: int
-    path: bytes
-    st: os.stat_result
-    user: str | None
-    grp: str | None
-    extents: list[tuple[int, int, bytes]] = field(default_factory=list)
-    remaining: int = 0
-    closed: bool = False
-    discarded: bool = False
-    flags: int = 0
-
-
-def _same_content_stat(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_size, a.st_mtime_ns, a.st_ctime_ns, a.st_ino, a.st_dev) == (
-        b.st_size, b.st_mtime_ns, b.st_ctime_ns, b.st_ino, b.st_dev)
 
 
 class _Names:
@@ -167,18 +136,9 @@ class Snapshotter:
         self._progress = progress
         self._last_progress = 0.0
         self._names = _Names()
-        self._chunker = Chunker(repo.config.chunker)
-        self._codec = repo.codec  # immutable, thread-safe: hash workers use it
-        self._claim_lock = threading.Lock()
-        self._claimed: set[bytes] = set()
         self._live_packs: set[str] = set()
-        self._pending: deque[tuple[Future, _FileRec, int, int]] = deque()
-        self._uploads: deque[Future] = deque()
-        self._pack = self.repo.new_pack()
-        self._run_packs: list[str] = []
-        self._run_index: list[tuple[bytes, str, int, int, int]] = []
+        self._packer: Packer  # the data path, set in run() once the catalog writer exists
         self.unreadable: list[dict[str, str]] = []
-        self.changed: list[str] = []
         self.skipped: list[dict[str, str]] = []
         self._hardlinks: dict[tuple[int, int], int] = {}
         self._parent_cat: Catalog | None = None
@@ -187,35 +147,9 @@ class Snapshotter:
         self.skipped_mounts: list[dict[str, str]] = []
         self._own = None  # mounted.OwnMounts, set in run()
         self._from: Any = None  # the own mount the box runs from (mounted.OwnMount), if any
-        self._from_manifest: dict | None = None
-        self._mcats: dict[str, Catalog | None] = {}  # mounted snapshot id -> its catalog (None: other repository)
-        self._mdirs: dict[tuple[str, bytes], int | None] = {}  # (snapshot, catalog dir) -> inode
-        self._mount_paths: set[str] = set()  # files taken from a mounted snapshot unchanged
+        self._mounted = MountedSnapshots(repo)
         self._roots: set[bytes] = set()
         self._root_dev = 0
-
-    # -- worker side ------------------------------------------------------------
-    def _claim(self, cid: bytes) -> bool:
-        """True if this run must store ``cid`` (called from hash workers)."""
-        with self._claim_lock:
-            if cid in self._claimed:
-                return False
-            if self.repo.index.lookup(cid, self._live_packs) is not None:
-                return False
-            self._claimed.add(cid)
-            return True
-
-    def _process(self, data: bytes) -> tuple[bytes, bytes | None]:
-        cid = self._codec.chunk_id(data)
-        if not self._claim(cid):
-            return cid, None
-        return cid, self._codec.encode_blob(cid, data)
-
-    def _upload(self, name: str, body: bytes, entries: list[tuple[bytes, int, int, int]]) -> tuple[str, list]:
-        index_entries = [(cid, name, off, slen, rlen) for cid, off, slen, rlen in entries]
-        self.repo.put_pack(name, body)
-        self.repo.write_index(name, index_entries)
-        return name, index_entries
 
     # -- main thread -------------------------------------------------------------
     def _tick(self, force: bool = False) -> None:
@@ -226,91 +160,8 @@ class Snapshotter:
             self._last_progress = now
             self._progress(self.stats)
 
-    def _consume_one(self) -> None:
-        fut, rec, off, length = self._pending.popleft()
-        cid, blob = fut.result()
-        self.stats.chunks += 1
-        if blob is not None:
-            self._pack.add(cid, blob, length)
-            self.stats.new_chunks += 1
-            self.stats.new_raw_bytes += length
-            self.stats.stored_bytes += len(blob)
-            if self._pack.size >= self.repo.config.pack_target_size:
-                self._seal_pack()
-        rec.extents.append((off, length, cid))
-        rec.remaining -= 1
-        if rec.remaining == 0 and rec.closed:
-            self._finish_file(rec)
-
-    def _drain(self, keep: int = 0) -> None:
-        while len(self._pending) > keep:
-            self._consume_one()
-
-    def _reap_uploads(self, keep: int) -> None:
-        while len(self._uploads) > keep or (self._uploads and self._uploads[0].done()):
-            name, entries = self._uploads.popleft().result()
-            self.repo.index.add(entries, merged_name=name)
-            self._run_packs.append(name)
-            self._run_index.extend(entries)
-
-    def _seal_pack(self) -> None:
-        if not len(self._pack):
-            return
-        name, body, entries = self._pack.finish()
-        self._pack = self.repo.new_pack()
-        self._live_packs.add(name)
-        self.stats.packs += 1
-        self._uploads.append(self._upload_pool.submit(self._upload, name, body, entries))
-        self._reap_uploads(keep=self.opts.upload_workers)
-
-    def _finish_file(self, rec: _FileRec) -> None:
-        if rec.discarded:
-            return
-        self.cat.add_inode(rec.ino, rec.st, rec.user, rec.grp, flags=rec.flags)
-        rec.extents.sort()
-        self.cat.add_extents(rec.ino, rec.extents)
-
     def _read_file(self, path: bytes, lst: os.stat_result, ino: int, record_st: os.stat_result | None = None) -> None:
-        """Chunk a regular file, re-reading it if it changes underneath us.
-
-        ``record_st``: the attributes to record when ``path`` is a copy of the
-        file (a mount's local copy) rather than the file itself.
-        """
-        user, group = self._names.user(lst.st_uid), self._names.group(lst.st_gid)
-        for attempt in range(MAX_REREADS):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as exc:
-                self._unreadable(path, exc)
-                return
-            try:
-                st0 = os.fstat(fd)
-                if not stat.S_ISREG(st0.st_mode):
-                    raise OSError(0, "replaced by a non-regular file while snapshotting")
-                rec = _FileRec(ino, path, record_st or st0, user, group)
-                for off, data in self._chunker.chunks(fd, data_extents(fd, st0.st_size)):
-                    rec.remaining += 1
-                    self.stats.read_bytes += len(data)
-                    self._pending.append((self._hash_pool.submit(self._process, data), rec, off, len(data)))
-                    if len(self._pending) > MAX_PENDING_CHUNKS:
-                        self._drain(keep=MAX_PENDING_CHUNKS // 2)
-                    self._tick()
-                st1 = os.fstat(fd)
-            except OSError as exc:
-                os.close(fd)
-                self._unreadable(path, exc)
-                return
-            os.close(fd)
-            if _same_content_stat(st0, st1):
-                break
-            if attempt < MAX_REREADS - 1:
-                rec.discarded = True
-                continue
-            rec.flags |= FLAG_CHANGED
-            self.changed.append(os.fsdecode(path))
-        rec.closed = True
-        if rec.remaining == 0:
-            self._finish_file(rec)
+        self._packer.read_file(path, ino, self._names.user(lst.st_uid), self._names.group(lst.st_gid), record_st)
 
     def _unreadable(self, path: bytes, exc: OSError) -> None:
         self.unreadable.append({"path": os.fsdecode(path), "error": exc.strerror or str(exc)})
@@ -341,36 +192,13 @@ class Snapshotter:
             rows.append((off, length, cid, loc))
         return rows
 
-    def _mounted_catalog(self, snap_id: str) -> Catalog | None:
-        """The catalog of a mounted snapshot if it is in this repository (its chunks are ours), else None."""
-        if snap_id not in self._mcats:
-            from ogrefs.errors import SnapshotNotFound
-
-            try:
-                self.repo.load_manifest(snap_id)
-                self._mcats[snap_id] = Catalog(self.repo.catalog_path(snap_id))
-            except SnapshotNotFound:
-                self._mcats[snap_id] = None
-        return self._mcats[snap_id]
-
-    def _mounted_entry(self, cat: Catalog, snap_id: str, cat_path: bytes) -> Inode | None:
-        parent, name = os.path.split(cat_path)
-        key = (snap_id, parent)
-        if key not in self._mdirs:
-            if len(self._mdirs) > 10_000:
-                self._mdirs.clear()
-            node = cat.resolve(parent)
-            self._mdirs[key] = node.ino if node is not None and node.is_dir else None
-        dino = self._mdirs[key]
-        return cat.lookup(dino, name) if dino is not None and name else None
-
     def _reuse_from_mount(self, path: bytes, lst: os.stat_result, ino: int) -> bool:
         """A file of the mounted snapshot that nothing has changed: its entry, unread (mounted.py says how)."""
         origin = self._own.origin(path) if self._own is not None else None
         if origin is None or (origin.in_upper and not origin.metacopy):
             return False  # new or copied up: read as usual
         mount = origin.layer.mount
-        cat = self._mounted_catalog(mount.snapshot)
+        cat = self._mounted.catalog(mount.snapshot)
         if cat is None:  # another repository: its chunk ids mean nothing here; read locally where we can
             if not mount.local_complete(origin.cat_path):
                 return False
@@ -384,7 +212,7 @@ class Snapshotter:
             self._read_file(local, lst, ino, record_st=lst)
             self.stats.local_copy_bytes += self.stats.read_bytes - before
             return True
-        old = self._mounted_entry(cat, mount.snapshot, origin.cat_path)
+        old = self._mounted.entry(cat, mount.snapshot, origin.cat_path)
         if old is None or not old.is_reg or old.flags & FLAG_CHANGED or old.size != lst.st_size:
             return False
         if not origin.metacopy and old.mtime_ns != lst.st_mtime_ns:
@@ -398,35 +226,8 @@ class Snapshotter:
         self.stats.reused_files += 1
         self.stats.mount_reused_files += 1
         self.stats.chunks += len(rows)
-        self._mount_paths.add(os.fsdecode(path))
+        self._mounted.unchanged_paths.add(os.fsdecode(path))
         return True
-
-    def _known_check(self, path: str):
-        """The mounted snapshot's verdict on a checkpoint file taken from it unchanged (not read again)."""
-        if path not in self._mount_paths or not self._from_manifest:
-            return None
-        index = getattr(self, "_check_index", None)
-        if index is None:
-            index = self._check_index = {}
-            env = self._from_manifest.get("environment") or {}
-            for run in (env.get("checkpoints") or {}).get("runs", []) or []:
-                for ck in run.get("checkpoints", []) or []:
-                    for f in ck.get("files", []) or []:
-                        if isinstance(f, dict) and isinstance(f.get("path"), str):
-                            index[f["path"]] = f
-        from ogrefs.inspect.ckptfiles import FileCheck
-
-        found = index.get(path)
-        if found:
-            return FileCheck.from_json(found)
-        # unchanged, and the mounted snapshot's probe did not count it as part of a checkpoint
-        # (e.g. a data shard named *.bin): the same verdict, without reading it through the mount
-        fc = FileCheck(path=path, kind="unknown", ok=None)
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
-            fc.size, fc.mtime = st.st_size, st.st_mtime
-        fc.evidence.append("unchanged since the mounted snapshot, which found no checkpoint in it")
-        return fc
 
     def _old_children(self, old_parent: int | None) -> dict[bytes, Inode] | None:
         if self._parent_cat is None or old_parent is None:
@@ -522,8 +323,8 @@ class Snapshotter:
                           if sorted(m.get("paths", [])) == want and box_of(m) == self.box]
             if candidates:
                 manifest = candidates[-1]
-            elif self._from_manifest is not None:
-                manifest = self._from_manifest
+            elif self._mounted.from_manifest is not None:
+                manifest = self._mounted.from_manifest
             else:
                 return
         self._parent_manifest = manifest
@@ -538,14 +339,14 @@ class Snapshotter:
             own = OwnMounts(own_mounts())
         self._own = own if own is not None and own.mounts else None
         self._from = self._own.covering(roots) if self._own is not None else None
-        if self._from is not None and self._mounted_catalog(self._from.snapshot) is not None:
-            self._from_manifest = self.repo.load_manifest(self._from.snapshot)
+        if self._from is not None and self._mounted.catalog(self._from.snapshot) is not None:
+            self._mounted.from_manifest = self.repo.load_manifest(self._from.snapshot)
         from ogrefs.snapshot.selection import box_of
 
-        self.box = self.opts.box or (box_of(self._from_manifest) if self._from_manifest else self.opts.host)
+        self.box = self.opts.box or (box_of(self._mounted.from_manifest) if self._mounted.from_manifest else self.opts.host)
         for obs in self.opts.observers:
             if self._own is not None and hasattr(obs, "known_checks"):
-                obs.known_checks = self._known_check
+                obs.known_checks = self._mounted.known_check
                 # `git status` would read every tracked file through the lazy mount to compare it
                 if hasattr(obs, "check_git_dirty"):
                     obs.check_git_dirty = False
@@ -585,13 +386,12 @@ class Snapshotter:
         tmpdir = tempfile.TemporaryDirectory(prefix="ogrefs-snap-", dir=self.repo.cache_dir)
         cat_path = Path(tmpdir.name) / "catalog.sqlite"
         self.cat = CatalogWriter(cat_path)
-        self._hash_pool = ThreadPoolExecutor(self.opts.workers, thread_name_prefix="ogrefs-hash")
-        self._upload_pool = ThreadPoolExecutor(self.opts.upload_workers, thread_name_prefix="ogrefs-upload")
+        self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
+                              self.opts.upload_workers, self._unreadable, self._tick)
         try:
             return self._run(roots, cat_path)
         finally:
-            self._hash_pool.shutdown(wait=True, cancel_futures=True)
-            self._upload_pool.shutdown(wait=True, cancel_futures=True)
+            self._packer.close()
             tmpdir.cleanup()
             self._lock.release()
 
@@ -621,9 +421,7 @@ class Snapshotter:
                     self._ancestors[prefix] = node
                 parent, old_parent = node, (old.ino if old else None)
             self._record(parent, parts[-1], root, old_parent, self._old_children(old_parent))
-        self._drain()
-        self._seal_pack()
-        self._reap_uploads(keep=0)
+        self._packer.finish()
         self._tick(force=True)
         return self._commit(roots, cat_path)
 
@@ -666,13 +464,13 @@ class Snapshotter:
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
-        if self._run_index:
+        if self._packer.run_index:
             # One consolidated index object replaces this run's per-pack ones.
-            self.repo.write_index(snap_id, self._run_index)
+            self.repo.write_index(snap_id, self._packer.run_index)
             self.repo.index.add([], merged_name=snap_id)
-            for name in self._run_packs:
+            for name in self._packer.run_packs:
                 self.repo.store.delete(f"index/{name}")
-            self.repo.index.forget_merged(self._run_packs)
+            self.repo.index.forget_merged(self._packer.run_packs)
         catalog_size = self.repo.put_catalog(snap_id, cat_path)
         s = self.stats
         manifest: dict[str, Any] = {
@@ -693,13 +491,13 @@ class Snapshotter:
                 "packs": s.packs, "catalog_bytes": catalog_size,
                 "seconds": round(time.monotonic() - s.started, 3),
             },
-            "changed_during_snapshot": self.changed,
+            "changed_during_snapshot": self._packer.changed,
             "unreadable": self.unreadable,
             "skipped": self.skipped,
             "skipped_mounts": self.skipped_mounts,
         }
         if self._from is not None:
-            manifest["resumed_from"] = {"snapshot": self._from.snapshot, "same_repository": self._from_manifest
+            manifest["resumed_from"] = {"snapshot": self._from.snapshot, "same_repository": self._mounted.from_manifest
                                         is not None, "finalized": self._from.finalized}
         if environment is not None:
             manifest["environment"] = environment
