@@ -41,8 +41,7 @@ def fake_nvml(**overrides):
 
 def test_fake_nvml_is_parsed(monkeypatch):
     nvml, calls = fake_nvml()
-    monkeypatch.setattr(gpu_mod, "_import_pynvml", lambda: nvml)
-    res = probe_gpus(timeout_s=5)
+    res = probe_gpus(timeout_s=5, load_nvml=lambda: nvml)
     assert res == {
         "available": True, "source": "nvml", "driver_version": "550.54.15",
         "cuda_driver_version": "12.4", "count": 2,
@@ -58,8 +57,7 @@ def test_fake_nvml_is_parsed(monkeypatch):
 
 def test_driver_without_gpus(monkeypatch):
     nvml, _ = fake_nvml(nvmlDeviceGetCount=lambda: 0)
-    monkeypatch.setattr(gpu_mod, "_import_pynvml", lambda: nvml)
-    res = probe_gpus(timeout_s=5)
+    res = probe_gpus(timeout_s=5, load_nvml=lambda: nvml)
     assert res["available"] is False and res["count"] == 0
     assert res["reason"] == "the NVIDIA driver reports no GPUs" and res["driver_version"] == "550.54.15"
 
@@ -69,9 +67,8 @@ def test_nvml_raising_is_unavailable(monkeypatch):
         raise NVMLError("NVML Shared Library Not Found")
 
     nvml, _ = fake_nvml(nvmlInit=boom)
-    monkeypatch.setattr(gpu_mod, "_import_pynvml", lambda: nvml)
     t0 = time.monotonic()
-    res = probe_gpus(timeout_s=5)
+    res = probe_gpus(timeout_s=5, load_nvml=lambda: nvml)
     assert time.monotonic() - t0 < 1
     assert res == {"available": False, "reason": "NVML: NVML Shared Library Not Found", "count": 0}
 
@@ -88,16 +85,15 @@ def test_pynvml_missing_is_unavailable(monkeypatch):
 def test_hung_nvml_is_abandoned_quickly(monkeypatch):
     release = threading.Event()
     nvml, _ = fake_nvml(nvmlInit=lambda: release.wait(30))
-    monkeypatch.setattr(gpu_mod, "_import_pynvml", lambda: nvml)
     try:
         t0 = time.monotonic()
-        res = probe_gpus(timeout_s=0.3)
+        res = probe_gpus(timeout_s=0.3, load_nvml=lambda: nvml)
         assert time.monotonic() - t0 < 1.5
         assert res["available"] is False and res["timed_out"] is True
         assert res["reason"].startswith("NVML did not answer within")
         # The stuck thread is remembered: the next probe answers at once.
         t0 = time.monotonic()
-        again = probe_gpus(timeout_s=5)
+        again = probe_gpus(timeout_s=5, load_nvml=lambda: nvml)
         assert time.monotonic() - t0 < 0.2
         assert "still stuck" in again["reason"]
     finally:
@@ -106,7 +102,7 @@ def test_hung_nvml_is_abandoned_quickly(monkeypatch):
         if stuck is not None:
             stuck.join(5)
     # Once it came back, probing works again.
-    assert probe_gpus(timeout_s=5)["available"] is True
+    assert probe_gpus(timeout_s=5, load_nvml=lambda: nvml)["available"] is True
 
 
 def test_cuda_version_text():

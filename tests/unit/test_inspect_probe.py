@@ -16,25 +16,21 @@ from ogrefs.inspect import (
     format_environment,
     probe_local_machine,
 )
-from ogrefs.inspect import gpu as gpu_mod
 from ogrefs.inspect import probe as probe_mod
 from ogrefs.inspect import pyenv
 from tests.envmaker import h100, hf_ckpt, manifest, safetensors, venv, write
 
 
-def no_gpu(monkeypatch):
-    def missing():
-        raise ImportError("no pynvml in this test")
-
-    monkeypatch.setattr(gpu_mod, "_import_pynvml", missing)
+def no_nvml():
+    """The NVML loader for a box without pynvml."""
+    raise ImportError("no pynvml in this test")
 
 
 def test_walker_api_with_bytes_paths(tmp_path, monkeypatch):
     """The lead's walker calls observe_dir(bytes, [bytes]) once per directory."""
-    no_gpu(monkeypatch)
     run = tmp_path / "run"
     c = hf_ckpt(run, 10)
-    probe = EnvironmentProbe()
+    probe = EnvironmentProbe(load_nvml=no_nvml)
     for dirpath, dirnames, filenames in os.walk(os.fsencode(str(tmp_path))):
         probe.observe_dir(dirpath, dirnames + filenames)
     env = probe.finish(deadline_s=10)
@@ -48,7 +44,7 @@ def test_walker_api_with_bytes_paths(tmp_path, monkeypatch):
 
 def test_observe_dir_notes_without_reading():
     """observe_dir is pure bookkeeping: paths that do not exist are fine."""
-    probe = EnvironmentProbe()
+    probe = EnvironmentProbe(load_nvml=no_nvml)
     probe.observe_dir(b"/usr/local", [b"cuda-12.1", b"cuda", b"bin", b"lib"])
     probe.observe_dir(b"/x/lib/python3.11/site-packages/torch/lib", [b"libtorch_cuda.so", b"libcudart-9335f6a2.so.12", b"x.py"])
     probe.observe_dir(b"/x/bin", [b"python3.11", b"python", b"pythonw-config", b"pip"])
@@ -62,33 +58,30 @@ def test_observe_dir_notes_without_reading():
 
 
 def test_non_utf8_names_survive_json(tmp_path, monkeypatch):
-    no_gpu(monkeypatch)
     d = os.path.join(os.fsencode(str(tmp_path)), b"run-\xff")
     os.makedirs(d)
     with open(os.path.join(d, b"model.safetensors"), "wb") as f:
         h = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
         f.write(struct.pack("<Q", len(h)) + h + b"\0" * 4)
-    env = capture_environment([str(tmp_path)], deadline_s=10)
+    env = capture_environment([str(tmp_path)], deadline_s=10, load_nvml=no_nvml)
     text = json.dumps(env)
     back = json.loads(text)["checkpoints"]["latest_coherent"]["path"]
     assert os.fsencode(back) == os.path.join(d, b"model.safetensors")
 
 
 def test_symlinks_are_not_followed_and_proc_is_skipped(tmp_path, monkeypatch):
-    no_gpu(monkeypatch)
     outside = tmp_path / "outside"
     safetensors(outside / "model.safetensors")
     (tmp_path / "root").mkdir()
     os.symlink(outside, tmp_path / "root" / "link")
-    env = capture_environment([str(tmp_path / "root")], deadline_s=10)
+    env = capture_environment([str(tmp_path / "root")], deadline_s=10, load_nvml=no_nvml)
     assert env["checkpoints"]["count"] == 0
-    probe = EnvironmentProbe()
+    probe = EnvironmentProbe(load_nvml=no_nvml)
     assert probe_mod._walk(probe, b"/proc", probe_mod.Deadline(5)) is True
     assert probe.dirs_seen == 0
 
 
 def test_deadline_keeps_partial_results(tmp_path, monkeypatch):
-    no_gpu(monkeypatch)
     venv(tmp_path, {f"pkg{i}": f"1.{i}" for i in range(40)})
     c = hf_ckpt(tmp_path / "run", 5)
     real = pyenv.read_dist_headers
@@ -99,7 +92,7 @@ def test_deadline_keeps_partial_results(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pyenv, "read_dist_headers", slow)
     t0 = time.monotonic()
-    env = capture_environment([str(tmp_path)], deadline_s=1.0)
+    env = capture_environment([str(tmp_path)], deadline_s=1.0, load_nvml=no_nvml)
     took = time.monotonic() - t0
     assert took < 2.0
     assert env["complete"] is False
@@ -115,7 +108,6 @@ def test_deadline_keeps_partial_results(tmp_path, monkeypatch):
 
 
 def test_walk_deadline(tmp_path, monkeypatch):
-    no_gpu(monkeypatch)
     for i in range(30):
         (tmp_path / f"d{i:02d}").mkdir()
     real = EnvironmentProbe.observe_dir
@@ -126,7 +118,7 @@ def test_walk_deadline(tmp_path, monkeypatch):
 
     monkeypatch.setattr(EnvironmentProbe, "observe_dir", slow)
     t0 = time.monotonic()
-    env = capture_environment([str(tmp_path)], deadline_s=0.6)
+    env = capture_environment([str(tmp_path)], deadline_s=0.6, load_nvml=no_nvml)
     assert time.monotonic() - t0 < 1.5
     assert env["complete"] is False
     assert env["notes"][0].startswith("directory walk cut short after ")
@@ -144,10 +136,9 @@ def test_probe_local_machine_shape():
 
 
 def test_diff_of_two_captures(tmp_path, monkeypatch):
-    no_gpu(monkeypatch)
     venv(tmp_path, {"numpy": "1.26.0", "torch": "2.1.0", "tqdm": "4.0", "oldpkg": "1.0"})
     hf_ckpt(tmp_path / "run", 100)
-    a = capture_environment([str(tmp_path)], deadline_s=10)
+    a = capture_environment([str(tmp_path)], deadline_s=10, load_nvml=no_nvml)
 
     site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
     os.rename(site / "numpy-1.26.0.dist-info", site / "numpy-2.0.0.dist-info")
@@ -159,7 +150,7 @@ def test_diff_of_two_captures(tmp_path, monkeypatch):
     shutil.rmtree(site / "oldpkg-1.0.dist-info")
     write(site / "newpkg-0.1.dist-info" / "METADATA", "Name: newpkg\nVersion: 0.1\n")
     c200 = hf_ckpt(tmp_path / "run", 200)
-    b = capture_environment([str(tmp_path)], deadline_s=10)
+    b = capture_environment([str(tmp_path)], deadline_s=10, load_nvml=no_nvml)
 
     d = diff_environments(a, b)
     assert d["python_envs"] == {"changed": {str(tmp_path / "venv"): {
@@ -214,12 +205,11 @@ def test_cuda_warning_names_the_env_and_versions():
 
 
 def test_format_puts_latest_checkpoint_first(tmp_path, monkeypatch):
-    no_gpu(monkeypatch)
     venv(tmp_path, {"torch": "2.1.0"})
     c = hf_ckpt(tmp_path / "run", 100)
     bad = hf_ckpt(tmp_path / "run", 200)
     os.remove(os.path.join(bad, "trainer_state.json"))
-    env = capture_environment([str(tmp_path)], deadline_s=10)
+    env = capture_environment([str(tmp_path)], deadline_s=10, load_nvml=no_nvml)
     lines = format_environment(env)
     assert lines[0].startswith(f"Latest coherent checkpoint: {c} (hf-trainer; step 100; epoch 1; model, progress;")
     assert any(line.startswith("    because: ") and "global_step=100" in line for line in lines)

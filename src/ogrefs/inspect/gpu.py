@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, Callable
 
 __all__ = ["GpuProbe", "probe_gpus", "cuda_version_text"]
 
@@ -20,8 +21,8 @@ _stuck_lock = threading.Lock()
 _stuck: threading.Thread | None = None
 
 
-def _import_pynvml():
-    """Import pynvml; a seam so tests can swap in a fake."""
+def import_pynvml():
+    """Import pynvml: what GpuProbe loads NVML with unless given another loader (tests give a fake)."""
     import pynvml
 
     return pynvml
@@ -98,7 +99,8 @@ def _unavailable(reason: str, **extra) -> dict:
 class GpuProbe:
     """One NVML query in a background thread; ``result()`` waits a bounded time."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_nvml: Callable[[], Any] = import_pynvml) -> None:
+        self._load_nvml = load_nvml
         self._result: dict | None = None
         self._started = time.monotonic()
         self._thread: threading.Thread | None = None
@@ -111,7 +113,7 @@ class GpuProbe:
 
     def _run(self) -> None:
         try:
-            nvml = _import_pynvml()
+            nvml = self._load_nvml()
         except ImportError as exc:
             self._result = _unavailable(f"pynvml (nvidia-ml-py) is not installed: {exc}")
             return
@@ -138,6 +140,6 @@ class GpuProbe:
         return res
 
 
-def probe_gpus(timeout_s: float = 5.0) -> dict:
+def probe_gpus(timeout_s: float = 5.0, load_nvml: Callable[[], Any] = import_pynvml) -> dict:
     """GPU model, memory, driver and CUDA driver version; never raises."""
-    return GpuProbe().result(timeout_s)
+    return GpuProbe(load_nvml).result(timeout_s)

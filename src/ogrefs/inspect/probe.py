@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Any, Callable
 
 from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.checkpoints import analyze_checkpoints, is_candidate_name
@@ -33,7 +34,7 @@ from ogrefs.inspect.cuda import (
     so_version,
 )
 from ogrefs.inspect.gitrepo import read_git
-from ogrefs.inspect.gpu import GpuProbe
+from ogrefs.inspect.gpu import GpuProbe, import_pynvml
 from ogrefs.inspect.machine import machine_info
 from ogrefs.inspect.pyenv import env_prefix_for_site_dir, read_env
 
@@ -60,8 +61,10 @@ _SKIP_WALK = frozenset({b"/proc", b"/sys", b"/dev"})
 class EnvironmentProbe:
     """Notes candidates during a walk; reads them in :meth:`finish`."""
 
-    def __init__(self, *, gpu_timeout_s: float = _GPU_TIMEOUT_S, check_git_dirty: bool = True) -> None:
+    def __init__(self, *, gpu_timeout_s: float = _GPU_TIMEOUT_S, check_git_dirty: bool = True,
+                 load_nvml: Callable[[], Any] = import_pynvml) -> None:
         self.gpu_timeout_s = gpu_timeout_s
+        self._load_nvml = load_nvml
         self.check_git_dirty = check_git_dirty
         self.dirs_seen = 0
         self._venvs: set[bytes] = set()
@@ -143,7 +146,7 @@ class EnvironmentProbe:
     def _finish(self, deadline: Deadline) -> dict:
         deadline_s = deadline.seconds
         started = time.monotonic()
-        gpu_probe = GpuProbe()
+        gpu_probe = GpuProbe(self._load_nvml)
         notes: list[str] = []
 
         machine = machine_info()
@@ -283,14 +286,15 @@ def _walk(probe: EnvironmentProbe, root: bytes, deadline: Deadline) -> bool:
     return True
 
 
-def capture_environment(roots: list[str], deadline_s: float = 20.0) -> dict:
+def capture_environment(roots: list[str], deadline_s: float = 20.0,
+                        load_nvml: Callable[[], Any] = import_pynvml) -> dict:
     """Walk ``roots`` (no symlinks followed; /proc, /sys, /dev skipped) and capture.
 
     The walk may use at most half of ``deadline_s``; reading gets the rest.
     """
     total = Deadline(deadline_s)
     walk_deadline = Deadline(deadline_s / 2)
-    probe = EnvironmentProbe()
+    probe = EnvironmentProbe(load_nvml=load_nvml)
     complete_walk = True
     for root in roots:
         raw = os.fsencode(os.path.abspath(root))
@@ -308,9 +312,9 @@ def capture_environment(roots: list[str], deadline_s: float = 20.0) -> dict:
     return env
 
 
-def probe_local_machine(gpu_timeout_s: float = _GPU_TIMEOUT_S) -> dict:
+def probe_local_machine(gpu_timeout_s: float = _GPU_TIMEOUT_S, load_nvml: Callable[[], Any] = import_pynvml) -> dict:
     """Machine, GPUs and CUDA of the running box (for restore-time checks)."""
-    gpu_probe = GpuProbe()
+    gpu_probe = GpuProbe(load_nvml)
     machine = machine_info()
     cudnn, nccl = [], []
     for d in ("/usr/include", "/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu",
