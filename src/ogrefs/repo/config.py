@@ -105,7 +105,8 @@ class RepoConfig:
                 mac=body.get("mac"),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise RepositoryError(f"{where}: config is malformed ({exc})") from None
+            detail = str(exc).replace("\n", "\\n").replace("\r", "\\r")  # a key may hold a newline: one line
+            raise RepositoryError(f"{where}: config is malformed ({detail})") from None
         if not (isinstance(cfg.id, str) and _ID.fullmatch(cfg.id)):
             raise RepositoryError(f"{where}: config is malformed (id {cfg.id!r} is not a hex repository id)")
         if cfg.hash != "blake3-256" or cfg.compression != "zstd":
