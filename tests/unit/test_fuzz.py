@@ -678,3 +678,39 @@ def test_sealed_pack_header(body):
         return
     for _cid, off, slen, _rlen in entries:
         assert 0 <= off and off + slen <= len(body)
+
+
+# -- a trace's stale checkpoint reads (lazy/newer_checkpoint.py reads the manifests' checkpoint records) ------
+def _ck_record(step: int) -> dict:
+    d = f"/run/checkpoint-{step}"
+    return {"id": d, "path": d, "step": step, "epoch": step / 100, "coherent": True, "mtime": 1.0 * step,
+            "files": [{"path": f"{d}/model.safetensors", "size": 3 << 20}, {"path": f"{d}/optimizer.pt", "size": 1 << 20}]}
+
+
+def _replace(mounted_run: dict, recorded_ck: dict) -> None:
+    from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
+
+    def manifest(run: object) -> dict:
+        return {"environment": {"checkpoints": {"runs": [run]}}}
+
+    recorded = manifest({"dir": "/run", "latest_coherent": "/run/checkpoint-100", "checkpoints": [recorded_ck]})
+    entries = [(b"/run/checkpoint-100/model.safetensors", 0), (b"/venv/x.py", 0),
+               (b"/run/checkpoint-100/optimizer.pt", 1 << 20)]
+    out = replace_stale_checkpoints(entries, manifest(mounted_run), recorded, lambda p: [0, 1 << 20])
+    assert isinstance(out, list) and all(type(p) is bytes and type(o) is int for p, o in out)
+    assert (b"/venv/x.py", 0) in out  # what is no checkpoint is never touched
+
+
+VALID_RUN = {"dir": "/run", "latest_coherent": "/run/checkpoint-200", "checkpoints": [_ck_record(200), _ck_record(100)]}
+
+
+@FAST
+@given(replaced_fields(_ck_record(200)), replaced_fields(_ck_record(100)))
+def test_stale_checkpoint_records(newer, recorded):
+    _replace({**VALID_RUN, "checkpoints": [newer, _ck_record(100)]}, recorded)
+
+
+@FAST
+@given(replaced_fields(VALID_RUN))
+def test_stale_checkpoint_runs(run):
+    _replace(run, _ck_record(100))

@@ -73,10 +73,11 @@ class Checkpoint:
 def _checkpoint(run: str, ck: dict) -> Checkpoint | None:
     step, epoch = ck.get("step"), ck.get("epoch")
     step = step if type(step) is int else None
-    epoch = epoch if isinstance(epoch, (int, float)) and not isinstance(epoch, bool) else None
-    mtime = ck.get("mtime") if isinstance(ck.get("mtime"), (int, float)) else 0.0
+    epoch = epoch if isinstance(epoch, (int, float)) and not isinstance(epoch, bool) and math.isfinite(epoch) else None
+    mtime = ck.get("mtime") if isinstance(ck.get("mtime"), (int, float)) and math.isfinite(ck["mtime"]) else 0.0
+    listed = ck.get("files") if isinstance(ck.get("files"), list) else []
     files = {f["path"]: f.get("size") if type(f.get("size")) is int else -1
-             for f in ck.get("files") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)}
+             for f in listed if isinstance(f, dict) and isinstance(f.get("path"), str)}
     if not isinstance(ck.get("id"), str) or not isinstance(ck.get("path"), str) or not files:
         return None
     whole_epoch = int(epoch) if epoch is not None and math.isfinite(epoch) and epoch == int(epoch) else None

@@ -79,7 +79,8 @@ class RequestWindow:
         self.used += n
 
     def settle(self, *, charged: int, ready: int, acquired: int) -> None:
-        """After a request: ``charged`` bytes go over the link (``acquired`` were reserved), ``ready`` came from memory."""
+        """After a request: ``charged`` bytes go over the link (``acquired`` were reserved);
+        ``ready`` came from memory."""
         self.used += charged - acquired
         self.ready += ready
         self._wake()
