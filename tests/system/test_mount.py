@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ogrefs.repo.catalog import Catalog
-from ogrefs.mount.core import mounted_fstype
+from ogrefs.mount.mountsys import mounted_fstype
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
@@ -298,13 +298,15 @@ def test_a_snapshot_without_xattrs_says_not_supported_and_one_with_them_shows_th
 
 
 def test_missing_dev_fuse_is_reported(monkeypatch, tmp_path):
-    from ogrefs.mount import core as mount_mod
+    from ogrefs.boxmounts import MountError
+    from ogrefs.mount.client import mount
+    from ogrefs.mount.options import MountOptions
 
     real = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: False if p == "/dev/fuse" else real(p))
-    opts = mount_mod.MountOptions(repo_url="file:///nonexistent", snapshot="latest", mountpoint=tmp_path)
-    with pytest.raises(mount_mod.MountError, match="/dev/fuse is missing"):
-        mount_mod.mount(opts)
+    opts = MountOptions(repo_url="file:///nonexistent", snapshot="latest", mountpoint=tmp_path)
+    with pytest.raises(MountError, match="/dev/fuse is missing"):
+        mount(opts)
 
 
 def test_signals_unmount_cleanly(tmp_path, tree_repo, mounter):
@@ -408,26 +410,26 @@ def test_encrypted_repository_mounts_with_its_passphrase(tmp_path, monkeypatch):
 
 def test_status_wait_returns_when_complete_and_fails_with_the_reason(monkeypatch):
     """``ogrefs status --wait``: polls until the copy is complete, or says why it never will be."""
-    from ogrefs.mount import core as mount_mod
+    from ogrefs.mount import status
 
     def statuses(*seq):
         it = iter(seq)
-        monkeypatch.setattr(mount_mod, "read_status", lambda mp: next(it))
+        monkeypatch.setattr(status, "read_status", lambda mp: next(it))
 
     running = {"mountpoint": "/m", "materialize": {"mode": "materialize", "state": "running", "complete": False}}
     statuses(running, running, {"mountpoint": "/m", "materialize": {"mode": "materialize", "state": "done",
                                                                      "complete": True}})
     seen = []
-    st, problem = mount_mod.wait_background(Path("/m"), poll=0, progress=seen.append)
+    st, problem = status.wait_background(Path("/m"), poll=0, progress=seen.append)
     assert problem is None and st["materialize"]["complete"] and len(seen) == 3
 
     statuses(running, {"mountpoint": "/m", "materialize": {"mode": "materialize", "state": "stopped",
                                                            "reason": "stopped: the disk of /s is full"}})
-    st, problem = mount_mod.wait_background(Path("/m"), poll=0)
+    st, problem = status.wait_background(Path("/m"), poll=0)
     assert problem == "/m will not become fully local: stopped: the disk of /s is full"
 
     statuses({"mountpoint": "/m", "materialize": {"mode": "cache", "state": "done", "complete": False}})
-    assert mount_mod.wait_background(Path("/m"), poll=0)[1] is None  # a cache-only mount: its prefetch ended
+    assert status.wait_background(Path("/m"), poll=0)[1] is None  # a cache-only mount: its prefetch ended
 
 
 def test_busy_read_only_unmount_says_so_and_keeps_the_mount(tmp_path, tree_repo, mounter):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.mount import core as mount_mod
+from ogrefs.mount.status import wait_background
 from ogrefs.boxmounts import MountError, Registration
 
 
@@ -30,7 +30,7 @@ def test_status_wait_gives_up_on_a_daemon_that_stopped_answering(runtime):
     running = {"mode": "materialize", "state": "running", "complete": False}
     _register(Path("/m"), {"time": time.time() - 120, "materialize": running})
     with pytest.raises(MountError, match="has not answered for"):
-        mount_mod.wait_background(Path("/m"), poll=0)
+        wait_background(Path("/m"), poll=0)
 
 
 def test_status_wait_has_a_timeout(runtime):
@@ -43,7 +43,7 @@ def test_status_wait_has_a_timeout(runtime):
         reg.status.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), "materialize": running}))
 
     with pytest.raises(MountError, match="not fully local after"):
-        mount_mod.wait_background(Path("/m"), poll=0.01, timeout=0.2, progress=keep_fresh)
+        wait_background(Path("/m"), poll=0.01, timeout=0.2, progress=keep_fresh)
     assert len(seen) > 1
 
 
@@ -51,5 +51,5 @@ def test_status_wait_fails_when_materialization_was_refused(runtime):
     refused = {"mode": "cache", "state": "done", "complete": False,
                "reason": "not materializing: needs 3.0 GiB, 1.0 GiB free in /s"}
     _register(Path("/m"), {"time": time.time(), "materialize": refused})
-    st, problem = mount_mod.wait_background(Path("/m"), poll=0)
+    st, problem = wait_background(Path("/m"), poll=0)
     assert problem == "/m will not become fully local: not materializing: needs 3.0 GiB, 1.0 GiB free in /s"

@@ -1,7 +1,7 @@
 """``ogrefs mount``, ``ogrefs unmount`` and ``ogrefs status``.
 
 Registered on the main group by :func:`register`; the work is in
-:mod:`ogrefs.mount.core`.  Errors are OgrefsError subclasses, which ``cli.main``
+:mod:`ogrefs.mount.client` (status: :mod:`ogrefs.mount.status`).  Errors are OgrefsError subclasses, which ``cli.main``
 turns into one line on stderr.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ogrefs.cli.base import emit_json, json_option
+from ogrefs.boxmounts import MountError
 from ogrefs.errors import UsageError
 from ogrefs.units import human_bytes as _human
 
@@ -91,45 +92,39 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
     `ogrefs mounts` lists mounts and the state they leave.
     """
     from ogrefs.inspect.compat import environment_warning
-    from ogrefs.mount.core import MountOptions, mount as do_mount
+    from ogrefs.mount.client import mount as do_mount
+    from ogrefs.mount.hostpaths import load_rules
+    from ogrefs.mount.options import MountOptions
+    from ogrefs.snapshot.selection import resolve_snapshot
 
+    rules = None if read_only else tuple(load_rules(defaults=not no_host_paths, files=host_paths_file,
+                                                    add=host_path, drop=no_host_path))
     opts = MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=mountpoint, s3_endpoint=obj.s3_endpoint,
                         chunk_cache=cache_dir, cache_size=parse_size(cache_size) if cache_size else None,
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
-                        prefetch=prefetch)
-    if not read_only:
-        from ogrefs.mount.hostpaths import load_rules
+                        prefetch=prefetch, host_rules=rules)
 
-        opts.host_rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path,
-                                     drop=no_host_path)
-
-    def open_repo():
-        from ogrefs.snapshot.selection import resolve_snapshot
-
-        repo = obj.open()
+    def resolve(repo):
         manifest = resolve_snapshot(repo, snap)  # `latest` is this box's: the mount then names it by id
-        opts.snapshot = manifest["id"]
         warning = environment_warning(manifest, strict)
         if warning:
             click.echo(f"warning: {warning}", err=True)
-        return repo
+        return manifest
 
-    do_mount(opts, open_repo=open_repo)
+    plan = do_mount(opts, open_repo=obj.open, resolve=resolve)
     if as_json and not foreground:
-        emit_json({"snapshot": snap, "target": str(opts.target or opts.mountpoint), "read_only": read_only,
-                   "state_dir": None if read_only else str(opts.state_dir)})
+        emit_json({"snapshot": snap, "target": str(plan.target), "read_only": read_only,
+                   "state_dir": None if read_only else str(plan.state_dir)})
     elif not foreground and not getattr(obj, "quiet", False):
-        where = opts.target or opts.mountpoint
-        mode = "read-only" if read_only else f"writable, local state in {opts.state_dir}"
-        click.echo(f"mounted {snap} at {where} ({mode})")
+        mode = "read-only" if read_only else f"writable, local state in {plan.state_dir}"
+        click.echo(f"mounted {snap} at {plan.target} ({mode})")
         if not read_only:
             from ogrefs.mount.keeper import describe
-            from ogrefs.mount.core import Registration
 
-            kept = describe(Registration.for_mountpoint(where).read() or {})
+            kept = describe(plan.registration.read() or {})
             if kept:
                 click.echo(kept)
 
@@ -144,7 +139,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
 @json_option
 def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None:
     """Unmount an ogrefs mount and wait for its daemon to exit."""
-    from ogrefs.mount.core import unmount as do_unmount
+    from ogrefs.mount.client import unmount as do_unmount
 
     note = do_unmount(mountpoint, lazy=lazy, timeout=timeout)
     if as_json:
@@ -163,8 +158,7 @@ def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None
               help="With --wait: give up (exit 1) after this many seconds.")
 def status(mountpoint: Path, as_json: bool, wait: bool, timeout: float | None) -> None:
     """What a mount has fetched, served and failed."""
-
-    from ogrefs.mount.core import read_status, wait_background
+    from ogrefs.mount.status import read_status, wait_background
 
     if wait:
         st, problem = wait_background(mountpoint, timeout=timeout,
@@ -175,8 +169,6 @@ def status(mountpoint: Path, as_json: bool, wait: bool, timeout: float | None) -
         sys.stderr.write("\n")
     _report(st, as_json)
     if problem:
-        from ogrefs.boxmounts import MountError
-
         raise MountError(problem)
 
 
@@ -252,7 +244,7 @@ def _prefetch_lines(m: dict, tty: bool) -> list[str]:
 @json_option
 def finalize(mountpoint: Path, as_json: bool) -> None:
     """Once everything is local, run MOUNTPOINT from local disk alone (no daemon, no store)."""
-    from ogrefs.mount.core import finalize as do_finalize
+    from ogrefs.mount.client import finalize as do_finalize
 
     targets = do_finalize(mountpoint)
     if as_json:

@@ -33,12 +33,12 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, mater
          no_host_paths, host_paths_file) -> None:
     from ogrefs.inspect.compat import environment_warning
     from ogrefs.mount.hostpaths import load_rules
-    from ogrefs.mount.core import MountOptions
+    from ogrefs.mount.options import MountOptions
     from ogrefs.mount.run import run
     from ogrefs.snapshot.selection import resolve_snapshot
 
     refuse_json(obj, name, "what its command prints")
-    rules = load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path)
+    rules = tuple(load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path))
 
     chosen: list[str] = []  # the snapshot's id, resolved once (in the child, where the repository is opened)
 

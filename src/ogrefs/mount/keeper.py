@@ -40,11 +40,15 @@ import select
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ogrefs.boxmounts import load_overlays, save_overlays
-from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.boxmounts import Registration, load_overlays, save_overlays
 from ogrefs.errors import OgrefsError
+from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.repo import default_cache_dir
+
+if TYPE_CHECKING:
+    from ogrefs.mount.plan import MountPlan
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +73,11 @@ def read_line(fd: int, timeout: float | None) -> str:
     return buf.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def own_directories(opts: Any, reg: Any) -> list[str]:
+def own_directories(plan: MountPlan) -> list[str]:
     """ogrefs' own directories: never covered by an overlay (bound back on top of it)."""
-    from ogrefs.repo import default_cache_dir
-
-    paths = [opts.state_dir, opts.cache_root or default_cache_dir(), opts.chunk_cache,
-             reg.path.parent.parent]  # the runtime directory
+    opts = plan.opts
+    paths = [plan.state_dir, opts.cache_root or default_cache_dir(), opts.chunk_cache,
+             plan.registration.path.parent.parent]  # the runtime directory
     url = opts.repo_url or ""
     if url.startswith("file://"):
         paths.append(url[len("file://"):])
@@ -89,15 +92,17 @@ def own_directories(opts: Any, reg: Any) -> list[str]:
     return out
 
 
-def bring_up(opts: Any, reg: Any) -> dict[str, Any]:
+def bring_up(plan: MountPlan) -> dict[str, Any]:
     """After the FUSE lower answers: host layers, overlays, bind-backs, linker cache; what was done."""
-    state = Path(opts.state_dir)
-    mountsys.tune_readahead(state / "lower", opts.readahead_kb)
-    keep = own_directories(opts, reg)
-    host = hostpaths.prepare(opts.overlays, state, opts.host_paths)  # opens host files before they are covered
+    layout = plan.writable
+    state = layout.state_dir
+    mountsys.tune_readahead(state / "lower", plan.opts.readahead_kb)
+    keep = own_directories(plan)
+    host = hostpaths.prepare(layout.overlays, state, layout.host_paths)  # opens host files before they are covered
     up = overlay.mount_all(host.overlays, state, keep=keep)
-    owned = set(opts.host_paths.kept) if opts.host_paths is not None else set()
-    shown = topfiles.show([e for e in opts.top_files or [] if "/" + e["name"] not in owned], state / "lower", state)
+    owned = set(layout.host_paths.kept) if layout.host_paths is not None else set()
+    shown = topfiles.show([e for e in layout.top_files or [] if "/" + e["name"] not in owned], state / "lower",
+                          state)
     try:
         ldconfig = host.run_ldconfig()
     except OSError as exc:
@@ -106,7 +111,7 @@ def bring_up(opts: Any, reg: Any) -> dict[str, Any]:
             "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown}
 
 
-def teardown(state_dir: Path, reg: Any) -> list[str]:
+def teardown(state_dir: Path, reg: Registration) -> list[str]:
     """Detach what of this mount is still up (not after finalize: those overlays are the box now)."""
     info = reg.read() or {}
     if info.get("finalized"):
@@ -121,8 +126,10 @@ def teardown(state_dir: Path, reg: Any) -> list[str]:
     return errors + ([f"{state_dir}/lower: {err}"] if err else [])
 
 
-def keep(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int, ready_fd: int | None) -> int:
+def keep(plan: MountPlan, daemon_pid: int, from_daemon: int, to_daemon: int, ready_fd: int | None) -> int:
     """The keeper's life: bring the box up once the daemon is ready, take it down when it goes."""
+    reg, state = plan.registration, plan.writable.state_dir
+
     def forward(signum: int, _frame: Any) -> None:
         with contextlib.suppress(OSError):
             os.kill(daemon_pid, signal.SIGTERM)
@@ -133,14 +140,14 @@ def keep(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int,
     if line != "fuse-ready":
         forward(0, None)  # the daemon goes first: a foreground mount raises from _answer
         _reap(daemon_pid)
-        teardown(Path(opts.state_dir), reg)
+        teardown(state, reg)
         _answer(ready_fd, line if line.startswith("error ") else
                 f"error the mount daemon exited before the mount was ready (log: {reg.log})")
         return 1
     try:
-        done = bring_up(opts, reg)
+        done = bring_up(plan)
     except (OgrefsError, OSError) as exc:
-        teardown(Path(opts.state_dir), reg)
+        teardown(state, reg)
         forward(0, None)
         _reap(daemon_pid)
         _answer(ready_fd, f"error {exc}")
@@ -151,11 +158,10 @@ def keep(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int,
     log.info("overlays up: %s; kept from the host: %s; ldconfig: %s", ", ".join(done["overlays"]),
              ", ".join(done["host_kept"]) or "nothing", done["ldconfig"])
     _answer(ready_fd, "ready")
-    return _watch(opts, reg, daemon_pid, from_daemon, to_daemon)
+    return _watch(state, reg, daemon_pid, from_daemon, to_daemon)
 
 
-def _watch(opts: Any, reg: Any, daemon_pid: int, from_daemon: int, to_daemon: int) -> int:
-    state = Path(opts.state_dir)
+def _watch(state: Path, reg: Registration, daemon_pid: int, from_daemon: int, to_daemon: int) -> int:
     while True:
         line = read_line(from_daemon, None)
         if line == "teardown":

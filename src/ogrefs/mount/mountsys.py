@@ -1,4 +1,4 @@
-"""mount(2), umount2(2) and unshare(2) by system call, never by spawning a program.
+"""mount(2), umount2(2) and unshare(2) by system call, never by spawning a program; what is mounted where.
 
 Why: once an overlay covers ``/usr``, running ``mount`` or ``umount`` means
 resolving ``/usr/bin/mount`` through that overlay, i.e. through the FUSE
@@ -7,15 +7,20 @@ that holds the GIL in a vfork child, CPython gh-104372 on Debian's 3.11.2)
 hangs the box. A system call resolves only the paths it is given.
 
 Everything here is loaded when the module is imported (libc through ctypes),
-so no call needs a file under a covered path. No state, no locks.
+so no call needs a file under a covered path. :func:`mounted_fstype` reads
+``/proc/self/mountinfo`` only. No state, no locks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
+from pathlib import Path
+
+from ogrefs.boxmounts import unescape_mountinfo
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +103,16 @@ def tune_readahead(mountpoint: "os.PathLike[str] | str", kb: int) -> None:
             fh.write(str(kb))
     except OSError as exc:
         log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
+
+
+def mounted_fstype(mountpoint: Path) -> str | None:
+    """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
+                found = right.split()[0] if right else "?"
+    return found

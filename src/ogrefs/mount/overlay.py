@@ -36,8 +36,9 @@ import stat
 from dataclasses import replace
 from pathlib import Path
 
+from ogrefs.boxmounts import Overlay, save_overlays, unescape_mountinfo  # overlays.json's format lives there
 from ogrefs.mount import mountsys
-from ogrefs.boxmounts import Overlay, save_overlays  # the record's format lives there (overlays.json)
+from ogrefs.mount.mountsys import mounted_fstype
 from ogrefs.errors import OgrefsError, UsageError
 
 PROTECTED = ("/proc", "/sys", "/dev", "/run", "/boot")
@@ -122,8 +123,6 @@ def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, forc
 
 def mounts_below(target: str) -> list[str]:
     """Mount points strictly below ``target`` in this namespace (from mountinfo), outermost first."""
-    from ogrefs.boxmounts import unescape_mountinfo
-
     prefix = target.rstrip("/") + "/"
     found: list[str] = []
     try:
@@ -248,8 +247,6 @@ def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
     Nothing is touched unless an overlay is mounted at the target: the paths
     bound back are the box's own mounts once the overlay is gone.
     """
-    from ogrefs.mount.core import mounted_fstype
-
     if mounted_fstype(Path(o.target)) != "overlay":
         return None
     fds = {}

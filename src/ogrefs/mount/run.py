@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ogrefs.mount import mountsys
+from ogrefs.mount.client import mount, unmount
+from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.mount.overlay import mounts_below, outermost
 from ogrefs.errors import OgrefsError, UsageError
 
 #: This box's file systems every program expects, bound into the root (recursively: /dev/pts, /dev/shm ...).
@@ -78,8 +81,6 @@ def _exit_code(status: int) -> int:
 
 def _child(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snapshot_id: Callable[[Any], str],
            command: list[str], nspawn: bool) -> int:
-    from ogrefs.mount.core import mount, unmount
-
     mountsys.private_namespace()
     repo = open_repo()
     root = run_dir() / snapshot_id(repo)[:16] / "root"
@@ -104,11 +105,7 @@ def _child(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snap
 
 def _host_disks(root: Path) -> list[str]:
     """This box's other mounts (a data disk under /mnt, /srv, /home ...), outermost first, to show in the root."""
-    from ogrefs.mount.overlay import mounts_below, outermost
-
     skip = ("/proc", "/sys", "/dev", "/run", str(run_dir()), os.path.dirname(os.path.dirname(str(root))))
-    from ogrefs.mount.core import mounted_fstype
-
     found = [m for m in mounts_below("/")
              if m != "/" and not any(m == s or m.startswith(s.rstrip("/") + "/") for s in skip) and os.path.isdir(m)
              and mounted_fstype(Path(m)) not in ("overlay", "fuse.ogrefs")]

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ogrefs.boxmounts import load_overlays
+from ogrefs.boxmounts import load_overlays, pid_alive, registered_mounts, state_base, unescape_mountinfo
 from ogrefs.errors import UsageError
-from ogrefs.boxmounts import pid_alive, registered_mounts, state_base
 
 
 @dataclass
@@ -145,8 +144,6 @@ def _lock_held(state: Path) -> bool:
 
 def _mounted_inside(state: Path) -> bool:
     """Anything mounted inside the state directory, or an overlay whose layers live in it."""
-    from ogrefs.boxmounts import unescape_mountinfo
-
     prefix = os.path.abspath(state) + "/"
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
         for line in fh:

@@ -1,0 +1,303 @@
+"""The calling side of a mount: ``mount``, ``unmount`` and ``finalize``.
+
+``mount`` checks everything that can fail early in the calling process (FUSE
+present, mountpoint an empty directory, repository opened and unlocked,
+snapshot exists, catalog readable: checks.py, plan.py), then forks a daemon
+(double fork, new session; a writable mount's first child is its keeper) and
+waits on a pipe until it writes ``ready`` (the kernel's FUSE INIT was
+answered, so the root lists, and a writable mount's overlays are up) or
+``error <reason>``. The daemon inherits the opened repository (no second
+passphrase prompt or key stretching; this process only waits on the pipe
+after the fork) and the shared lock, which it refreshes and releases.
+
+``unmount`` and ``finalize`` work from the registration and the state
+directory's ``overlays.json`` (boxmounts.py); both are all or nothing. Runs in
+the calling thread; the only state is on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ogrefs.boxmounts import MountError, Overlay, Registration, load_overlays, pid_alive, save_overlays
+from ogrefs.errors import UsageError
+from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
+from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.mount.options import MountOptions
+from ogrefs.mount.status import read_status
+
+if TYPE_CHECKING:
+    from ogrefs.mount.plan import MountPlan
+    from ogrefs.repo import Repository
+
+#: How long ``mount`` waits for the daemon's ``ready``.
+READY_TIMEOUT = 120.0
+#: A lazy unmount waits this long for the daemon; one still serving open files after it is not an error.
+LAZY_EXIT_WAIT_S = 2.0
+
+
+# -- mounting -------------------------------------------------------------------------------------
+def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None,
+          resolve: Callable[[Repository], dict[str, Any]] | None = None) -> MountPlan:
+    """Mount and return the plan once ready (or, with ``foreground``, once unmounted).
+
+    ``open_repo`` opens (and, if encrypted, unlocks) the repository; by
+    default ``Repository.open`` of ``opts.repo_url``. ``resolve`` picks the
+    snapshot's manifest under the mount's lock (default: ``repo.resolve``).
+    The daemon inherits the opened repository across the fork, so a
+    passphrase is asked and stretched once; this process does not touch it
+    after forking.
+    """
+    problem = fuse_problem()
+    if problem:
+        raise MountError(problem)
+    mountpoint = check_mountpoint(opts.mountpoint) if opts.read_only else check_target(opts.mountpoint)
+    # Imported here, not at the top: the mount path loads the lazy engine, trio and pyfuse3;
+    # unmount, status and finalize use this module too and must start fast without them.
+    from ogrefs.mount import launch, plan as planning
+    from ogrefs.repo import Repository
+
+    repo = (open_repo() if open_repo is not None
+            else Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root))
+    # A shared lock before the snapshot is resolved: prune never deletes a pack this mount
+    # may read (it defers packs it marked after this lock's creation).  The daemon takes it over.
+    lock = repo.lock("shared", "mount").acquire()
+    try:
+        plan = planning.prepare(opts, repo, lock, mountpoint, resolve)
+    except BaseException:
+        lock.release()
+        raise
+    if opts.foreground:
+        try:
+            code = launch.run_keeper(plan, None) if plan.writable else launch.serve_here(plan)
+        finally:
+            lock.release()  # the daemon released it already, unless it failed to start
+        if code:
+            raise MountError(f"the mount of {plan.mountpoint} ended with an error (see above)")
+        return plan
+    _spawn_and_wait(plan, launch.daemon_child)
+    return plan
+
+
+def _spawn_and_wait(plan: MountPlan, child: Callable[[MountPlan, int], int]) -> None:
+    """Double fork (new session) into ``child``; wait on its pipe for ``ready`` or ``error <reason>``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except BaseException:
+        plan.lock.release()
+        raise
+    if pid == 0:  # the intermediate child: detach and leave
+        code = 1
+        try:
+            os.close(r)
+            os.setsid()
+            code = child(plan, w) if os.fork() == 0 else 0
+        finally:
+            os._exit(code)
+    plan.lock.hand_over()  # the daemon refreshes and releases it from now on
+    os.close(w)
+    os.waitpid(pid, 0)
+    line = _read_line(r, READY_TIMEOUT)
+    os.close(r)
+    if line == "ready":
+        return
+    if line.startswith("error "):
+        raise MountError(line[len("error "):])
+    reg = plan.registration
+    info = reg.read()
+    if info and pid_alive(info.get("pid", 0)):
+        with contextlib.suppress(OSError):
+            os.kill(info["pid"], signal.SIGTERM)
+    if line == "timeout":
+        raise MountError(f"the mount did not become ready within {READY_TIMEOUT:.0f} s (log: {reg.log})")
+    raise MountError(f"the mount daemon exited before the mount was ready (log: {reg.log})")
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout"
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.split(b"\n", 1)[0].decode(errors="replace")
+
+
+# -- unmount ------------------------------------------------------------------------------------------
+def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> str | None:
+    """Unmount; with ``lazy``, a note when the daemon outlives the detach (it serves what is still open)."""
+    mp = Path(os.path.abspath(mountpoint))
+    reg = Registration.for_mountpoint(mp)
+    info = reg.read()
+    pid = info.get("pid") if info else None
+    if info and (info.get("writable") or info.get("finalized")):
+        return _unmount_writable(mp, reg, info, lazy, timeout)
+    if mounted_fstype(mp) is None:
+        if pid and pid_alive(pid):
+            _wait_exit(pid, timeout, mp)
+            return None
+        raise UsageError(f"{mp} is not mounted")
+    _unmount_fuse(mp, lazy)
+    if pid and pid_alive(pid):
+        _wait_exit(pid, timeout, mp)
+    return None
+
+
+def _unmount_fuse(mp: Path, lazy: bool) -> None:
+    """Unmount a read-only FUSE mount: by system call as root, else with fusermount3 (or umount)."""
+    if os.geteuid() == 0:  # by system call: nothing spawned, whatever covers the programs' paths
+        err = mountsys.umount(str(mp), lazy=lazy)
+        if err == "target is busy":
+            raise MountError(f"{mp} is busy (files or directories in use); close them or use --lazy")
+        if err:
+            raise MountError(f"cannot unmount {mp}: {err}")
+        return
+    if shutil.which("fusermount3"):
+        cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(mp)]
+    else:
+        cmd = ["umount"] + (["-l"] if lazy else []) + [str(mp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        reason = (res.stderr.strip().splitlines() or [f"{cmd[0]} failed"])[-1]
+        if "busy" in reason.lower():
+            raise MountError(f"{mp} is busy (files or directories in use); close them or use --lazy")
+        raise MountError(f"cannot unmount {mp}: {reason}")
+
+
+def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeout: float) -> str | None:
+    """Overlays in reverse order, then the FUSE lower; the upper directories stay for the next mount."""
+    state = Path(info["state_dir"])
+    errors = overlay.unmount_all(load_overlays(state), lazy=lazy, keep=info.get("own_directories") or [])
+    if errors:
+        busy = any("busy" in e.lower() for e in errors)
+        raise MountError(f"cannot unmount {'; '.join(errors)}: nothing was unmounted"
+                         + ("; close what uses it or use --lazy" if busy else ""))
+    save_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
+    topfiles.hide(state)
+    hostpaths.unmount_layers(state)
+    pid = info.get("pid")
+    if info.get("finalized") or not (pid and pid_alive(pid)):
+        mountsys.umount(str(state / "lower"), lazy=True)
+        reg.remove()
+        return None
+    err = mountsys.umount(str(state / "lower"), lazy=lazy)
+    if err:
+        raise MountError(f"cannot unmount {state / 'lower'}: {err} (the overlays are down; use --lazy)")
+    if not lazy:
+        _wait_exit(pid, timeout, mp)
+        return None
+    # Detached: processes that still hold files of the snapshot (a shell started from the /usr
+    # overlay, the unmount command itself) keep them, served by the daemon, which exits when the
+    # last of them lets go (the kernel's DESTROY). The box itself shows its own tree already.
+    try:
+        _wait_exit(pid, min(timeout, LAZY_EXIT_WAIT_S), mp)
+        return None
+    except MountError:
+        reg.write({**(reg.read() or info), "detached": True})
+        return (f"{mp} is detached; its daemon (pid {pid}) goes on serving the processes that still use "
+                "the snapshot's files and exits when the last of them does")
+
+
+def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            raise MountError(f"{mp} is unmounted but its daemon (pid {pid}) has not exited after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+# -- finalize -----------------------------------------------------------------------------------------
+def finalize(target: Path, timeout: float = 30.0) -> list[str]:
+    """Swap the FUSE lower of a fully materialized writable mount for the local copy.
+
+    Afterwards the tree keeps working with no daemon and no store: each
+    overlay is remounted with ``state/tree`` as its lower layer (same upper
+    and work directories, so no write is lost), then the FUSE mount and its
+    daemon go. Refused while the copy is incomplete or while a process has a
+    file under the mount open for writing. Returns the overlay targets.
+    """
+    mp = Path(os.path.abspath(target))
+    reg = Registration.for_mountpoint(mp)
+    info = reg.read()
+    if not info or not info.get("writable"):
+        raise UsageError(f"{mp} is not a writable ogrefs mount")
+    if info.get("finalized"):
+        raise UsageError(f"{mp} is already finalized: it runs from local disk with no daemon")
+    status = read_status(mp)
+    mat = status.get("materialize") or {}
+    if not mat.get("complete"):
+        done, total = mat.get("bytes_done", 0), mat.get("bytes_total", 0)
+        why = mat.get("reason") or f"{done / 2**30:.2f} of {total / 2**30:.2f} GiB are local"
+        raise UsageError(f"{mp} is not fully local yet ({why}); wait for `ogrefs status {mp}` to say complete")
+    state = Path(info["state_dir"])
+    old = load_overlays(state)
+    ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
+    writers = overlay.open_for_writing([o.target for o in old], exclude_pids=ours)
+    if writers:
+        raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
+    _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
+                                  if not p.endswith(" (merged)")])
+    new = _swap_lowers(state, old, info.get("own_directories") or [])
+    topfiles.rebind(state, state / "tree")
+    info.update(finalized=True, pid=None, lower=None)
+    reg.write(info)
+    pid = status.get("pid")
+    mountsys.umount(str(state / "lower"), lazy=True)
+    if pid and pid_alive(pid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        _wait_exit(pid, timeout, mp)
+    reg.write(info)  # the daemon removed its registration on the way out; the finalized mount keeps one
+    return [o.target for o in new]
+
+
+def _swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overlay]:
+    """Remount each overlay over ``state/tree`` instead of ``state/lower``; saves what is mounted."""
+    lower_root, tree_root = str(state / "lower"), str(state / "tree")
+    swapped: list[Overlay] = []
+    for o_old in old:  # one by one: each target shows the same tree before and after its swap
+        o_new = overlay.replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
+        errors = overlay.unmount_all([o_old])
+        if errors:
+            save_overlays(swapped + old[len(swapped):], state)
+            raise MountError(f"cannot finalize: {errors[0]} ({len(swapped)} of {len(old)} overlays already run "
+                             "from local disk; close what uses it and run finalize again)")
+        swapped.append(overlay.mount_one(o_new, keep))
+    save_overlays(swapped, state)
+    return swapped
+
+
+def _set_aside_host_owned(state: Path, paths: list[str]) -> None:
+    """Move the host-owned paths out of the local copy before it becomes the lower layer.
+
+    The FUSE view hid them so this box's own showed through; the local copy
+    has the snapshot's, which would cover them after ``finalize``. They are
+    moved to ``state/host-owned/`` (kept, never deleted).
+    """
+    tree, aside = state / "tree", state / "host-owned"
+    for p in paths:
+        src = tree / p.lstrip("/")
+        if os.path.lexists(src):
+            dest = aside / p.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.replace(src, dest)
