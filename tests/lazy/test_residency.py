@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from ogrefs.lazy.fetcher import ChunkRef, Fetcher
-from ogrefs.lazy.residency import ABSENT, IN_MEMORY, IN_TREE, Residency
+from ogrefs.lazy.residency import ABSENT, COMING, IN_MEMORY, IN_TREE, Residency
 
 
 def ref(n: int, size: int = 10) -> ChunkRef:
@@ -79,3 +79,34 @@ def test_the_fetcher_serves_and_skips_what_its_residency_has_without_asking_the_
 
     trio.run(main)
     assert calls == [] and fetcher.stats.hits_memory == 1
+
+
+def test_a_chunk_on_its_way_is_coming_for_every_asker_and_fetched_once():
+    import threading
+
+    gate = threading.Event()
+    calls: list[tuple] = []
+    a = ref(1)
+
+    def read_range(pack, off, n):
+        calls.append((pack, off, n))
+        gate.wait(20)
+        return b"a" * n
+
+    res = Residency()
+    fetcher = Fetcher(read_range, residency=res, decode=lambda view, raw_len, chunk: bytes(view))
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            assert fetcher.prefetch([a], 3) == 1 and res.where(a.chunk) == COMING and res.flights == 1
+            assert fetcher.prefetch([a], 0) == 0  # joins the flight (and raises its priority), no second one
+            assert res.flight(a.chunk).priority == 0
+            gate.set()
+            with trio.fail_after(10):
+                assert await fetcher.get(a) == b"a" * 10
+            assert res.where(a.chunk) == IN_MEMORY and res.flights == 0
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(calls) == 1

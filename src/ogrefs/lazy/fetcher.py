@@ -8,8 +8,9 @@ recorded trace, hints and background materialization next):
    the materializer (``Residency.hold``) and the chunks the materializer has
    in hand; the fetcher asks it first and puts what it fetches there.
 2. Otherwise the chunk gets exactly one *pending* entry, however many readers
-   want it; later callers wait on the same entry (single flight) and a caller
-   with a more urgent priority raises the entry's priority.
+   want it (registered in the residency: the chunk is *coming*); later callers
+   wait on the same entry (single flight) and a caller with a more urgent
+   priority raises the entry's priority.
 3. New entries are looked up in the disk cache (:class:`ChunkCache`) in a
    worker thread, all entries of one request at once; hits are loaded and
    verified there, a few per thread call, and finish their entries.
@@ -38,14 +39,14 @@ recorded trace, hints and background materialization next):
    only, never a dead nursery.  Failures are not remembered: the next read
    tries again.
 
-Who owns what: all state of a Fetcher (pending table, request queue, memory LRU, held chunks,
+Who owns what: all state of a Fetcher (its pending entries, request queue,
 counters) belongs to the trio loop and is only touched by trio tasks, so it
 needs no locks.  Worker threads get immutable inputs (a pack name and range; a
 read-only view of downloaded bytes; a chunk id and its bytes) and return new
 objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
 store request, cache probe and cache write run; cancelling it stops them all
 and sets ``stop`` (a threading.Event the store's retry waits watch).
-Where each chunk is (memory, held, in hand, in the local tree) is the
+Where each chunk is (memory, held, in hand, coming, in the local tree) is the
 :class:`~ogrefs.lazy.residency.Residency`'s, given at construction and shared
 with the materializer; the fetcher only calls its mutators on the loop.  A
 chunk just fetched from the store for a caller that keeps it is offered to it
@@ -69,7 +70,7 @@ import trio
 from ogrefs.repo import codec
 from ogrefs.lazy import fetchio
 from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.lazy.residency import ABSENT, Residency
+from ogrefs.lazy.residency import IN_MEMORY, IN_TREE, Residency
 from ogrefs.lazy.fetchqueue import Priority, RequestQueue
 from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
     ChunkCorrupt,
@@ -194,7 +195,6 @@ class Fetcher:
         # (``memory_bytes`` sizes the LRU of a residency of its own; a residency given is sized by its maker)
         self.residency = residency if residency is not None else Residency(memory_bytes)
         self.stats = FetchStats()
-        self._pending: dict[bytes, _Pending] = {}
         self._fetching = 0  # chunks inside requests in flight
         self._nursery: trio.Nursery | None = None
         self._net_limiter = trio.CapacityLimiter(max_requests)
@@ -248,10 +248,11 @@ class Fetcher:
         queued together, so the misses among them that are neighbours in a
         pack share one ranged GET.
         """
-        before = len(self._pending)
-        res = self.residency  # (nothing the loop has or the local tree holds is fetched for it)
-        self._want([r for r in refs if res.where(r.chunk) == ABSENT], priority)
-        return len(self._pending) - before
+        res = self.residency  # (nothing the loop has or the local tree holds is fetched for it; a chunk
+        # on its way is asked for again: its priority may rise)
+        before = res.flights
+        self._want([r for r in refs if res.where(r.chunk) not in (IN_MEMORY, IN_TREE)], priority)
+        return res.flights - before
 
     def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True,
                 bridge: bool = False, hold: bool = False, take: bool = False) -> list[Ticket]:
@@ -306,7 +307,7 @@ class Fetcher:
             self.stats.retries = self._retries()
         out = asdict(self.stats)
         out.update(in_flight=self._fetching, queued=self._queue.queued, active_requests=self._queue.active,
-                   pending=len(self._pending), memory_bytes=self.residency.memory_size,
+                   pending=self.residency.flights, memory_bytes=self.residency.memory_size,
                    held_bytes=self.residency.held_size)
         return out
 
@@ -314,8 +315,9 @@ class Fetcher:
     def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2, bridge: bool = False,
               hold: bool = False) -> list[_Pending]:
         out, new = [], []
+        res = self.residency
         for ref in refs:
-            p = self._pending.get(ref.chunk)
+            p = res.flight(ref.chunk)
             if p is not None:
                 p.keep = max(p.keep, keep)
                 p.hold = p.hold or hold
@@ -323,7 +325,8 @@ class Fetcher:
                     p.priority = priority
                     self._queue.raised(p)
             else:
-                p = self._pending[ref.chunk] = _Pending(ref, priority, keep)
+                p = _Pending(ref, priority, keep)
+                res.start_flight(ref.chunk, p)
                 p.bridge = bridge
                 p.hold = hold
                 new.append(p)
@@ -334,7 +337,7 @@ class Fetcher:
         if new:
             if self._nursery is None:
                 for p in new:
-                    del self._pending[p.ref.chunk]
+                    res.end_flight(p.ref.chunk)
                 raise RuntimeError("Fetcher.run() is not running")
             self._nursery.start_soon(self._probe, new)
         return out
@@ -381,8 +384,8 @@ class Fetcher:
 
     def _finish(self, p: _Pending, data: bytes) -> None:
         p.data = data
-        self._pending.pop(p.ref.chunk, None)
         res = self.residency
+        res.end_flight(p.ref.chunk)
         if not (p.hold and res.hold_put(p.ref.chunk, data)) and p.keep >= Keep.MEMORY:
             res.mem_put(p.ref.chunk, data)
         p.done.set()
@@ -394,7 +397,7 @@ class Fetcher:
     def _fail(self, p: _Pending, error: FetchError) -> None:
         p.error = error
         self.stats.errors += 1
-        self._pending.pop(p.ref.chunk, None)
+        self.residency.end_flight(p.ref.chunk)
         p.done.set()
 
     # -- the queue -------------------------------------------------------------------------------

@@ -8,15 +8,16 @@ A chunk of a mounted snapshot is, at any moment, in one of these places:
   materializer's feeder requested whose ticket has arrived;
 * **in the local tree**: written at every place it belongs, durable and
   recorded done in the materialization plan (:meth:`Residency.in_tree`);
-* **absent**: nothing on the loop has it; the fetcher gets it (its single
-  flight joins a fetch already on its way, then the disk cache, then the
-  store).  The fetcher's pending table and the disk cache stay the
-  fetcher's: a pending chunk has no bytes yet, and the disk cache can only be
-  asked in a worker thread.
+* **coming**: on its way: the fetcher's single-flight entry for it is
+  registered here (:meth:`Residency.start_flight`), and every later caller
+  waits on that entry;
+* **absent**: nothing on the loop has it; the fetcher gets it (the disk
+  cache, then the store).  The disk cache stays the fetcher's: it can only
+  be asked in a worker thread, so "absent" means "not on the loop".
 
 :class:`Residency` holds all of that state (the memory LRU, held chunks,
-chunks claimed by the materializer and the bytes it has in hand, its
-tickets, the chunks and files recorded done) and is the one place it
+chunks on their way, chunks claimed by the materializer and the bytes it
+has in hand, its tickets, the chunks and files recorded done) and is the one place it
 changes: its mutators are the only writers.  The fetcher, the vfs's read
 path and the materializer's feeder and writers all ask it.  Adoption goes
 through it too: the fetcher offers each chunk it got from the store for a
@@ -34,7 +35,7 @@ the loop (:meth:`Residency.recorded`).  It needs no locks.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import trio
 
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 MiB = 1024 * 1024
 
 #: Where a chunk is (:meth:`Residency.where`).
-IN_MEMORY, IN_TREE, ABSENT = 0, 1, 2
+IN_MEMORY, IN_TREE, COMING, ABSENT = 0, 1, 2, 3
 
 
 class Residency:
@@ -58,6 +59,8 @@ class Residency:
         self.hold_bytes = 0  # bound of _held; 0: nothing is held
         self._held: dict[bytes, bytes] = {}
         self._held_size = 0
+        # on its way: chunk -> the fetcher's single-flight entry (opaque here)
+        self._coming: dict[bytes, Any] = {}
         # the local tree (the materializer's): recorded state, and what is on its way in
         self._done: set[bytes] = set()  # chunks written to every target, durable and recorded
         self._complete: set[int] = set()  # files whose data is all done and metadata applied
@@ -74,7 +77,8 @@ class Residency:
     # -- queries --------------------------------------------------------------------------------
     def where(self, chunk: bytes) -> int:
         """``IN_MEMORY`` (cached, held, or in the materializer's hand: its bytes are here),
-        ``IN_TREE`` (durable in the local tree), or ``ABSENT`` (the fetcher must get it).
+        ``IN_TREE`` (durable in the local tree), ``COMING`` (a fetch is on its way), or
+        ``ABSENT`` (the fetcher must get it).
 
         Memory is answered first: a chunk the loop has costs no disk read.
         """
@@ -84,7 +88,16 @@ class Residency:
             return IN_TREE
         if (self._in_hand or self._tickets) and self.in_hand(chunk) is not None:
             return IN_MEMORY
-        return ABSENT
+        return COMING if chunk in self._coming else ABSENT
+
+    def flight(self, chunk: bytes) -> Any | None:
+        """The fetcher's single-flight entry for ``chunk`` if it is on its way."""
+        return self._coming.get(chunk)
+
+    @property
+    def flights(self) -> int:
+        """Chunks on their way."""
+        return len(self._coming)
 
     def cached(self, chunk: bytes) -> bytes | None:
         """The chunk's bytes from the memory LRU or the held chunks (a hit in the LRU refreshes it)."""
@@ -152,6 +165,15 @@ class Residency:
     def held_chunks(self) -> frozenset[bytes]:
         """The chunks held now (a copy: for a worker thread)."""
         return frozenset(self._held)
+
+    # -- flight mutators (the fetcher's) --------------------------------------------------------
+    def start_flight(self, chunk: bytes, entry: Any) -> None:
+        """``chunk`` is on its way; ``entry`` is what later callers wait on."""
+        self._coming[chunk] = entry
+
+    def end_flight(self, chunk: bytes) -> None:
+        """``chunk`` arrived (its bytes went to memory or to its callers) or failed."""
+        self._coming.pop(chunk, None)
 
     # -- memory mutators ------------------------------------------------------------------------
     def mem_put(self, chunk: bytes, data: bytes) -> None:
