@@ -297,6 +297,29 @@ def test_a_snapshot_without_xattrs_says_not_supported_and_one_with_them_shows_th
     assert e.value.errno == errno.ENODATA
 
 
+def test_a_daemon_that_cannot_start_undoes_what_it_set_up(tmp_path, tree_repo, mounter):
+    """The daemon's teardown covers a failed start too: one-line reason, nothing mounted, lock released.
+
+    The chunk cache cannot be opened (its directory is a file) after the caller
+    handed the repository lock over to the daemon; the lock must not outlive it.
+    """
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("f")
+    m = snapshot(tree_repo, src)
+    (tmp_path / "not-a-dir").write_text("x")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    mounter.mounts.append(mp)
+    res = mounter.cli("mount", m["id"], str(mp), "--read-only", "--cache-dir", str(tmp_path / "not-a-dir"),
+                      check=False)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "not-a-dir" in res.stderr, res.stderr
+    assert mounted_fstype(mp) is None
+    assert not list((tmp_path / "run" / "mounts").glob("*.json"))  # never registered
+    assert not list((tmp_path / "repo" / "locks").iterdir())  # released by the daemon on its way out
+
+
 def test_missing_dev_fuse_is_reported(monkeypatch, tmp_path):
     from ogrefs.boxmounts import MountError
     from ogrefs.mount.client import mount

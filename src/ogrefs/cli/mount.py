@@ -2,11 +2,14 @@
 
 Registered on the main group by :func:`register`; the work is in
 :mod:`ogrefs.mount.client` (status: :mod:`ogrefs.mount.status`).  Errors are OgrefsError subclasses, which ``cli.main``
-turns into one line on stderr.
+turns into one line on stderr.  Each command imports its work when it runs,
+on purpose: every other command (and ``--help``) starts without the mount
+machinery, the repository layer or pyfuse3.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import click
 
 from ogrefs.cli.base import emit_json, json_option
+from ogrefs.cli.run import register as register_run
 from ogrefs.boxmounts import MountError
 from ogrefs.errors import UsageError
 from ogrefs.units import human_bytes as _human
@@ -183,8 +187,6 @@ def _progress_line(st: dict) -> None:
 
 
 def _report(st: dict, as_json: bool) -> None:
-    import json
-
     if as_json:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return
@@ -256,7 +258,5 @@ def finalize(mountpoint: Path, as_json: bool) -> None:
 def register(group: click.Group) -> None:
     for cmd in (mount, unmount, status, finalize):
         group.add_command(cmd)
-    from ogrefs.cli.run import register as register_run
-
     register_run(group)
 

@@ -35,10 +35,10 @@ from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
 from ogrefs.mount.mountsys import mounted_fstype
 from ogrefs.mount.options import MountOptions
 from ogrefs.mount.status import read_status
+from ogrefs.repo import Repository
 
 if TYPE_CHECKING:
     from ogrefs.mount.plan import MountPlan
-    from ogrefs.repo import Repository
 
 #: How long ``mount`` waits for the daemon's ``ready``.
 READY_TIMEOUT = 120.0
@@ -65,7 +65,6 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None,
     # Imported here, not at the top: the mount path loads the lazy engine, trio and pyfuse3;
     # unmount, status and finalize use this module too and must start fast without them.
     from ogrefs.mount import launch, plan as planning
-    from ogrefs.repo import Repository
 
     repo = (open_repo() if open_repo is not None
             else Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root))
