@@ -36,13 +36,16 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import signal
 import stat
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 from ogrefs.errors import UsageError
 from ogrefs.mount import mountsys
+from ogrefs.repo.catalog import ROOT_INO
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +157,6 @@ class HostPlan:
 
 def _match(catalog: Any, pattern: str) -> list[tuple[int, bytes, Any, str]]:
     """Entries of the catalog matching ``pattern``: (parent ino, name, node, path); no symlink followed."""
-    from ogrefs.repo.catalog import ROOT_INO
-
     level: list[tuple[int | None, bytes | None, Any, str]] = [(None, None, catalog.get(ROOT_INO), "")]
     for comp in [c for c in pattern.split("/") if c]:
         nxt = []
@@ -357,9 +358,6 @@ class HostLayer:
         """Run this box's ldconfig (opened before the overlays) so /etc/ld.so.cache matches the merged view."""
         if self.ldconfig_fd is None:
             return "not needed"
-        import signal
-        import time
-
         pid = os.fork()
         if pid == 0:  # single-threaded keeper: a plain fork, then exec through the descriptor
             try:
@@ -384,8 +382,6 @@ class HostLayer:
 
 def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer:
     """Write the merged files for each overlay (before it is up) and open this box's ldconfig."""
-    from dataclasses import replace
-
     if host is None:
         return HostLayer(list(overlays))
     out, kept = [], list(host.kept)

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ogrefs.mount import mountsys
+from ogrefs.repo.catalog import ROOT_INO
 
 
 def planned(catalog: Any) -> list[dict[str, str]]:
     """Top-level regular files and symlinks of the snapshot: ``{"name", "kind", "target"}``."""
-    from ogrefs.repo.catalog import ROOT_INO
-
     out = []
     for name, node in catalog.children(ROOT_INO):
         if node.is_lnk:
