@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -53,3 +54,75 @@ def test_status_wait_fails_when_materialization_was_refused(runtime):
     _register(Path("/m"), {"time": time.time(), "materialize": refused})
     st, problem = wait_background(Path("/m"), poll=0)
     assert problem == "/m will not become fully local: not materializing: needs 3.0 GiB, 1.0 GiB free in /s"
+
+
+class _Reg:
+    """A registration whose reads are observed: lock_state_dir reads it only while the lock is busy."""
+
+    def __init__(self, info: dict | None, on_read=None) -> None:
+        self.info, self.on_read, self.reads = info, on_read, 0
+
+    def read(self) -> dict | None:
+        self.reads += 1
+        if self.on_read is not None:
+            self.on_read(self.reads)
+        return self.info
+
+
+def _hold(state: Path) -> int:
+    import fcntl
+
+    fd = os.open(state / "mount.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another open file description: conflicts within this process too
+    return fd
+
+
+def test_a_state_lock_whose_mount_left_no_registration_is_waited_for(tmp_path):
+    """A lazily unmounted daemon removes its registration before its process and keeper are gone:
+    the remount right after must wait for the lock, not refuse (the lab's remount failed so)."""
+    import threading
+
+    from ogrefs.mount.plan import lock_state_dir
+
+    holder = _hold(tmp_path)
+    busy_seen = threading.Event()
+    reg = _Reg(None, on_read=lambda n: busy_seen.set())
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(_call(lock_state_dir, tmp_path, reg)), daemon=True)
+    t.start()
+    assert busy_seen.wait(30), "lock_state_dir never found the lock busy"
+    os.close(holder)  # the old mount's last process goes
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(result[0], int), result[0]
+    os.close(result[0])
+
+
+def test_a_state_lock_of_a_live_mount_is_refused_at_once(tmp_path):
+    from ogrefs.errors import UsageError
+    from ogrefs.mount.plan import lock_state_dir
+
+    def polled_again(n: int) -> None:
+        if n > 1:
+            raise AssertionError("waited for a live mount's lock instead of refusing")
+
+    holder = _hold(tmp_path)
+    try:
+        reg = _Reg({"state_dir": str(tmp_path), "pid": os.getpid()}, on_read=polled_again)
+        with pytest.raises(UsageError, match="in use by a live mount"):
+            lock_state_dir(tmp_path, reg, wait_s=3600)
+        detached = _Reg({"state_dir": str(tmp_path), "pid": os.getpid(), "detached": True},
+                        on_read=lambda n: n > 3 and os.close(holder))
+        fd = lock_state_dir(tmp_path, detached, wait_s=3600)  # a detached daemon's lock: waited for
+        os.close(fd)
+        assert detached.reads > 3
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(holder)
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test reads what it got
+        return exc

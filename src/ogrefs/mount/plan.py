@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A mount of a state directory whose previous mount is going away (see _lock_state_dir) waits this long.
+#: A mount of a state directory whose previous mount is going away (see lock_state_dir) waits this long.
 STATE_LOCK_WAIT_S = 10.0
 
 
@@ -137,7 +137,7 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
         if str(target) == "/" and any(overlay.normalized(r) == "/" for r in roots):
             top_files = topfiles.planned(catalog)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
-    state_lock = _lock_state_dir(state, Registration.for_mountpoint(target))
+    state_lock = lock_state_dir(state, Registration.for_mountpoint(target))
     topfiles.hide(state)
     for old in reversed(load_overlays(state)):
         overlay.unmount_one(old, lazy=True)
@@ -152,16 +152,18 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
                           top_files=top_files, state_lock=state_lock)
 
 
-def _lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_WAIT_S) -> int:
+def lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_WAIT_S) -> int:
     """Hold ``state/mount.lock`` (flock) for as long as a mount of this state directory lives.
 
     The descriptor is inherited by the keeper and the daemon; the lock goes
     with the last of them. A second mount of the same state directory is
-    refused here, before it touches anything of the live one. A mount that is
-    going away still holds it for a moment (the keeper detaching after its
-    daemon was killed, a lazily unmounted daemon whose last user just left):
-    when the registration says so (``died``, ``detached``, or a daemon that
-    is gone), the lock is waited for, at most ``wait_s`` seconds.
+    refused here, before it touches anything of the live one: at once when
+    the registration shows a live daemon of this state directory that no
+    lazy unmount detached. Otherwise the holder is a mount going away (the
+    keeper detaching after its daemon was killed, a lazily unmounted daemon
+    whose last user just left — which removes its registration before its
+    process and its keeper are gone), and the lock is waited for, at most
+    ``wait_s`` seconds.
     """
     fd = os.open(state / "mount.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + wait_s
@@ -171,9 +173,9 @@ def _lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_W
             return fd
         except BlockingIOError:
             info = reg.read() or {}
-            going = (info.get("state_dir") == str(state)
-                     and (info.get("died") or info.get("detached") or not pid_alive(info.get("pid") or 0)))
-            if not going or time.monotonic() > deadline:
+            live = (info.get("state_dir") == str(state) and not (info.get("died") or info.get("detached"))
+                    and pid_alive(info.get("pid") or 0))
+            if live or time.monotonic() > deadline:
                 os.close(fd)
                 raise UsageError(f"the state directory {state} is in use by a live mount; unmount it first, "
                                  "or give this mount another --state-dir") from None
