@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,93 @@ def small_fs(tmp_path):
     yield make
     for mp in mounts:
         subprocess.run(["umount", "-l", str(mp)], capture_output=True)
+
+
+# ===========================================================================
+# Log hygiene (S3QL's checklogs): a WARNING or ERROR that a test did not
+# announce fails it. ogrefs degrades by design (a skipped entry, a dropped
+# cache file, a retried fetch) and says so only in the log, so an unexpected
+# warning is the one sign that something went wrong while the result looked
+# right. A test that provokes one says which:
+#
+#     def test_x(expect_log):
+#         expect_log(r"skipped trash record")           # WARNING or above, any logger
+#         expect_log(r"read of .* failed", level=logging.ERROR, logger="ogrefs.lazy")
+#
+#     @pytest.mark.expect_log(r"store request failed|store unreachable", logger="ogrefs.lazy.fetcher")
+#     def test_y(): ...                                  # the same, as a marker (also for a whole module)
+#
+# Each announced pattern must then appear at least once, at that level or
+# above. Only this process's records are seen: subprocesses report on stderr.
+# ===========================================================================
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "expect_log(pattern, level=WARNING, logger=None): this test provokes "
+                            "such a log record (tests/conftest.py)")
+
+
+@dataclass
+class _Expected:
+    pattern: re.Pattern[str]
+    level: int
+    logger: str | None
+    seen: int = 0
+
+    def matches(self, record: logging.LogRecord) -> bool:
+        name_ok = self.logger is None or record.name == self.logger or record.name.startswith(self.logger + ".")
+        return name_ok and record.levelno >= self.level and bool(self.pattern.search(record.getMessage()))
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def _log_expectations() -> list[_Expected]:
+    return []
+
+
+@pytest.fixture
+def expect_log(_log_expectations: list[_Expected]) -> Callable[..., None]:
+    """``expect_log(regex, level=logging.WARNING, logger=None)``: this test provokes such a record."""
+
+    def expect(pattern: str, level: int = logging.WARNING, logger: str | None = None) -> None:
+        _log_expectations.append(_Expected(re.compile(pattern), level, logger))
+
+    return expect
+
+
+@pytest.fixture(autouse=True)
+def fail_on_unexpected_log(request: pytest.FixtureRequest, _log_expectations: list[_Expected]) -> Iterator[None]:
+    for mark in request.node.iter_markers("expect_log"):
+        pattern, = mark.args
+        _log_expectations.append(_Expected(re.compile(pattern), mark.kwargs.get("level", logging.WARNING),
+                                           mark.kwargs.get("logger")))
+    collect = _Collect()
+    root = logging.getLogger()
+    root.addHandler(collect)
+    try:
+        yield
+    finally:
+        root.removeHandler(collect)
+    unexpected = []
+    for record in collect.records:
+        hits = [e for e in _log_expectations if e.matches(record)]
+        for e in hits:
+            e.seen += 1
+        if not hits:
+            unexpected.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+    missing = [f"{logging.getLevelName(e.level)} {e.logger or '*'}: /{e.pattern.pattern}/"
+               for e in _log_expectations if not e.seen]
+    if unexpected or missing:
+        pytest.fail("".join(
+            ["unexpected log records (announce them with expect_log):\n  " + "\n  ".join(unexpected) + "\n"
+             if unexpected else "",
+             "expected log records that never came:\n  " + "\n  ".join(missing) if missing else ""]),
+            pytrace=False)

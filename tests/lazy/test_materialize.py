@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import logging
+
 import pytest
 import trio
 
@@ -249,6 +251,7 @@ def test_kill_9_then_restart_fetches_no_done_chunk_and_ends_exact(box, tmp_path)
     assert compare_trees(box.src, box.tree_of(state)) == []
 
 
+@pytest.mark.expect_log(r"stopped: writing the local tree failed", level=logging.ERROR)
 def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkeypatch):
     """The third batch is written torn (garbage) and the process "dies" at its fdatasync, before the commit."""
     import ogrefs.lazy.materialize.writer as mz
@@ -324,6 +327,8 @@ def test_cancelled_mid_way_resumes_where_it_stopped(box, tmp_path):
 
 
 # -- the store goes away ----------------------------------------------------------------------------------
+@pytest.mark.expect_log(r"the store is unavailable; trying again", logger="ogrefs.lazy.materialize")
+@pytest.mark.expect_log(r"store request failed|store unreachable", logger="ogrefs.lazy.fetcher")
 def test_an_unreachable_store_pauses_materialization_which_then_resumes(box, tmp_path):
     from ogrefs.store.base import TransientError
 
@@ -366,6 +371,8 @@ def pack_missing(box: Box, pack: str):
         box.repo.store.put(pack_key(pack), body_)
 
 
+@pytest.mark.expect_log(r"materialization incomplete", level=logging.ERROR)
+@pytest.mark.expect_log(r"is missing from the (repository|store)", level=logging.ERROR)
 def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_path):
     victim = box.refs_of("data/shard1.bin")[0].pack
     state = tmp_path / "state"
@@ -384,6 +391,8 @@ def test_a_missing_pack_leaves_its_files_lazy_and_a_rerun_completes(box, tmp_pat
     assert compare_trees(box.src, box.tree_of(state)) == []
 
 
+@pytest.mark.expect_log(r"materialization incomplete", level=logging.ERROR)
+@pytest.mark.expect_log(r"is missing from the (repository|store)", level=logging.ERROR)
 def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_again(box, tmp_path):
     # a file with chunks in two packs (the box's data is random; one of these always spans two)
     rel = next(r for r in ("data/shard0.bin", "data/shard1.bin", "data/shard2.bin", "data/shard3.bin",
@@ -418,6 +427,7 @@ def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_ag
 
 
 # -- disk space -----------------------------------------------------------------------------------------
+@pytest.mark.expect_log(r"not materializing: needs")
 def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path, monkeypatch):
     state = tmp_path / "state"
     fetcher = Fetcher(box.repo.read_pack_range)
@@ -437,6 +447,7 @@ def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box,
 
 
 
+@pytest.mark.expect_log(r"not materializing: needs")
 @pytest.mark.skipif(not ROOT, reason="mounting a tmpfs needs root")
 def test_a_small_disk_is_refused_by_statvfs(box, small_fs):
     disk = small_fs(8 * MiB)
@@ -463,6 +474,7 @@ def take_space(ballast: Path, want: int) -> None:
                 raise
 
 
+@pytest.mark.expect_log(r"stopped: the disk of .* is full", level=logging.ERROR)
 @pytest.mark.skipif(not ROOT, reason="mounting a tmpfs needs root")
 def test_disk_full_mid_way_stops_cleanly_keeps_serving_and_resumes(box, small_fs):
     disk = small_fs(48 * MiB)
@@ -523,6 +535,7 @@ def test_complete_files_are_served_locally_and_the_store_is_never_contacted(box,
     assert fs.open_files == 0
 
 
+@pytest.mark.expect_log(r"local copy ", logger="ogrefs.lazy")
 def test_a_damaged_local_copy_is_not_served(box, tmp_path, caplog):
     state = tmp_path / "state"
     m, _ = materialize(box, state)

@@ -109,6 +109,7 @@ def test_save_load_and_refine_round_trip(repo, tmp_path):
     assert sorted(repo.store.list(f"traces/{m['id']}/")) == before
 
 
+@pytest.mark.expect_log(r"skipping access trace")
 def test_unreadable_traces_are_skipped_for_an_older_good_one(tmp_path, caplog):
     repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
     src = tmp_path / "src"

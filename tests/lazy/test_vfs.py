@@ -220,6 +220,7 @@ def test_small_files_of_a_directory_come_in_a_few_requests(snap):
     assert f.stats.requests <= 4  # one round trip per file would be 100
 
 
+@pytest.mark.expect_log(r"is missing from the repository", level=logging.ERROR, logger="ogrefs.lazy")
 def test_lost_pack_fails_only_its_files_with_eio(snap, caplog):
     repo, cat, src = snap
     victim = cat.resolve(os.fsencode(src / "seq.bin"))

@@ -152,7 +152,7 @@ BAD_NAMES = {
 
 @pytest.mark.parametrize("kind", ["file", "dir", "symlink"])
 @pytest.mark.parametrize("bad", sorted(BAD_NAMES))
-def test_bad_names_are_skipped_and_nothing_escapes(base, tmp_path, sandbox, caplog, bad, kind):
+def test_bad_names_are_skipped_and_nothing_escapes(base, tmp_path, sandbox, caplog, expect_log, bad, kind):
     repo, cat_path, src = base
     target, check = sandbox
     name = BAD_NAMES[bad]
@@ -160,6 +160,8 @@ def test_bad_names_are_skipped_and_nothing_escapes(base, tmp_path, sandbox, capl
         name = _escape(src)
     elif bad == "absolute":
         name = os.fsencode(tmp_path / "outside" / "abs-escaped")
+    if name:  # an empty name never even sorts into a listing (nothing to report)
+        expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
     f = Forged(cat_path, tmp_path / "work" / "forged.sqlite", src)
     if kind == "file":
         ino = f.data_ino  # a second name for a file with data: the data write must not follow it out
@@ -183,6 +185,7 @@ def test_bad_names_are_skipped_and_nothing_escapes(base, tmp_path, sandbox, capl
     assert not any(p.name == "planted" for p in target.rglob("*"))
 
 
+@pytest.mark.expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
 def test_duplicate_name_cannot_turn_a_file_into_a_symlink_out(base, tmp_path, sandbox):
     """Two rows for one name (no primary key): a regular file with data, then a symlink to a file outside.
 
@@ -235,6 +238,7 @@ def test_data_write_never_follows_a_symlink(base, tmp_path, sandbox, monkeypatch
     assert not os.path.lexists(restored)
 
 
+@pytest.mark.expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
 @pytest.mark.parametrize("loop", ["self", "ancestor", "root", "hardlinked-dir"])
 def test_directory_loops_end(base, tmp_path, sandbox, loop):
     repo, cat_path, src = base
@@ -292,6 +296,7 @@ def _forged_with_everything(base, tmp_path) -> tuple[Catalog, Forged]:
     return f.close(), f
 
 
+@pytest.mark.expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
 def test_vfs_does_not_list_or_look_up_bad_names(base, tmp_path):
     repo, _, src = base
     cat, f = _forged_with_everything(base, tmp_path)
@@ -368,6 +373,7 @@ def test_real_mount_of_a_forged_snapshot_stays_inside(base, tmp_path):
             subprocess.run(["umount", "-l", str(mp)], capture_output=True)
 
 
+@pytest.mark.expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
 def test_check_read_data_reports_entries_restore_would_refuse(base, tmp_path):
     """A forged catalog stored as a snapshot: ``check --read-data`` names each entry restore would skip."""
     from ogrefs.maint.check import check_repository

@@ -334,6 +334,7 @@ def test_manifest_deeply_nested_json():
     assert _load(codec.wrap(DEEP_JSON)) is None  # a clean one-line CorruptObject, not a RecursionError
 
 
+@pytest.mark.expect_log(r"skipped snapshot .*wrong types", logger="ogrefs.repo")
 def test_manifest_fields_of_the_wrong_type_do_not_break_listing():
     repo = Repository.init(f"memory://fuzz-list-{secrets.token_hex(4)}", cache_root=Path(tempfile.mkdtemp()))
     for t in ("2026-01-01T00:00:00+00:00", 5):
@@ -465,6 +466,7 @@ def _use_catalog(path: Path, repo: Repository) -> None:
         assert os.listdir(sandbox) in ([], ["target"]), os.listdir(sandbox)
 
 
+@pytest.mark.expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
 @SLOW
 @given(st.lists(SQL_EDIT, min_size=1, max_size=5))
 def test_catalog_rows_of_any_shape(snap, edits):
