@@ -1,6 +1,6 @@
 """Where an entry of a box running from an ogrefs mount comes from (tier 1: a hand-made upper directory).
 
-The overlay itself is the kernel's (tests/test_loop.py mounts real ones); here
+The overlay itself is the kernel's (tests/system/test_loop.py mounts real ones); here
 the upper directory holds what overlayfs writes there: plain copy-ups,
 metadata-only copy-ups (``trusted.overlay.metacopy``) and renamed directories
 (``trusted.overlay.redirect``), so every rule of ``Layer.origin`` is exercised,
