@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import logging
+
 import pytest
 import trio
 
@@ -365,6 +367,8 @@ def test_keep_memory_stays_out_of_the_disk_cache(tmp_path):
     assert cache.contains(refs[2].chunk)
 
 
+@pytest.mark.expect_log(r"fails BLAKE3 verification", level=logging.ERROR, logger="ogrefs.lazy")
+@pytest.mark.expect_log(r"failed verification.*fetching it again", logger="ogrefs.lazy")
 def test_corrupt_blob_is_refetched_once_then_fails_and_is_not_cached(tmp_path):
     fake = FakePacks()
     data = payloads(2)
@@ -388,6 +392,7 @@ def test_corrupt_blob_is_refetched_once_then_fails_and_is_not_cached(tmp_path):
     assert cache.load(refs[1].chunk, refs[1].raw_len) == data[1]
 
 
+@pytest.mark.expect_log(r"is missing from the repository", level=logging.ERROR, logger="ogrefs.lazy")
 def test_missing_pack_fails_at_once():
     fake = FakePacks()
     (ref,) = fake.add("p1", payloads(1))
@@ -404,6 +409,7 @@ def test_missing_pack_fails_at_once():
     assert faulty.calls["get_range"] == 1 and now[0] == 0  # not retried
 
 
+@pytest.mark.expect_log(r"store unreachable", level=logging.ERROR, logger="ogrefs.lazy")
 def test_the_fetcher_itself_never_retries_and_remembers_no_failure():
     """Without a retrying store a transient failure is the reader's at once: one call, StoreUnavailable."""
     fake = FakePacks()
@@ -421,6 +427,7 @@ def test_the_fetcher_itself_never_retries_and_remembers_no_failure():
     assert len(fake.calls) == 2 and f.stats.retries == 0
 
 
+@pytest.mark.expect_log(r"store unreachable", level=logging.ERROR, logger="ogrefs.lazy")
 def test_a_retry_budget_that_runs_out_gives_the_reader_store_unavailable_in_bounded_time():
     """The store retries within the mount's budget (a fake clock: no waiting), then the reader gets EIO."""
     fake = FakePacks()
@@ -444,6 +451,7 @@ def test_a_retry_budget_that_runs_out_gives_the_reader_store_unavailable_in_boun
     run_with_fetcher(f, body)
 
 
+@pytest.mark.expect_log(r"store unreachable .*gave up", level=logging.ERROR, logger="ogrefs.lazy", required=False)
 def test_cancelling_the_fetcher_ends_a_retry_wait_at_once():
     """An unmount during an outage: the store's wait in a worker thread ends, the nursery does not hang."""
     import threading
@@ -473,6 +481,7 @@ class _Surprise(Exception):
     """Not a store error, not a ValueError: something no one expected."""
 
 
+@pytest.mark.expect_log(r"failed unexpectedly|unexpected _Surprise", level=logging.ERROR, logger="ogrefs.lazy")
 def test_an_unexpected_exception_fails_that_read_only_and_is_logged(caplog):
     fake = FakePacks()
     data = payloads(3)
@@ -507,6 +516,7 @@ def test_a_malformed_chunk_location_is_refused_where_it_is_made(field, value):
         ChunkRef(**{**fields, field: value})
 
 
+@pytest.mark.expect_log(r"is damaged .*dropping it", logger="ogrefs.lazy.chunkcache")
 def test_disk_cache_serves_a_new_fetcher_and_drops_damaged_files(tmp_path):
     fake = FakePacks()
     data = payloads(3)

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+import logging
+
 import pytest
 
 from ogrefs.repo.catalog import Catalog
@@ -610,6 +612,7 @@ def test_a_forged_pack_name_fails_only_its_file_in_a_restore(tmp_path):
 
 
 # -- 14.18: a flipped byte in the materialized local copy is never served ------------------------------
+@pytest.mark.expect_log(r"local copy of inode .*(does not hold|is damaged)", level=logging.ERROR, logger="ogrefs.lazy")
 @pytest.mark.parametrize("copy", ["complete", "incomplete"])
 def test_a_flipped_byte_in_the_local_copy_is_not_served(tmp_path_factory, tmp_path, copy):
     """After materialization a byte of a local file changes on disk (before finalize): reads through the

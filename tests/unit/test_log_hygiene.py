@@ -59,6 +59,11 @@ def test_announced_by_a_marker_but_never_logged():
     pass
 
 
+@pytest.mark.expect_log(r"maybe", required=False)
+def test_announced_as_optional_and_never_logged():
+    pass
+
+
 def test_quiet():
     pass
 '''
@@ -80,7 +85,7 @@ def inner(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         start = out.find(f"_ ERROR at teardown of {name} _")
         end = out.find("\n_", start + 1)
         reports[name] = "" if start < 0 else out[start:end if end > 0 else None]
-    assert "8 passed" in out, out
+    assert "9 passed" in out, out
     return reports
 
 
@@ -95,7 +100,7 @@ def test_an_error_from_another_thread_fails_the_test(inner):
 
 def test_info_and_announced_warnings_pass(inner):
     assert inner["test_info_and_announced_warnings"] == "" and inner["test_quiet"] == ""
-    assert inner["test_announced_by_a_marker"] == ""
+    assert inner["test_announced_by_a_marker"] == "" and inner["test_announced_as_optional_and_never_logged"] == ""
 
 
 def test_a_marker_announces_too_and_must_come_true(inner):
