@@ -124,8 +124,13 @@ def _content_digest(path: bytes, layout: bool = True) -> str:
     return h.hexdigest()
 
 
-def describe(root: Path | bytes, *, times: bool = True, check_holes: bool = True) -> dict[bytes, tuple]:
-    """Everything restore must reproduce, keyed by path relative to root."""
+def describe(root: Path | bytes, *, times: bool = True, check_holes: bool = True,
+             seek_holes: bool = True) -> dict[bytes, tuple]:
+    """Everything restore must reproduce, keyed by path relative to root.
+
+    ``seek_holes=False``: file contents are compared as plain bytes even when holes are checked (by
+    st_blocks), for a tree whose file system cannot answer SEEK_DATA/SEEK_HOLE (a FUSE mount).
+    """
     root_b = os.fsencode(root)
     out: dict[bytes, tuple] = {}
     inode_group: dict[tuple[int, int], bytes] = {}
@@ -138,7 +143,7 @@ def describe(root: Path | bytes, *, times: bool = True, check_holes: bool = True
             kind = stat.S_IFMT(st.st_mode)
             content: object = None
             if stat.S_ISREG(st.st_mode):
-                content = (st.st_size, _content_digest(p, layout=check_holes))
+                content = (st.st_size, _content_digest(p, layout=check_holes and seek_holes))
                 if check_holes:
                     content += (st.st_blocks * 512 < st.st_size // 2 if st.st_size > 1024 * 1024 else None,)
             elif stat.S_ISLNK(st.st_mode):

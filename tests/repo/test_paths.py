@@ -17,6 +17,7 @@ import secrets
 import shutil
 import sqlite3
 import stat
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -121,8 +122,8 @@ def sandbox(tmp_path):
     return target, check
 
 
-def _restore(cat: Catalog, repo: Repository, target: Path) -> Restorer:
-    r = Restorer(cat, repo.read_pack_range, os.fsencode(target), workers=2)
+def _restore(cat: Catalog, repo: Repository, target: Path, read_range=None) -> Restorer:
+    r = Restorer(cat, read_range or repo.read_pack_range, os.fsencode(target), workers=2)
     r.run()
     return r
 
@@ -221,18 +222,22 @@ def test_data_write_never_follows_a_symlink(base, tmp_path, sandbox, monkeypatch
     target, check = sandbox
     victim = tmp_path / "box" / "victim"
     restored = target / str(src).lstrip("/") / "data.bin"
-    real = Restorer._fetch_all
+    swapped = threading.Lock()
+    done = []
 
-    def swap_then_fetch(self, ranges):
-        (tmp,) = [p for p in restored.parent.iterdir() if p.name.startswith(".ogrefs-restore-")
-                  and p.stat().st_size == Catalog(cat_path).resolve(str(src).encode() + b"/data.bin").size]
-        tmp.unlink()
-        tmp.symlink_to(victim)
-        return real(self, ranges)
+    def swap_then_read(pack, offset, length):  # the first read of data: every temporary file exists by now
+        with swapped:
+            if not done:
+                (tmp,) = [p for p in restored.parent.iterdir() if p.name.startswith(".ogrefs-restore-")
+                          and p.stat().st_size == Catalog(cat_path).resolve(str(src).encode() + b"/data.bin").size]
+                tmp.unlink()
+                tmp.symlink_to(victim)
+                done.append(tmp)
+        return repo.read_pack_range(pack, offset, length)
 
-    monkeypatch.setattr(Restorer, "_fetch_all", swap_then_fetch)
-    r = _restore(Catalog(cat_path), repo, target)
+    r = _restore(Catalog(cat_path), repo, target, read_range=swap_then_read)
     check()
+    assert done, "the swap never happened"
     assert victim.read_bytes() == b"do not touch\n"
     assert os.fsencode(restored) in r.failed and "write failed" in r.failed[os.fsencode(restored)]
     assert not os.path.lexists(restored)
