@@ -12,6 +12,7 @@ from ogrefs.repo.traces import newest_trace, store_trace, trace_prefix
 OLD, NEW = "a" * 64, "b" * 64
 
 
+@pytest.mark.expect_log(r"not carrying access trace", logger="ogrefs.maint")
 @pytest.mark.parametrize("encrypted", [False, True])
 def test_traces_are_carried_resealed_under_the_new_id_and_removed_with_the_snapshot(tmp_path, encrypted, caplog):
     repo = Repository.init(str(tmp_path / "r"), cache_root=tmp_path / "c",
