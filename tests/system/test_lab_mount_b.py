@@ -66,20 +66,19 @@ def mount(box: Box, ogrefs: str):
 
 
 def mounts_of_kind(box: Box, *kinds: str) -> list[str]:
-    """Mount points of the given file-system types in the box's namespace, below the box's root.
+    """Mount points of the given file-system types in the box (as the box sees them).
 
-    The box's namespace starts as a copy of the host's, so a mount some other program has on
-    the host elsewhere (another test run's FUSE mount) is in its table too: not the box's."""
+    The box's namespace began as a copy of the host's, so mounts of other
+    runs on this machine (outside the box's root) are in it too: not counted.
+    """
     lines = Path(f"/proc/{box.init_pid}/mountinfo").read_text().splitlines()
     root = str(box.root).rstrip("/")
     found = []
     for line in lines:
         fields = line.split()
         point = fields[4]
-        if point != root and not point.startswith(root + "/"):
-            continue
-        if fields[fields.index("-") + 1].split(".")[0] in kinds:
-            found.append(point)
+        if fields[fields.index("-") + 1].split(".")[0] in kinds and (point == root or point.startswith(root + "/")):
+            found.append(point[len(root):] or "/")
     return found
 
 

@@ -248,11 +248,13 @@ def finalize(mountpoint: Path, as_json: bool) -> None:
     """Once everything is local, run MOUNTPOINT from local disk alone (no daemon, no store)."""
     from ogrefs.mount.client import finalize as do_finalize
 
-    targets = do_finalize(mountpoint)
+    notes: list[str] = []
+    targets = do_finalize(mountpoint, notes=notes)
     if as_json:
-        emit_json({"finalized": str(mountpoint), "targets": list(targets)})
+        emit_json({"finalized": str(mountpoint), "targets": list(targets), "daemon_exited": not notes})
         return
-    click.echo(f"finalized {mountpoint}: {', '.join(targets)} now run from local disk; the daemon has exited")
+    click.echo(f"finalized {mountpoint}: {', '.join(targets)} now run from local disk; "
+               + ("; ".join(notes) if notes else "the daemon has exited"))
 
 
 def register(group: click.Group) -> None:

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ogrefs.boxmounts import MountError, Overlay, Registration, load_overlays, pid_alive, save_overlays
+from ogrefs.boxmounts import MountError, Registration, load_overlays, pid_alive, save_overlays
 from ogrefs.errors import UsageError
-from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.mount import holders, hostpaths, keeper, mountsys, overlay, rescue, topfiles
 from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
 from ogrefs.mount.mountsys import mounted_fstype
 from ogrefs.mount.options import MountOptions
@@ -186,6 +186,9 @@ def _unmount_fuse(mp: Path, lazy: bool) -> None:
 def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeout: float) -> str | None:
     """Overlays in reverse order, then the FUSE lower; the upper directories stay for the next mount."""
     state = Path(info["state_dir"])
+    targets = [o.target for o in load_overlays(state)]
+    callers = [] if lazy else holders.callers_or_refuse(f"unmount {mp}", targets, info)
+    lazy = lazy or bool(callers)  # only the caller's own shell holds them: it lets go after we return
     errors = overlay.unmount_all(load_overlays(state), lazy=lazy, keep=info.get("own_directories") or [])
     if errors:
         busy = any("busy" in e.lower() for e in errors)
@@ -194,6 +197,8 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
     save_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
     topfiles.hide(state)
     hostpaths.unmount_layers(state)
+    rescue.remove(keeper.rescue_dir(reg))
+    overlay.unmount_shims(state)
     pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
         mountsys.umount(str(state / "lower"), lazy=True)
@@ -213,8 +218,9 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
         return None
     except MountError:
         reg.write({**(reg.read() or info), "detached": True})
+        who = f" ({', '.join(str(h) for h in callers[:3])})" if callers else ""
         return (f"{mp} is detached; its daemon (pid {pid}) goes on serving the processes that still use "
-                "the snapshot's files and exits when the last of them does")
+                f"the snapshot's files{who} and exits when the last of them does")
 
 
 def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
@@ -226,7 +232,7 @@ def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
 
 
 # -- finalize -----------------------------------------------------------------------------------------
-def finalize(target: Path, timeout: float = 30.0) -> list[str]:
+def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None) -> list[str]:
     """Swap the FUSE lower of a fully materialized writable mount for the local copy.
 
     Afterwards the tree keeps working with no daemon and no store: each
@@ -254,36 +260,30 @@ def finalize(target: Path, timeout: float = 30.0) -> list[str]:
     writers = overlay.open_for_writing([o.target for o in old], exclude_pids=ours)
     if writers:
         raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
+    callers = holders.callers_or_refuse(f"finalize {mp}", [o.target for o in old], info)
     _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
                                   if not p.endswith(" (merged)")])
-    new = _swap_lowers(state, old, info.get("own_directories") or [])
+    new = overlay.swap_lowers(state, old, info.get("own_directories") or [])
     topfiles.rebind(state, state / "tree")
     info.update(finalized=True, pid=None, lower=None)
     reg.write(info)
     pid = status.get("pid")
     mountsys.umount(str(state / "lower"), lazy=True)
-    if pid and pid_alive(pid):
+    if pid and pid_alive(pid) and callers:
+        # The caller's shell still runs programs of the old overlays (detached, on the FUSE lower): the
+        # daemon serves them and exits after the last (the kernel's DESTROY); a SIGTERM would cut them off.
+        try:
+            _wait_exit(pid, min(timeout, LAZY_EXIT_WAIT_S), mp)
+        except MountError:
+            if notes is not None:
+                notes.append(f"the daemon (pid {pid}) goes on serving {', '.join(str(h) for h in callers[:3])} "
+                             "(started before the finalize) and exits when they do")
+    elif pid and pid_alive(pid):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
         _wait_exit(pid, timeout, mp)
     reg.write(info)  # the daemon removed its registration on the way out; the finalized mount keeps one
     return [o.target for o in new]
-
-
-def _swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overlay]:
-    """Remount each overlay over ``state/tree`` instead of ``state/lower``; saves what is mounted."""
-    lower_root, tree_root = str(state / "lower"), str(state / "tree")
-    swapped: list[Overlay] = []
-    for o_old in old:  # one by one: each target shows the same tree before and after its swap
-        o_new = overlay.replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
-        errors = overlay.unmount_all([o_old])
-        if errors:
-            save_overlays(swapped + old[len(swapped):], state)
-            raise MountError(f"cannot finalize: {errors[0]} ({len(swapped)} of {len(old)} overlays already run "
-                             "from local disk; close what uses it and run finalize again)")
-        swapped.append(overlay.mount_one(o_new, keep))
-    save_overlays(swapped, state)
-    return swapped
 
 
 def _set_aside_host_owned(state: Path, paths: list[str]) -> None:

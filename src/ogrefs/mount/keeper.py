@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ogrefs.boxmounts import Registration, load_overlays, save_overlays
 from ogrefs.errors import OgrefsError
-from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.mount import hostpaths, mountsys, overlay, rescue, topfiles
 from ogrefs.repo import default_cache_dir
 
 if TYPE_CHECKING:
@@ -99,16 +99,26 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
     mountsys.tune_readahead(state / "lower", plan.opts.readahead_kb)
     keep = own_directories(plan)
     host = hostpaths.prepare(layout.overlays, state, layout.host_paths)  # opens host files before they are covered
+    target = str(layout.target)
+    way_back = rescue.prepare(rescue_dir(plan.registration)) if target == "/" else None
     up = overlay.mount_all(host.overlays, state, keep=keep)
     owned = set(layout.host_paths.kept) if layout.host_paths is not None else set()
     shown = topfiles.show([e for e in layout.top_files or [] if "/" + e["name"] not in owned], state / "lower",
                           state)
+    if way_back is not None:
+        rescue.write_script(way_back, target, up, shown, str(state / "lower"), str(state / "host"))
     try:
         ldconfig = host.run_ldconfig()
     except OSError as exc:
         ldconfig = f"not run: {exc}"
     return {"overlays": [o.target for o in up], "binds": [b for o in up for b in o.binds],
-            "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown}
+            "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown,
+            "rescue": f"{way_back.directory}/detach.sh" if way_back else None}
+
+
+def rescue_dir(reg: Registration) -> Path:
+    """``<runtime>/rescue/<key>``: the way back if keeper and daemon are both killed (rescue.py)."""
+    return reg.path.parent.parent / "rescue" / reg.path.stem
 
 
 def teardown(state_dir: Path, reg: Registration) -> list[str]:
@@ -123,6 +133,7 @@ def teardown(state_dir: Path, reg: Registration) -> list[str]:
     err = mountsys.umount(str(state_dir / "lower"), lazy=True)
     if not errors:
         hostpaths.unmount_layers(state_dir)
+        rescue.remove(rescue_dir(reg))
     return errors + ([f"{state_dir}/lower: {err}"] if err else [])
 
 

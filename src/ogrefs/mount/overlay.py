@@ -241,6 +241,38 @@ def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None =
     return done
 
 
+def shim_local_copy(o: Overlay, state_dir: Path) -> None:
+    """Before ``finalize`` mounts ``o`` over the local copy: give that lower layer a file system of its own.
+
+    The local copy lives in the state directory, by default under /var; for
+    the /var overlay it is then inside another of its lower layers (this
+    box's own /var), which the kernel refuses (ELOOP). A read-only overlay of
+    the copy's directory alone (over an empty directory on a small tmpfs,
+    ``<state>/shim``), mounted on that directory itself, is inside nothing:
+    same files, same path (overlays.json and snapshots of the box read it
+    unchanged). Only where needed.
+    """
+    own = os.path.realpath(o.host_dir or o.target).rstrip("/") + "/"
+    if not o.keep_existing or not os.path.realpath(o.lower).startswith(own):
+        return
+    shim = state_dir / "shim"
+    if not os.path.ismount(shim):
+        os.makedirs(shim, mode=0o700, exist_ok=True)
+        mountsys.mount("ogrefs-shim", str(shim), "tmpfs", 0, "mode=0755,size=1m")
+        os.makedirs(shim / "empty", exist_ok=True)
+    try:
+        mountsys.mount("ogrefs-local", o.lower, "overlay", mountsys.MS_RDONLY, f"lowerdir={o.lower}:{shim}/empty")
+    except OSError as exc:
+        raise OverlayError(f"local copy for {o.target} failed: {exc.strerror}") from None
+
+
+def unmount_shims(state_dir: Path) -> None:
+    """Detach what :func:`shim_local_copy` mounted (after the overlays over them are down)."""
+    for p in reversed(mounts_below(str(state_dir / "tree"))):
+        mountsys.umount(p, lazy=True)
+    mountsys.umount(str(state_dir / "shim"), lazy=True)
+
+
 def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
     """Take ``o`` down (its bound-back directories first); None, or why not (then it stays as it was).
 
@@ -327,3 +359,49 @@ def _flags(fdinfo: str) -> int:
         if line.startswith("flags:"):
             return int(line.split()[1], 8)
     return 0
+
+
+def swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overlay]:
+    """``finalize``: each overlay again over ``state/tree`` instead of ``state/lower``; all or nothing.
+
+    Same upper and work directories, so no write is lost. The old overlays
+    are detached (MNT_DETACH: what the caller's own shell still holds stays
+    served by the daemon), so no swap fails busy; if a new overlay cannot be
+    mounted, the ones already swapped go back to the FUSE lower and
+    ``overlays.json`` says the old ones. Afterwards the FUSE lower is
+    detached where it is bound back and where it was mounted first (below
+    the new overlay that covers the state directory). Saves what is mounted.
+    """
+    from ogrefs.boxmounts import MountError, save_overlays
+    from ogrefs.mount.mountsys import mounted_fstype
+
+    lower_root, tree_root = str(state / "lower"), str(state / "tree")
+    swapped: list[Overlay] = []
+    below: list[int] = []  # the state directory as it is below its overlay (where the FUSE lower was mounted)
+    for o_old in old:  # one by one: each target shows the same tree before and after its swap
+        o_new = replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
+        try:
+            errors = unmount_all([o_old], lazy=True)
+            if errors:
+                raise MountError(errors[0])
+            if str(state).startswith(o_old.target.rstrip("/") + "/"):
+                below.append(os.open(state, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            shim_local_copy(o_new, state)
+            swapped.append(mount_one(o_new, keep))
+        except (OgrefsError, OSError) as exc:
+            if mounted_fstype(Path(o_old.target)) != "overlay":
+                mount_one(o_old, keep)
+            for o_back, o_done in reversed(list(zip(old, swapped))):
+                unmount_one(o_done, lazy=True)
+                mount_one(o_back, keep)
+            unmount_shims(state)
+            save_overlays(old, state)
+            for fd in below:
+                os.close(fd)
+            raise MountError(f"cannot finalize: {exc}; nothing was changed") from None
+    save_overlays(swapped, state)
+    mountsys.umount(lower_root, lazy=True)
+    for fd in below:
+        mountsys.umount(f"/proc/self/fd/{fd}/lower", lazy=True)
+        os.close(fd)
+    return swapped

@@ -141,6 +141,7 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
     topfiles.hide(state)
     for old in reversed(load_overlays(state)):
         overlay.unmount_one(old, lazy=True)
+    overlay.unmount_shims(state)  # a finalized mount's read-only local copy: writable again below
     mountsys.umount(str(state / "lower"), lazy=True)
     (state / "lower").mkdir(parents=True, exist_ok=True, mode=0o700)
     host_paths = None

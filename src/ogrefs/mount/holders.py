@@ -1,0 +1,172 @@
+"""Who keeps a mount busy: the processes whose working directory, root, program or open files are on it.
+
+``umount(2)`` without MNT_DETACH fails with EBUSY while any process has a
+reference into the mount. On a whole box mounted at ``/``, every program
+started after the mount runs from the ``/usr`` overlay, including the shell
+that types ``ogrefs unmount /`` and the ``ogrefs`` CLI itself, so a plain
+unmount from inside the box would always be busy. ``unmount`` and
+``finalize`` therefore ask first who holds the overlays (this module) and
+tell apart the caller's own ancestry (its shell, ``sudo``, ``ssh``'s
+session: they only go away after the command returns, so they are detached
+lazily and the daemon serves them until they exit) from every other process
+(then nothing is touched and the one-line error names them).
+
+References are matched by mount id, not by path: a process started before
+the mount runs this box's own ``/usr/bin/bash``, at the same path but below
+the overlay, and does not keep the overlay busy. Memory mappings are not
+counted: overlayfs maps the underlying file, so they never pin the overlay
+(they keep the FUSE lower's superblock alive, which is what a lazily
+detached daemon serves). No state, no locks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ogrefs.boxmounts import unescape_mountinfo as _unescape_mountinfo
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    comm: str
+    what: str  # "cwd /opt/project", "program /usr/bin/bash", "file /root/notes.txt"
+
+    def __str__(self) -> str:
+        return f"{self.pid} {self.comm} ({self.what})"
+
+
+def mount_ids(targets: list[str], fstype: str = "overlay") -> set[int]:
+    """Mount ids (mountinfo's first field) of the ``fstype`` mounts at ``targets`` in this namespace."""
+    want = set(targets)
+    ids = set()
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+            for line in fh:
+                fields = line.split()
+                if "-" not in fields:
+                    continue
+                kind = fields[fields.index("-") + 1]
+                if kind == fstype and _unescape_mountinfo(fields[4]) in want:
+                    ids.add(int(fields[0]))
+    except OSError:
+        pass
+    return ids
+
+
+def _mnt_id_of_fdinfo(path: str) -> int | None:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _mnt_id_of_link(link: str) -> int | None:
+    """The mount id of what a /proc magic link (cwd, root, exe, fd/N) points at."""
+    try:
+        fd = os.open(link, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _mnt_id_of_fdinfo(f"/proc/self/fdinfo/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _holds(pid: str, ids: set[int]) -> str | None:
+    """What of ``pid`` is on one of the mounts ``ids``, or None."""
+    for name, label in (("cwd", "cwd"), ("root", "root"), ("exe", "program")):
+        if _mnt_id_of_link(f"/proc/{pid}/{name}") in ids:
+            return f"{label} {_readlink(f'/proc/{pid}/{name}')}"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        if _mnt_id_of_fdinfo(f"/proc/{pid}/fdinfo/{fd}") in ids:
+            return f"file {_readlink(f'/proc/{pid}/fd/{fd}')}"
+    return None
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
+
+def holders(targets: list[str], exclude: set[int] | None = None) -> list[Holder]:
+    """Processes holding one of the overlays mounted at ``targets`` (this namespace), but not ``exclude``."""
+    ids = mount_ids(targets)
+    if not ids:
+        return []
+    skip = exclude or set()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in skip:
+            continue
+        what = _holds(entry, ids)
+        if what is not None:
+            try:
+                comm = Path(f"/proc/{entry}/comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            out.append(Holder(int(entry), comm, what))
+    return sorted(out, key=lambda h: h.pid)
+
+
+def ancestry(pid: int | None = None) -> set[int]:
+    """``pid`` (default: this process) and its parents up to, not including, PID 1."""
+    out = set()
+    cur = os.getpid() if pid is None else pid
+    while cur > 1 and cur not in out:
+        out.add(cur)
+        try:
+            status = Path(f"/proc/{cur}/status").read_text()
+        except OSError:
+            break
+        cur = next((int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("PPid:")), 0)
+    return out
+
+
+@dataclass(frozen=True)
+class InUse:
+    """Who holds a mount's overlays: the caller's own ancestry, and everything else."""
+    callers: list[Holder]
+    others: list[Holder]
+
+    def refusal(self, what: str) -> str:
+        """One line: why ``what`` (unmount, finalize) touched nothing, and what to do."""
+        names = ", ".join(str(h) for h in self.others[:3]) + (f" and {len(self.others) - 3} more"
+                                                                if len(self.others) > 3 else "")
+        return (f"cannot {what}: in use by {names}; nothing was changed; stop them, "
+                "or use `ogrefs unmount --lazy` (they keep the snapshot's files until they exit)")
+
+
+def in_use(targets: list[str], exclude: set[int] | None = None) -> InUse:
+    mine = ancestry()
+    found = holders(targets, exclude)
+    return InUse([h for h in found if h.pid in mine], [h for h in found if h.pid not in mine])
+
+
+def callers_or_refuse(what: str, targets: list[str], info: dict) -> list[Holder]:
+    """The caller's own processes holding ``targets``; MountError (nothing touched) when others hold them.
+
+    ``info``: the mount's registration (its daemon and keeper do not count).
+    """
+    from ogrefs.boxmounts import MountError
+
+    ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
+    found = in_use(targets, exclude=ours)
+    if found.others:
+        raise MountError(found.refusal(what))
+    return found.callers
+
+
+__all__ = ["Holder", "InUse", "holders", "in_use", "ancestry", "mount_ids", "callers_or_refuse"]
