@@ -48,7 +48,8 @@ class Box:
     kmod: Provider | None = None  # whose kernel module is "loaded" (default: the box's own)
     scratch_file: str = ""
     env: dict[str, str] = field(default_factory=dict)
-    binds: tuple[str, ...] = ()  # host paths bind-mounted read-only at the same path in the box
+    binds: tuple[str, ...] = ()  # host paths (directories or files) bind-mounted read-only at the same path
+    cgroups: bool = False  # bind the host's /sys/fs/cgroup (systemd-nspawn inside the box needs it)
     holder: subprocess.Popen | None = None
     init_pid: int | None = None  # the box's PID 1 (the reaper), as the host numbers it
 
@@ -61,6 +62,7 @@ class Box:
             f"mount --bind {r} {r}",  # a box's / is a mount point (a chroot's directory is not)
             f"mount -t proc proc {r}/proc",
             f"mount -t sysfs sysfs {r}/sys",
+            *([f"mount --rbind /sys/fs/cgroup {r}/sys/fs/cgroup"] if self.cgroups else []),
             f"mount --rbind /dev {r}/dev",
             f"mount -t tmpfs -o mode=755 tmpfs {r}/run",
             f"mkdir -p {r}/run/nvidia-lab && printf %s {shlex.quote(kmod)} > {r}/run/nvidia-lab/version",
@@ -69,6 +71,9 @@ class Box:
             f"printf %s {shlex.quote(self.scratch_file)} > {r}/mnt/scratch/{self.provider.hostname}.txt",
             f"mkdir -p {r}/srv/ogrefs && mount --bind {shlex.quote(str(self.repo_dir))} {r}/srv/ogrefs",
             *(f"mkdir -p {r}{shlex.quote(b)} && mount --bind -o ro {shlex.quote(b)} {r}{shlex.quote(b)}"
+              if os.path.isdir(b) else  # a file (a program): bound onto a placeholder file
+              f"mkdir -p {r}{shlex.quote(os.path.dirname(b))} && touch {r}{shlex.quote(b)} && "
+              f"mount --bind -o ro {shlex.quote(b)} {r}{shlex.quote(b)}"
               for b in self.binds),
             "echo ready",
             f"exec {REAPER}",

@@ -76,3 +76,18 @@ def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
             "resumed from step 100 loss 0.4321")
         assert box.out("journalctl -b --no-pager -n 5 >/dev/null && echo journal").strip() == "journal"
         box.poweroff()
+
+
+def test_booted_b_stops_and_restarts_the_unit(lab, tmp_path):
+    """In the booted box: stopping the unit detaches everything (B is pure B, no crash), starting mounts again."""
+    with boot_b(lab, tmp_path) as (box, snap):
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        stop = box.sh("systemctl stop ogrefs-resume.service", timeout=120, check=False)
+        assert stop.returncode == 0, f"{stop.returncode}: {stop.stderr}"
+        assert box.out("grep -c -E ' (overlay|fuse[.a-z]*) ' /proc/self/mounts || true").strip() == "0"
+        assert box.out("test -e /opt/project || echo gone").strip() == "gone"
+        assert box.out("systemctl is-active ogrefs-resume.service", check=False).strip() == "inactive"
+        box.sh("systemctl start ogrefs-resume.service", timeout=200)
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        assert f"Driver Version: {B.driver}" in box.out("nvidia-smi")
+        box.poweroff()

@@ -114,7 +114,9 @@ def _host_disks(root: Path) -> list[str]:
 
 def _enter(root: Path, command: list[str], nspawn: bool) -> int:
     if nspawn:
-        args = ["systemd-nspawn", "--quiet", "--register=no", "--link-journal=no", "--resolv-conf=off",
+        # --keep-unit: stay in the caller's cgroup (no transient scope, so no machined or systemd PID 1 needed)
+        args = ["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--link-journal=no",
+                "--resolv-conf=off",
                 "--timezone=off", "-D", str(root)]
         args += [f"--bind={p}" for p in sorted(Path("/dev").glob("nvidia*"))]
         return subprocess.run([*args, "--", *command]).returncode
