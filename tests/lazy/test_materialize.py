@@ -976,7 +976,14 @@ async def main():
             await ready[0].wait()
             print("ready", flush=True)
 
+        async def report_idle():  # each line on stdin: wait until the pushes asked for are done, say so
+            while await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
+                while not fs.pushes_idle():
+                    await trio.sleep(0.01)
+                print("idle", flush=True)
+
         n.start_soon(announce)
+        n.start_soon(report_idle)
         n.start_soon(fs.run_pushes)
         await fuse_ops.serve()
         n.cancel_scope.cancel()
@@ -1010,7 +1017,7 @@ def _crawl_a_real_mount(box: Box, state: Path, mp: Path, *, push: bool) -> dict[
     mp.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OGREFS_TEST_PUSH="1" if push else "")
     child = subprocess.Popen([sys.executable, "-c", _MOUNT_CHILD, box.repo_url, str(box.cache_root), box.snap_id,
-                              str(state), str(mp)], env=env, stdout=subprocess.PIPE, text=True)
+                              str(state), str(mp)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     first = seen = small = 0
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -1021,7 +1028,9 @@ def _crawl_a_real_mount(box: Box, state: Path, mp: Path, *, push: bool) -> dict[
                     p.read_bytes()
                     first += 1
                     break
-        time.sleep(1)  # the pushes run in the background
+        child.stdin.write("\n")  # the pushes run in the background: wait until they are done
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "idle"
         for dirpath, _dirs, files in os.walk(box.src):
             for name in files:
                 p = Path(dirpath) / name
@@ -1033,7 +1042,9 @@ def _crawl_a_real_mount(box: Box, state: Path, mp: Path, *, push: bool) -> dict[
         assert seen > 60 and small > 20
     finally:
         subprocess.run(["umount", str(mp)], capture_output=True)
-        out, _ = child.communicate(timeout=30)
+        child.stdin.close()
+        out = child.stdout.read()
+        child.wait(timeout=30)
     assert child.returncode == 0
     assert "requests 0 " in out and f"local opens {seen + first}" in out, out
     reads, pushed = (int(x) for x in re.search(r"reads (\d+) pushed (\d+)", out).groups())

@@ -58,6 +58,7 @@ class PagePusher:
         self._kernel_holds = kernel_holds  # whether the kernel knows an inode (it drops a push for any other)
         self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
         self._send, self._recv = trio.open_memory_channel[tuple[int, int]](64)
+        self.in_flight = 0  # directories queued and not yet pushed (loop-owned, like the rest)
 
     def opened(self, ino: int) -> None:
         """A small file with a complete local copy was opened: its directory's others go too."""
@@ -88,6 +89,7 @@ class PagePusher:
         except trio.WouldBlock:
             return  # busy: a later open in this directory asks again
         self._dirs_pushed.add(parent)
+        self.in_flight += 1
 
     async def run(self) -> None:
         """Serve page-cache pushes until cancelled (a task in the mount's nursery)."""
@@ -96,6 +98,8 @@ class PagePusher:
                 await self._push_dir(parent, opened)
             except Exception as exc:  # noqa: BLE001 - a push only saves round trips
                 log.warning("page-cache push for directory inode %d failed: %s", parent, exc)
+            finally:
+                self.in_flight -= 1
 
     async def _push_dir(self, parent: int, opened: int) -> None:
         rows = await trio.to_thread.run_sync(self.catalog.small_files, parent, PUSH_FILE_MAX)

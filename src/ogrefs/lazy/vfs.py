@@ -432,6 +432,10 @@ class SnapshotFS:
         if refs:
             self.fetcher.prefetch(refs, Priority.READ)
 
+    def pushes_idle(self) -> bool:
+        """Whether every page-cache push asked for so far is done (on the loop)."""
+        return self._pusher is None or self._pusher.in_flight == 0
+
     async def run_pushes(self) -> None:
         """Serve page-cache pushes until cancelled (a task in the mount's nursery; see :mod:`ogrefs.lazy.pagepush`)."""
         if self._pusher is not None:
