@@ -54,17 +54,23 @@ def test_show_diff_and_hints(tmp_path):
     assert "environment:" in run(["diff", a["id"], b["id"]], env).stdout
 
 
-def test_strict_restore_refuses_on_a_box_without_the_gpus(tmp_path):
+def _snapshot_as_if_taken_with(tmp_path, gpus: list) -> tuple[dict, dict]:
+    """A snapshot of a small box whose manifest says it was taken on a machine with ``gpus``."""
     env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
     box = tmp_path / "box"
     _box(box)
     run(["init"], env)
     snap = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
-    # This test box has no GPU; pretend the snapshot came from an 8x H100 machine.
     key = tmp_path / "repo" / "snapshots" / snap["id"]
     m = json.loads(codec.unwrap(key.read_bytes()))
-    m["environment"]["gpus"] = h100(8)
+    m["environment"]["gpus"] = gpus
     key.write_bytes(codec.wrap(json.dumps(m).encode()))
+    return env, snap
+
+
+def test_strict_restore_refuses_on_a_box_without_the_gpus(tmp_path):
+    # This test box has no GPU; pretend the snapshot came from an 8x H100 machine.
+    env, snap = _snapshot_as_if_taken_with(tmp_path, h100(8))
     fresh = dict(env, OGREFS_CACHE_DIR=str(tmp_path / "cache2"))
     proc = run(["restore", snap["id"], str(tmp_path / "out")], fresh)
     assert "warning:" in proc.stderr and "GPU" in proc.stderr
@@ -74,15 +80,7 @@ def test_strict_restore_refuses_on_a_box_without_the_gpus(tmp_path):
 
 
 def test_show_and_diff_report_the_driver_on_both_sides(tmp_path):
-    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
-    box = tmp_path / "box"
-    _box(box)
-    run(["init"], env)
-    snap = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
-    key = tmp_path / "repo" / "snapshots" / snap["id"]
-    m = json.loads(codec.unwrap(key.read_bytes()))
-    m["environment"]["gpus"] = h100(8, driver="535.104.05", cuda="12.2")  # taken on another provider's box
-    key.write_bytes(codec.wrap(json.dumps(m).encode()))
+    env, snap = _snapshot_as_if_taken_with(tmp_path, h100(8, driver="535.104.05", cuda="12.2"))  # another provider's box
     fresh = dict(env, OGREFS_CACHE_DIR=str(tmp_path / "cache2"))
     shown = run(["show", snap["id"]], fresh).stdout
     assert f"driver of snapshot {snap['id'][:12]}: 535.104.05 (CUDA up to 12.2)" in shown
