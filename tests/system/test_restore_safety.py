@@ -310,6 +310,22 @@ def test_progress_counts_files_done(tmp_path):
     assert seen[0][0] == 0 and seen[-1] == (10, 10)
 
 
+
+def _forge_pack_escape(cat_path: Path, forged: Path, victim: Path, new_id: str | None = None) -> Path:
+    """A copy of a catalog whose ``victim`` file's blobs name the pack ``../../etc`` (and, with
+    ``new_id``, the snapshot id ``new_id``)."""
+    shutil.copyfile(cat_path, forged)
+    ino = Catalog(cat_path).resolve(os.fsencode(victim)).ino
+    db = sqlite3.connect(forged)
+    db.execute("INSERT INTO packs (id, name) VALUES (?, '../../etc')", (1 + db.execute("SELECT max(id) FROM packs").fetchone()[0],))
+    assert db.execute("UPDATE blobs SET pack=(SELECT id FROM packs WHERE name='../../etc') "
+                      "WHERE id IN (SELECT blob FROM extents WHERE ino=?)", (ino,)).rowcount == 1
+    if new_id is not None:
+        db.execute("UPDATE meta SET value=? WHERE key='snapshot_id'", (new_id,))
+    db.commit()
+    db.close()
+    return forged
+
 def _cli(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ogrefs", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -549,18 +565,8 @@ def test_a_forged_pack_name_fails_only_its_file_under_a_writable_mount(tmp_path)
     assert _cli(["-q", "init"], env).returncode == 0
     sid = json.loads(_cli(["-q", "snapshot", "--json", str(src)], env).stdout)["id"]
     repo = Repository.open(env["OGREFS_REPO"], cache_root=tmp_path / "probe")
-    cat_path = repo.catalog_path(sid)
-    forged = tmp_path / "forged.sqlite"
-    shutil.copyfile(cat_path, forged)
-    ino = Catalog(cat_path).resolve(os.fsencode(src / "b.txt")).ino
-    db = sqlite3.connect(forged)
-    db.execute("INSERT INTO packs (id, name) VALUES (?, '../../etc')", (1 + db.execute("SELECT max(id) FROM packs").fetchone()[0],))
-    assert db.execute("UPDATE blobs SET pack=(SELECT id FROM packs WHERE name='../../etc') "
-                      "WHERE id IN (SELECT blob FROM extents WHERE ino=?)", (ino,)).rowcount == 1
     fid = secrets.token_hex(32)
-    db.execute("UPDATE meta SET value=? WHERE key='snapshot_id'", (fid,))
-    db.commit()
-    db.close()
+    forged = _forge_pack_escape(repo.catalog_path(sid), tmp_path / "forged.sqlite", src / "b.txt", new_id=fid)
     repo.put_catalog(fid, forged)
     repo.put_manifest({**repo.load_manifest(sid), "id": fid})
     script = f"""
@@ -591,16 +597,7 @@ def test_a_forged_pack_name_fails_only_its_file_in_a_restore(tmp_path):
     _plain_tree(src)
     repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
     m = _snap(repo, src)
-    cat_path = repo.catalog_path(m["id"])
-    forged = tmp_path / "forged.sqlite"
-    shutil.copyfile(cat_path, forged)
-    ino = Catalog(cat_path).resolve(os.fsencode(src / "z.txt")).ino
-    db = sqlite3.connect(forged)
-    db.execute("INSERT INTO packs (id, name) VALUES (?, '../../etc')", (1 + db.execute("SELECT max(id) FROM packs").fetchone()[0],))
-    assert db.execute("UPDATE blobs SET pack=(SELECT id FROM packs WHERE name='../../etc') "
-                      "WHERE id IN (SELECT blob FROM extents WHERE ino=?)", (ino,)).rowcount == 1
-    db.commit()
-    db.close()
+    forged = _forge_pack_escape(repo.catalog_path(m["id"]), tmp_path / "forged.sqlite", src / "z.txt")
     out = tmp_path / "out"
     r = Restorer(Catalog(forged), repo.read_pack_range, os.fsencode(out), workers=2)
     r.run()
