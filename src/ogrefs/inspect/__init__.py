@@ -6,25 +6,35 @@ A pure library (no CLI, no storage).  The snapshot walker feeds an
 ``restore`` use the helpers below.  Nothing here imports torch, runs
 Python or pip from the snapshotted tree, or unpickles anything.
 See docs/inspect.md.
+
+The names below are loaded on first use (PEP 562), not when the package
+is imported: a mount's compatibility check needs :mod:`ogrefs.inspect.here`
+and :mod:`ogrefs.inspect.compare` only, not the walk's readers.
 """
 
-from ogrefs.inspect.compare import compatibility_warnings, diff_environments
-from ogrefs.inspect.gpu import probe_gpus
-from ogrefs.inspect.probe import (
-    MANIFEST_VERSION,
-    EnvironmentProbe,
-    capture_environment,
-    probe_local_machine,
-)
-from ogrefs.inspect.report import format_environment
+from __future__ import annotations
 
-__all__ = [
-    "MANIFEST_VERSION",
-    "EnvironmentProbe",
-    "capture_environment",
-    "probe_local_machine",
-    "probe_gpus",
-    "diff_environments",
-    "compatibility_warnings",
-    "format_environment",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "MANIFEST_VERSION": "here",
+    "probe_local_machine": "here",
+    "EnvironmentProbe": "probe",
+    "capture_environment": "probe",
+    "probe_gpus": "gpu",
+    "diff_environments": "compare",
+    "compatibility_warnings": "compare",
+    "format_environment": "report",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ogrefs.inspect' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ogrefs.inspect.{module}"), name)
+    globals()[name] = value
+    return value

@@ -20,7 +20,8 @@ def environment_warning(manifest: dict[str, Any], strict: bool = False) -> str |
     env = manifest.get("environment")
     if not env:
         return None
-    from ogrefs.inspect import compatibility_warnings, probe_local_machine
+    from ogrefs.inspect.compare import compatibility_warnings
+    from ogrefs.inspect.here import probe_local_machine
 
     warnings = compatibility_warnings(env, probe_local_machine())
     if not warnings:
@@ -46,7 +47,7 @@ def driver_versions(*manifests: dict[str, Any]) -> list[str]:
     docs/mount.md), so these are the two versions that must agree with the
     snapshot's CUDA.
     """
-    from ogrefs.inspect import probe_local_machine
+    from ogrefs.inspect.here import probe_local_machine
 
     lines = [f"driver of snapshot {m['id'][:12]}: {_driver((m.get('environment') or {}).get('gpus'))}"
              for m in manifests]

@@ -35,12 +35,12 @@ from ogrefs.inspect.cuda import (
 )
 from ogrefs.inspect.gitrepo import read_git
 from ogrefs.inspect.gpu import GpuProbe, import_pynvml
+from ogrefs.inspect.here import GPU_TIMEOUT_S, MANIFEST_VERSION, probe_local_machine
 from ogrefs.inspect.machine import machine_info
 from ogrefs.inspect.pyenv import env_prefix_for_site_dir, read_env
 
 __all__ = ["EnvironmentProbe", "capture_environment", "probe_local_machine", "MANIFEST_VERSION"]
 
-MANIFEST_VERSION = 1
 
 #: Checkpoint candidates are not collected under these prefixes (system
 #: files, e.g. /lib/firmware/*.bin) or inside installed packages.
@@ -54,14 +54,13 @@ _PY_BIN_RE = re.compile(rb"^python(\d+(\.\d+)?t?)?$")
 _MAX_HINTS = 200_000
 _MAX_CKPT_DIRS = 100_000
 _MAX_LIBS_LISTED = 200
-_GPU_TIMEOUT_S = 5.0
 _SKIP_WALK = frozenset({b"/proc", b"/sys", b"/dev"})
 
 
 class EnvironmentProbe:
     """Notes candidates during a walk; reads them in :meth:`finish`."""
 
-    def __init__(self, *, gpu_timeout_s: float = _GPU_TIMEOUT_S, check_git_dirty: bool = True,
+    def __init__(self, *, gpu_timeout_s: float = GPU_TIMEOUT_S, check_git_dirty: bool = True,
                  load_nvml: Callable[[], Any] = import_pynvml) -> None:
         self.gpu_timeout_s = gpu_timeout_s
         self._load_nvml = load_nvml
@@ -310,24 +309,3 @@ def capture_environment(roots: list[str], deadline_s: float = 20.0,
             f"(half of the {deadline_s:g} s deadline); later directories were not examined",
         )
     return env
-
-
-def probe_local_machine(gpu_timeout_s: float = _GPU_TIMEOUT_S, load_nvml: Callable[[], Any] = import_pynvml) -> dict:
-    """Machine, GPUs and CUDA of the running box (for restore-time checks)."""
-    gpu_probe = GpuProbe(load_nvml)
-    machine = machine_info()
-    cudnn, nccl = [], []
-    for d in ("/usr/include", "/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu",
-              "/usr/local/cuda/include"):
-        for header, (what, macro) in HEADER_NAMES.items():
-            p = os.path.join(d, header.decode())
-            if os.path.isfile(p):
-                v = read_header_version(p, macro)
-                if v:
-                    (cudnn if what == "cudnn" else nccl).append({"path": p, "version": v})
-    return {
-        "version": MANIFEST_VERSION,
-        "machine": machine,
-        "gpus": gpu_probe.result(gpu_timeout_s),
-        "cuda": {"toolkits": local_toolkits(), "cudnn": cudnn, "nccl": nccl},
-    }

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 
-import sqlite_utils
 
 from ogrefs.errors import CorruptObject
 from ogrefs.repo.pack import BlobLocation
@@ -98,6 +97,10 @@ class Extent:
 
 
 def create_schema(path: Path) -> None:
+    # Imported here, not at the top: only writers create a schema, and
+    # sqlite_utils (70-odd modules) is a third of a read-only mount's start-up.
+    import sqlite_utils
+
     db = sqlite_utils.Database(path)
     db["inodes"].create(
         {"ino": int, "mode": int, "uid": int, "gid": int, "user": str, "grp": str, "size": int,

@@ -1,0 +1,52 @@
+"""A mount's start-up imports only what a mount runs.
+
+Imports are most of the time between ``ogrefs mount`` and a listable
+mount point (docs/benchmarks.md, "Mount until listed"): sqlite_utils alone
+was a third of it, and the snapshot walk's readers (Python envs, git,
+checkpoints) came in through ``ogrefs.inspect``'s package imports.  These
+modules must stay out of the mount path; a fresh interpreter shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+MOUNT_PATH = ("ogrefs.cli.app", "ogrefs.cli.mount", "ogrefs.mount.client", "ogrefs.mount.launch",
+              "ogrefs.mount.fuse_ops", "ogrefs.inspect.compat", "ogrefs.inspect.here", "ogrefs.inspect.compare",
+              "ogrefs.snapshot.selection")
+NOT_ON_IT = ("sqlite_utils", "ogrefs.inspect.probe", "ogrefs.inspect.pyenv", "ogrefs.inspect.gitrepo",
+             "ogrefs.inspect.checkpoints", "ogrefs.snapshot.pipeline")
+
+
+def _modules_after_importing(names: tuple[str, ...]) -> set[str]:
+    code = ("import importlib, json, sys\n"
+            f"for n in {list(names)!r}: importlib.import_module(n)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    return set(json.loads(out.stdout))
+
+
+def test_the_mount_path_leaves_the_walks_readers_and_sqlite_utils_unimported():
+    loaded = _modules_after_importing(MOUNT_PATH)
+    assert set(MOUNT_PATH) <= loaded
+    assert loaded.isdisjoint(NOT_ON_IT), sorted(loaded & set(NOT_ON_IT))
+
+
+def test_the_inspect_package_still_offers_its_names_on_first_use():
+    import ogrefs.inspect as inspect_pkg
+    from ogrefs.inspect import here, probe
+
+    assert inspect_pkg.probe_local_machine is here.probe_local_machine
+    assert inspect_pkg.EnvironmentProbe is probe.EnvironmentProbe
+    assert sorted(inspect_pkg.__all__) == inspect_pkg.__all__
+
+
+def test_a_catalog_writer_still_gets_its_schema_from_sqlite_utils(tmp_path):
+    from ogrefs.repo.catalog import create_schema
+
+    create_schema(tmp_path / "c.sqlite")
+    loaded = _modules_after_importing(("ogrefs.repo.catalog",))
+    assert "sqlite_utils" not in loaded
+    assert "sqlite_utils" in sys.modules
