@@ -403,7 +403,10 @@ def test_stale_checkpoint_reads_map_to_the_corresponding_files_of_the_newest_coh
     entries = [(b"/venv/x.py", 0), (b"/r/mp_rank_00_step100.pt", 0), (b"/r/model_step100.pt", 0),
                (b"/r/extra_step100.bin", 0), (b"/r/model_step100.pt", 5 * MiB), (b"/r/model_step100.pt", 9 * MiB),
                (b"/venv/y.py", 0)]
-    out = replace_stale_checkpoints(entries, mounted, None, lambda p: chunks.get(p, []))
+    notes: list[str] = []
+    out = replace_stale_checkpoints(entries, mounted, None, lambda p: chunks.get(p, []), notes)
+    assert notes == ["trace: reads of checkpoint /r#step 100 replayed as reads of /r#step 200, the newest coherent "
+                     "checkpoint of run /r (3 files; 1 without a counterpart there not replayed)"]
     assert out == [(b"/venv/x.py", 0), (b"/r/mp_rank_00_step200.pt", 0),  # a prefix, chunk by chunk ...
                    (b"/r/model_step200.pt", 0), (b"/r/model_step200.pt", 3 * MiB),
                    # ... and read to its end (9 MiB is in its last chunk): the newer file to its own end

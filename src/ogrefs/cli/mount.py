@@ -119,18 +119,23 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
         return manifest
 
     plan = do_mount(opts, open_repo=obj.open, resolve=resolve)
-    if as_json and not foreground:
+    if foreground:
+        return
+    info = plan.registration.read() or {}  # what the daemon and the keeper recorded of this mount
+    if as_json:
         emit_json({"snapshot": snap, "target": str(plan.target), "read_only": read_only,
-                   "state_dir": None if read_only else str(plan.state_dir)})
-    elif not foreground and not getattr(obj, "quiet", False):
+                   "state_dir": None if read_only else str(plan.state_dir), "trace_notes": info.get("trace_notes", [])})
+    elif not getattr(obj, "quiet", False):
         mode = "read-only" if read_only else f"writable, local state in {plan.state_dir}"
         click.echo(f"mounted {snap} at {plan.target} ({mode})")
         if not read_only:
             from ogrefs.mount.keeper import describe
 
-            kept = describe(plan.registration.read() or {})
+            kept = describe(info)
             if kept:
                 click.echo(kept)
+        for note in info.get("trace_notes") or []:
+            click.echo(note)
 
 
 @click.command()
@@ -207,6 +212,7 @@ def _report(st: dict, as_json: bool) -> None:
         f"  errors                {st['errors']} ({st['read_errors']} failed reads, {st['corrupt']} corrupt chunks,"
         f" {st['retries']} retried requests)",
     ]
+    lines.extend(f"  {note}" for note in st.get("trace_notes") or [])
     lines.extend(_prefetch_lines(st.get("materialize") or {}, sys.stdout.isatty()))
     click.echo("\n".join(lines))
 

@@ -139,7 +139,7 @@ def _swaps(paths: Iterable[bytes], mounted: Manifest, recorded_on: Manifest | No
         role = old.role(os.fsdecode(path))
         match = next((f for f in sorted(new.sizes) if new.role(f) == role), None)
         out[path] = _Swap(os.fsencode(match) if match else None, old.sizes[os.fsdecode(path)],
-                          (old.path, new.path, old.run))
+                          (old.id, new.id, old.run))
     return out
 
 
@@ -157,11 +157,14 @@ def _read_to_end(offsets: list[int], starts: list[int], size: int) -> bool:
 
 
 def replace_stale_checkpoints(entries: list[Entry], mounted: Manifest, recorded_on: Manifest | None,
-                              starts_of: Callable[[bytes], list[int]]) -> list[Entry]:
+                              starts_of: Callable[[bytes], list[int]], notes: list[str] | None = None) -> list[Entry]:
     """``entries`` with reads of stale checkpoints turned into reads of the newest coherent ones (module docstring).
 
     ``starts_of(path)``: the sorted chunk offsets of a file of the mounted
-    snapshot ([] when it has none there).
+    snapshot ([] when it has none there).  What was replaced is said in one
+    line per stale checkpoint: appended to ``notes`` when given (a mount runs
+    this in the calling process, which has no log handler: the mount reports
+    the notes, mount/plan.py), else logged.
     """
     swaps = _swaps(dict.fromkeys(p for p, _off in entries), mounted, recorded_on)
     if not swaps:
@@ -189,17 +192,24 @@ def replace_stale_checkpoints(entries: list[Entry], mounted: Manifest, recorded_
             out.append((swap.new, chunks[k]))
             k += 1
         emitted[swap.new] = k
-    _log_swaps(swaps)
+    lines = _describe_swaps(swaps)
+    if notes is not None:
+        notes.extend(lines)
+    else:
+        for line in lines:
+            log.info("%s", line)
     return out
 
 
-def _log_swaps(swaps: dict[bytes, _Swap]) -> None:
+def _describe_swaps(swaps: dict[bytes, _Swap]) -> list[str]:
     """One line per stale checkpoint: what replaces it, how many of its traced files have no counterpart."""
     by: dict[tuple[str, str, str], list[_Swap]] = {}
     for swap in swaps.values():
         by.setdefault(swap.what, []).append(swap)
+    lines = []
     for (old, new, run), group in by.items():
         lost = sum(1 for s in group if s.new is None)
-        log.info("trace: reads of checkpoint %s replayed as reads of %s, the newest coherent checkpoint of run %s "
-                 "(%d files%s)", old, new, run, len(group),
-                 f"; {lost} without a counterpart there not replayed" if lost else "")
+        lines.append(f"trace: reads of checkpoint {old} replayed as reads of {new}, the newest coherent checkpoint "
+                     f"of run {run} ({len(group)} files"
+                     + (f"; {lost} without a counterpart there not replayed)" if lost else ")"))
+    return lines

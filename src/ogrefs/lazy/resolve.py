@@ -33,18 +33,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def load_trace(repo: Repository, manifest: dict[str, Any], catalog: Catalog) -> list[Entry]:
+def load_trace(repo: Repository, manifest: dict[str, Any], catalog: Catalog,
+               notes: list[str] | None = None) -> list[Entry]:
     """The entries a mount of ``manifest`` (whose catalog is ``catalog``) replays ([] when there is none).  Blocking.
 
     The trace :func:`~ogrefs.repo.traces.find_trace` picks, with the reads of
     a training checkpoint older than the newest coherent one of its run in
     ``manifest`` turned into reads of that newest one: a run resumed from this
     snapshot loads the newest checkpoint, not the one the trace's run loaded.
+    ``notes`` receives one line per checkpoint so replaced (else they are logged).
     """
     found = find_trace(repo, manifest)
     if not found.entries:
         return []
-    return replace_stale_checkpoints(found.entries, manifest, found.recorded_on, lambda p: _chunk_starts(catalog, p))
+    return replace_stale_checkpoints(found.entries, manifest, found.recorded_on, lambda p: _chunk_starts(catalog, p),
+                                     notes)
 
 
 def _chunk_starts(catalog: Catalog, path: bytes) -> list[int]:

@@ -167,6 +167,8 @@ class Daemon:
         plan.registration.write(self.info)
         self.registered = True
         log.info("mounted snapshot %s of %s at %s", plan.snapshot_id[:12], plan.repo.store.url, plan.mountpoint)
+        for note in plan.trace_notes:  # resolved in the calling process, which logs nowhere
+            log.info("%s", note)
 
     def _registration_info(self) -> dict[str, Any]:
         plan, reg = self.plan, self.plan.registration
@@ -175,7 +177,7 @@ class Daemon:
                 "state_dir": str(plan.state_dir) if plan.state_dir else None,
                 "overlays": [o.target for o in (plan.writable.overlays if plan.writable else [])],
                 "repo": plan.repo.store.url, "status": str(reg.status), "log": str(reg.log), "started": time.time(),
-                "chunk_cache": str(self.chunk_dir)}
+                "chunk_cache": str(self.chunk_dir), "trace_notes": list(plan.trace_notes)}
 
     # -- serving ------------------------------------------------------------------------------------
     async def _announce(self) -> None:

@@ -68,6 +68,9 @@ class MountPlan:
     save_trace: bool
     prefetch: bool
     writable: WritableLayout | None = None
+    #: What the trace's resolution changed (a stale checkpoint replayed as the newest): this process has no log
+    #: handler, so the daemon records them in the registration and its log, and ``mount`` prints them.
+    trace_notes: tuple[str, ...] = ()
 
     @property
     def snapshot_id(self) -> str:
@@ -101,8 +104,9 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock, mountpoint: Pa
     cat_path = repo.catalog_path(manifest["id"])
     catalog = Catalog(cat_path)  # refuses an unreadable catalog here, with a one-line reason
     writable = None if opts.read_only else _writable_layout(opts, manifest, catalog, mountpoint)
+    trace_notes: list[str] = []
     try:
-        trace_entries = load_trace(repo, manifest, catalog) if opts.replay_trace else None
+        trace_entries = load_trace(repo, manifest, catalog, trace_notes) if opts.replay_trace else None
     except (OgrefsError, OSError) as exc:
         log.warning("no access trace replayed: %s", exc)
         trace_entries = None
@@ -113,7 +117,7 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock, mountpoint: Pa
         trace_entries=trace_entries,
         save_trace=opts.save_trace if opts.save_trace is not None else not opts.read_only,
         prefetch=opts.prefetch if opts.prefetch is not None else not opts.read_only,  # a browse mount: on read
-        writable=writable)
+        writable=writable, trace_notes=tuple(trace_notes))
 
 
 def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, target: Path) -> WritableLayout:
