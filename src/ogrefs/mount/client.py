@@ -191,9 +191,12 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
     lazy = lazy or bool(callers)  # only the caller's own shell holds them: it lets go after we return
     errors = overlay.unmount_all(load_overlays(state), lazy=lazy, keep=info.get("own_directories") or [])
     if errors:
-        busy = any("busy" in e.lower() for e in errors)
-        raise MountError(f"cannot unmount {'; '.join(errors)}: nothing was unmounted"
-                         + ("; close what uses it or use --lazy" if busy else ""))
+        save_overlays(overlay.still_mounted(load_overlays(state)), state)  # what is mounted now
+        hint = "; close what uses it or use --lazy" if "busy" in errors[0].lower() else ""
+        if len(errors) > 1:  # some could not be mounted again: say the box is mixed
+            raise MountError(f"cannot unmount {errors[0]}; and {'; '.join(errors[1:])}: those show this "
+                             f"box's own files now, the others the snapshot's{hint}")
+        raise MountError(f"cannot unmount {errors[0]}: nothing was unmounted{hint}")
     save_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
     topfiles.hide(state)
     hostpaths.unmount_layers(state)
@@ -261,9 +264,14 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
     if writers:
         raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
     callers = holders.callers_or_refuse(f"finalize {mp}", [o.target for o in old], info)
-    _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
-                                  if not p.endswith(" (merged)")])
-    new = overlay.swap_lowers(state, old, info.get("own_directories") or [])
+    moved = _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
+                                          if not p.endswith(" (merged)")])
+    try:
+        new = overlay.swap_lowers(state, old, info.get("own_directories") or [])
+    except MountError:
+        for src, dest in reversed(moved):  # the local copy as it was: a later finalize sets them aside again
+            os.replace(dest, src)
+        raise
     topfiles.rebind(state, state / "tree")
     info.update(finalized=True, pid=None, lower=None)
     reg.write(info)
@@ -286,17 +294,20 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
     return [o.target for o in new]
 
 
-def _set_aside_host_owned(state: Path, paths: list[str]) -> None:
+def _set_aside_host_owned(state: Path, paths: list[str]) -> list[tuple[Path, Path]]:
     """Move the host-owned paths out of the local copy before it becomes the lower layer.
 
     The FUSE view hid them so this box's own showed through; the local copy
     has the snapshot's, which would cover them after ``finalize``. They are
-    moved to ``state/host-owned/`` (kept, never deleted).
+    moved to ``state/host-owned/`` (kept, never deleted); returns (from, to) of each.
     """
     tree, aside = state / "tree", state / "host-owned"
+    moved = []
     for p in paths:
         src = tree / p.lstrip("/")
         if os.path.lexists(src):
             dest = aside / p.lstrip("/")
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.replace(src, dest)
+            moved.append((src, dest))
+    return moved

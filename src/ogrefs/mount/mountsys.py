@@ -105,6 +105,25 @@ def tune_readahead(mountpoint: "os.PathLike[str] | str", kb: int) -> None:
         log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
 
 
+def super_options(mountpoint: "os.PathLike[str] | str") -> list[str]:
+    """The super block options (mountinfo's last field) of what is mounted at ``mountpoint``; [] if nothing.
+
+    overlayfs mounts *read-only* when it cannot use its work directory (an
+    immutable or foreign ``work/work``) and says so only in the kernel log:
+    the caller asks here whether ``ro`` is among them.
+    """
+    target = os.path.abspath(mountpoint)
+    found: list[str] = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
+                parts = right.split()
+                found = parts[2].split(",") if len(parts) >= 3 else []
+    return found
+
+
 def mounted_fstype(mountpoint: Path) -> str | None:
     """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
     target = os.path.abspath(mountpoint)

@@ -121,21 +121,33 @@ def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, forc
     return overlays
 
 
-def mounts_below(target: str) -> list[str]:
-    """Mount points strictly below ``target`` in this namespace (from mountinfo), outermost first."""
+def mounts_below(target: str, source: str | None = None) -> list[str]:
+    """Mount points strictly below ``target`` in this namespace (from mountinfo), outermost first.
+
+    ``source``: only the mounts of that source name (e.g. ``ogrefs-local``: ours, not the box's).
+    """
     prefix = target.rstrip("/") + "/"
     found: list[str] = []
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
             for line in fh:
                 fields = line.split()
-                if len(fields) >= 5:
-                    point = unescape_mountinfo(fields[4])
-                    if point.startswith(prefix) and point not in found:
-                        found.append(point)
+                if len(fields) < 5 or (source is not None and _source(fields) != source):
+                    continue
+                point = unescape_mountinfo(fields[4])
+                if point.startswith(prefix) and point not in found:
+                    found.append(point)
     except OSError:
         pass
     return found
+
+
+def _source(fields: list[str]) -> str | None:
+    """A mountinfo line's mount source (the field after the file-system type)."""
+    try:
+        return unescape_mountinfo(fields[fields.index("-") + 2])
+    except (ValueError, IndexError):
+        return None
 
 
 def outermost(paths: list[str]) -> list[str]:
@@ -209,6 +221,10 @@ def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
         except OSError as exc:
             extra = " (with metacopy=on)" if uses_metacopy(o) else ""
             raise OverlayError(f"overlay at {o.target} failed{extra}: {exc.strerror}") from None
+        if "ro" in mountsys.super_options(o.target):  # the kernel could not use the work directory
+            mountsys.umount(o.target, lazy=True)
+            raise OverlayError(f"overlay at {o.target} came up read-only: the kernel cannot use its work "
+                               f"directory {o.work} (immutable, read-only or full? see dmesg)")
         if uses_metacopy(o):
             Path(_metacopy_marker(o)).touch()
         done: list[str] = []
@@ -241,6 +257,10 @@ def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None =
     return done
 
 
+#: The mount source of :func:`shim_local_copy`'s overlays (how :func:`unmount_shims` knows its own).
+SHIM_SOURCE = "ogrefs-local"
+
+
 def shim_local_copy(o: Overlay, state_dir: Path) -> None:
     """Before ``finalize`` mounts ``o`` over the local copy: give that lower layer a file system of its own.
 
@@ -261,14 +281,14 @@ def shim_local_copy(o: Overlay, state_dir: Path) -> None:
         mountsys.mount("ogrefs-shim", str(shim), "tmpfs", 0, "mode=0755,size=1m")
         os.makedirs(shim / "empty", exist_ok=True)
     try:
-        mountsys.mount("ogrefs-local", o.lower, "overlay", mountsys.MS_RDONLY, f"lowerdir={o.lower}:{shim}/empty")
+        mountsys.mount(SHIM_SOURCE, o.lower, "overlay", mountsys.MS_RDONLY, f"lowerdir={o.lower}:{shim}/empty")
     except OSError as exc:
         raise OverlayError(f"local copy for {o.target} failed: {exc.strerror}") from None
 
 
 def unmount_shims(state_dir: Path) -> None:
-    """Detach what :func:`shim_local_copy` mounted (after the overlays over them are down)."""
-    for p in reversed(mounts_below(str(state_dir / "tree"))):
+    """Detach what :func:`shim_local_copy` mounted (after the overlays over them are down), nothing else."""
+    for p in reversed(mounts_below(str(state_dir / "tree"), source=SHIM_SOURCE)):
         mountsys.umount(p, lazy=True)
     mountsys.umount(str(state_dir / "shim"), lazy=True)
 
@@ -293,11 +313,18 @@ def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
             for p in o.binds:  # put them back: the overlay is still up
                 with contextlib.suppress(OSError, KeyError):
                     mountsys.bind(f"/proc/self/fd/{fds[p]}", p, recursive=True)
-            return f"{o.target}: {err}"
+            inside = _mounted_inside(o)
+            return f"{o.target}: {err}" + (f" ({inside[0]} was mounted inside it later)" if inside else "")
         return None
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _mounted_inside(o: Overlay) -> list[str]:
+    """Mounts below ``o``'s target that are not its own binds (nor inside them): made after ``o`` went up."""
+    own = [b.rstrip("/") + "/" for b in o.binds]
+    return [m for m in mounts_below(o.target) if m not in o.binds and not m.startswith(tuple(own))]
 
 
 def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | None = None) -> list[str]:
@@ -305,18 +332,18 @@ def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | N
 
     When one overlay cannot go (busy), the ones already taken down are
     mounted again, so the box never shows half one snapshot and half its own
-    tree; the error says which overlay refused.
+    tree; the first error says which overlay refused, any further one which
+    could not be mounted again (then the box *is* mixed: the caller says so
+    and saves what is still up, :func:`still_mounted`).
     """
     down: list[Overlay] = []
     for o in reversed(overlays):
         err = unmount_one(o, lazy=lazy)
         if err:
+            errors = [err]
             for again in reversed(down):
-                try:
-                    mount_one(again, keep)
-                except OgrefsError as exc:
-                    return [err, f"and {again.target} could not be mounted again: {exc}"]
-            return [err]
+                errors += _mount_again(again, keep)
+            return errors
         down.append(o)
     return []
 
@@ -361,47 +388,101 @@ def _flags(fdinfo: str) -> int:
     return 0
 
 
+def still_mounted(overlays: list[Overlay]) -> list[Overlay]:
+    """Those of ``overlays`` that have an overlay mounted at their target now (for a truthful overlays.json)."""
+    return [o for o in overlays if mounted_fstype(Path(o.target)) == "overlay"]
+
+
+def _work_dir_problem(o: Overlay) -> str | None:
+    """Why the kernel could not use ``o``'s work directory for a new mount (it would mount read-only), or None."""
+    probe = os.path.join(o.work, ".ogrefs-probe")
+    try:
+        os.mkdir(probe, 0o700)
+        os.rmdir(probe)
+    except OSError as exc:
+        return f"{o.target}: its work directory {o.work} is not usable ({exc.strerror})"
+    return None
+
+
+def _finalize_problem(o_new: Overlay) -> str | None:
+    """What would make the swap of ``o_new`` fail, checked before anything is touched."""
+    if not os.path.isdir(o_new.lower):
+        return f"{o_new.target}: its local copy {o_new.lower} is not a directory"
+    return _work_dir_problem(o_new)
+
+
 def swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overlay]:
     """``finalize``: each overlay again over ``state/tree`` instead of ``state/lower``; all or nothing.
 
-    Same upper and work directories, so no write is lost. The old overlays
-    are detached (MNT_DETACH: what the caller's own shell still holds stays
-    served by the daemon), so no swap fails busy; if a new overlay cannot be
-    mounted, the ones already swapped go back to the FUSE lower and
-    ``overlays.json`` says the old ones. Afterwards the FUSE lower is
-    detached where it is bound back and where it was mounted first (below
-    the new overlay that covers the state directory). Saves what is mounted.
+    Same upper and work directories, so no write is lost. What can be checked
+    first is (each local copy a directory, each work directory usable: the
+    old overlay is mounted again from the same one if a later step fails).
+    The old overlays are detached (MNT_DETACH: what the caller's own shell
+    still holds stays served by the daemon), so no swap fails busy; if a new
+    overlay cannot be mounted, the ones already swapped go back to the FUSE
+    lower (:func:`_swap_back`) and ``overlays.json`` says what is mounted.
+    Afterwards the FUSE lower is detached where it is bound back and where it
+    was mounted first (below the new overlay that covers the state
+    directory). Saves what is mounted.
     """
-    from ogrefs.boxmounts import MountError, save_overlays
-    from ogrefs.mount.mountsys import mounted_fstype
+    from ogrefs.boxmounts import MountError
 
     lower_root, tree_root = str(state / "lower"), str(state / "tree")
+    news = [replace(o, lower=tree_root + o.lower[len(lower_root):], binds=()) for o in old]
+    problems = [p for o in news if (p := _finalize_problem(o))]
+    if problems:
+        raise MountError(f"cannot finalize: {problems[0]}; nothing was changed")
     swapped: list[Overlay] = []
     below: list[int] = []  # the state directory as it is below its overlay (where the FUSE lower was mounted)
-    for o_old in old:  # one by one: each target shows the same tree before and after its swap
-        o_new = replace(o_old, lower=tree_root + o_old.lower[len(lower_root):], binds=())
-        try:
-            errors = unmount_all([o_old], lazy=True)
-            if errors:
-                raise MountError(errors[0])
-            if str(state).startswith(o_old.target.rstrip("/") + "/"):
-                below.append(os.open(state, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            shim_local_copy(o_new, state)
-            swapped.append(mount_one(o_new, keep))
-        except (OgrefsError, OSError) as exc:
-            if mounted_fstype(Path(o_old.target)) != "overlay":
-                mount_one(o_old, keep)
-            for o_back, o_done in reversed(list(zip(old, swapped))):
-                unmount_one(o_done, lazy=True)
-                mount_one(o_back, keep)
-            unmount_shims(state)
-            save_overlays(old, state)
-            for fd in below:
-                os.close(fd)
-            raise MountError(f"cannot finalize: {exc}; nothing was changed") from None
-    save_overlays(swapped, state)
-    mountsys.umount(lower_root, lazy=True)
-    for fd in below:
-        mountsys.umount(f"/proc/self/fd/{fd}/lower", lazy=True)
-        os.close(fd)
+    try:
+        for o_old, o_new in zip(old, news):  # one by one: each target shows the same tree before and after
+            try:
+                errors = unmount_all([o_old], lazy=True)
+                if errors:
+                    raise OverlayError(errors[0])
+                if str(state).startswith(o_old.target.rstrip("/") + "/"):
+                    below.append(os.open(state, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+                shim_local_copy(o_new, state)
+                swapped.append(mount_one(o_new, keep))
+            except (OgrefsError, OSError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise MountError(f"cannot finalize: {why}; {_swap_back(state, old, swapped, keep)}") from None
+        save_overlays(swapped, state)
+        mountsys.umount(lower_root, lazy=True)
+        for fd in below:
+            mountsys.umount(f"/proc/self/fd/{fd}/lower", lazy=True)
+    finally:
+        for fd in below:
+            os.close(fd)
     return swapped
+
+
+def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: list[str]) -> str:
+    """Undo a finalize that failed at ``old[len(swapped)]``: every overlay over the FUSE lower again.
+
+    Returns the end of the one-line reason: "nothing was changed", or which
+    overlays could not be put back (they show this box's own files now).
+    Saves in ``overlays.json`` what is mounted afterwards, whatever happened.
+    """
+    lost: list[str] = []
+    failed = old[len(swapped)]
+    if mounted_fstype(Path(failed.target)) != "overlay":
+        lost += _mount_again(failed, keep)
+    for o_back, o_done in reversed(list(zip(old, swapped))):
+        unmount_one(o_done, lazy=True)
+        lost += _mount_again(o_back, keep)
+    unmount_shims(state)
+    save_overlays(still_mounted(old), state)
+    if not lost:
+        return "nothing was changed"
+    return (f"and {'; '.join(lost)}: those show this box's own files now, the others the snapshot's "
+            "as before; `ogrefs unmount` then mount again")
+
+
+def _mount_again(o: Overlay, keep: list[str]) -> list[str]:
+    """Mount ``o`` as it was; [] when done, else why not (one item)."""
+    try:
+        mount_one(o, keep)
+    except (OgrefsError, OSError) as exc:
+        return [f"{o.target} could not be mounted again ({exc})"]
+    return []
