@@ -23,7 +23,9 @@ import trio
 from ogrefs.repo.catalog import ROOT_INO
 from ogrefs.lazy.chunkcache import ChunkCache
 from ogrefs.lazy.fetcher import Fetcher, Priority
+from ogrefs.lazy.materialize.build import prepare
 from ogrefs.lazy.materialize.materializer import Materializer
+from ogrefs.lazy.materialize.writer import Disk, TreeWriter
 from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.vfs import SnapshotFS
 
@@ -251,35 +253,42 @@ def test_kill_9_then_restart_fetches_no_done_chunk_and_ends_exact(box, tmp_path)
     assert compare_trees(box.src, box.tree_of(state)) == []
 
 
-@pytest.mark.expect_log(r"stopped: writing the local tree failed", level=logging.ERROR)
-def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path, monkeypatch):
-    """The third batch is written torn (garbage) and the process "dies" at its fdatasync, before the commit."""
-    import ogrefs.lazy.materialize.writer as mz
+class TornDisk(Disk):
+    """Once ``torn``: every write puts garbage on disk and the flush fails (the process "dies" there)."""
 
-    crash: dict = {"on": False, "chunks": []}
-    real_pwrite, real_sync = mz.pwrite_all, os.fdatasync
+    torn = False
 
-    def torn_pwrite(fd, data, off):
-        real_pwrite(fd, b"\xaa" * len(data) if crash["on"] else data, off)
+    def pwrite(self, fd, data, offset):
+        super().pwrite(fd, b"\xaa" * len(data) if self.torn else data, offset)
 
-    def failing_sync(fd):
-        if crash["on"]:
+    def datasync(self, fd):
+        if self.torn:
             raise OSError(errno.EIO, "simulated crash after the write, before the commit")
-        real_sync(fd)
+        super().datasync(fd)
 
-    class Crash(Materializer):
-        def _write_batch(self, batch):
-            self.batches = getattr(self, "batches", 0) + 1
-            crash["on"] = self.batches == 3
-            if crash["on"]:
+    def syncfs(self, fd):
+        if self.torn:
+            raise OSError(errno.EIO, "simulated crash after the write, before the commit")
+        super().syncfs(fd)
+
+
+@pytest.mark.expect_log(r"stopped: writing the local tree failed", level=logging.ERROR)
+def test_chunks_written_but_not_recorded_are_fetched_again(box, tmp_path):
+    """The third batch is written torn (garbage) and the process "dies" at its flush, before the commit."""
+    disk = TornDisk()
+    crash: dict = {"batches": 0, "chunks": []}
+
+    class ThirdBatchTorn(TreeWriter):  # (the writers take turns: one batch at a time)
+        def write_batch(self, batch):
+            crash["batches"] += 1
+            disk.torn = crash["batches"] == 3
+            if disk.torn:
                 crash["chunks"] = [item.ref.chunk for item, _ in batch]
-            return super()._write_batch(batch)
+            return super().write_batch(batch)
 
-    monkeypatch.setattr(mz, "pwrite_all", torn_pwrite)
-    monkeypatch.setattr(os, "fdatasync", failing_sync)
     state = tmp_path / "state"
-    m, _ = materialize(box, state, cls=Crash, batch_bytes=512 * 1024, batch_chunks=2)
-    monkeypatch.undo()
+    m, _ = materialize(box, state, batch_bytes=512 * 1024, batch_chunks=2,
+                       make_writer=lambda catalog, tree, plan: ThirdBatchTorn(catalog, tree, plan, disk))
     assert m.state == "stopped" and "simulated crash" in m.reason
     crashed = set(crash["chunks"])
     assert crashed
@@ -428,7 +437,7 @@ def test_done_chunks_of_incomplete_files_are_read_from_the_tree_never_fetched_ag
 
 # -- disk space -----------------------------------------------------------------------------------------
 @pytest.mark.expect_log(r"not materializing: needs")
-def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path, monkeypatch):
+def test_not_enough_space_means_no_materialization_and_a_working_lazy_mount(box, tmp_path):
     state = tmp_path / "state"
     fetcher = Fetcher(box.repo.read_pack_range)
     m = Materializer(box.catalog, fetcher, state, free_bytes=lambda path: (5 * MiB, 100 * GiB))
@@ -593,7 +602,6 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     log = CallLog(box.repo.read_pack_range)
     fetcher = Fetcher(log, cache, memory_bytes=1)  # an LRU that keeps nothing: the replay is held apart from it
-    m = Materializer(box.catalog, fetcher, tmp_path / "state")
     if with_trace:
         trace = [(box.path("data/shard2.bin"), 0), (box.path("data/shard0.bin"), 0)]
         streamed = box.refs_of("data/shard2.bin")[:1] + box.refs_of("data/shard0.bin")[:1]
@@ -605,13 +613,12 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
     assert rest == sorted(rest, key=lambda r: (r.pack, r.offset))
     streamed = streamed + rest
     calls_before_prepare: list[int] = []
-    prepare = Materializer._prepare
 
-    def spy(self, entries):
+    def spy(*args):
         calls_before_prepare.append(len(log.calls))
-        return prepare(self, entries)
+        return prepare(*args)
 
-    monkeypatch.setattr(Materializer, "_prepare", spy)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", preparer=spy)
 
     def idle_for() -> float:  # an application busy until the replay and the rest have streamed
         r = pf._replays.get("background")
@@ -641,14 +648,19 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
         assert st["classes"]["trace"]["bytes_done"] == st["classes"]["trace"]["bytes_total"] > 0
 
 
+def timed(stage, started: list[float]):
+    """``stage`` (the preparation), noting the time each call begins in ``started``."""
+    def call(*args):
+        started.append(time.monotonic())
+        return stage(*args)
+    return call
+
+
 @pytest.mark.parametrize("app_stops", [True, False], ids=["app-goes-quiet", "app-keeps-busy"])
-def test_materialization_waits_for_the_application_to_settle(box, tmp_path, monkeypatch, app_stops):
+def test_materialization_waits_for_the_application_to_settle(box, tmp_path, app_stops):
     fetcher = Fetcher(box.repo.read_pack_range)
-    m = Materializer(box.catalog, fetcher, tmp_path / "state")
     started: list[float] = []
-    prepare = Materializer._prepare
-    monkeypatch.setattr(Materializer, "_prepare", lambda self, e: (started.append(time.monotonic()),
-                                                                   prepare(self, e))[1])
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", preparer=timed(prepare, started))
     busy_until = time.monotonic() + 0.6 if app_stops else math.inf
     idle = lambda: 0.0 if time.monotonic() < busy_until else time.monotonic() - busy_until  # noqa: E731
     pf = Prefetch(box.catalog, fetcher, materializer=m, idle_for=idle, settle_quiet=0.2,
@@ -682,11 +694,8 @@ def test_an_application_reading_past_its_trace_starts_the_materializer(box, tmp_
 
     monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 0)
     fetcher = Fetcher(box.repo.read_pack_range)
-    m = Materializer(box.catalog, fetcher, tmp_path / "state")
     started: list[float] = []
-    prepare = Materializer._prepare
-    monkeypatch.setattr(Materializer, "_prepare", lambda self, e: (started.append(time.monotonic()),
-                                                                   prepare(self, e))[1])
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", preparer=timed(prepare, started))
     traced = box.refs_of("data/shard0.bin")[:1]  # (the trace entry's chunk)
     untraced = box.refs_of("data/shard2.bin")
     monkeypatch.setattr(prefetch, "SETTLE_PAST_TRACE_BYTES", sum(r.raw_len for r in untraced))
@@ -743,7 +752,7 @@ def test_the_traces_chunks_stay_in_the_page_cache(box, tmp_path):
     assert resident(big, big.stat().st_size) < big.stat().st_size // 8
 
 
-def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path, monkeypatch):
+def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path):
     """Chunks streamed into memory before the tree existed are written while the link fetches what follows."""
     from ogrefs.lazy.fetcher import Keep
     from ogrefs.lazy.prefetch import hint_refs
@@ -756,19 +765,18 @@ def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path, monkey
     left = [sum(in_memory.values())]
     assert left[0] > 4 * window
     seen: list[tuple[int, int]] = []  # (backlog bytes not yet written, store calls so far) at each backlog batch
-    real_write = Materializer._write_batch
 
-    def slow_write(self, batch):
-        mine = sum(in_memory.get(item.ref.chunk, 0) for item, _ in batch)
-        if mine:
-            seen.append((left[0], len(log.calls)))
-            left[0] -= mine
-            time.sleep(0.05)  # a writer busy with thousands of small files
-        return real_write(self, batch)
+    class SlowWriter(TreeWriter):  # (the writers take turns: one batch at a time)
+        def write_batch(self, batch):
+            mine = sum(in_memory.get(item.ref.chunk, 0) for item, _ in batch)
+            if mine:
+                seen.append((left[0], len(log.calls)))
+                left[0] -= mine
+                time.sleep(0.05)  # a writer busy with thousands of small files
+            return super().write_batch(batch)
 
-    monkeypatch.setattr(Materializer, "_write_batch", slow_write)
     m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=window, group_bytes=window // 4,
-                     batch_bytes=256 * 1024, batch_chunks=8)
+                     batch_bytes=256 * 1024, batch_chunks=8, make_writer=SlowWriter)
 
     async def body():
         for t in fetcher.request(hints, Priority.HINT, keep=Keep.MEMORY):
@@ -842,19 +850,17 @@ def test_a_chunk_the_materializer_asked_for_that_a_reader_also_reads_skips_the_c
     assert not cache.contains(ref.chunk)
 
 
-def test_a_chunk_fetched_for_the_tree_but_not_yet_written_is_read_from_hand_not_fetched_again(box, tmp_path,
-                                                                                                 monkeypatch):
+def test_a_chunk_fetched_for_the_tree_but_not_yet_written_is_read_from_hand_not_fetched_again(box, tmp_path):
     log = CallLog(box.repo.read_pack_range)
     fetcher = Fetcher(log)
-    m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=64 * MiB)
     gate = threading.Event()
-    real_write = Materializer._write_batch
 
-    def held_write(self, batch):
-        gate.wait(20)  # the writer is slow: fetched chunks wait in hand
-        return real_write(self, batch)
+    class HeldWriter(TreeWriter):
+        def write_batch(self, batch):
+            gate.wait(20)  # the writer is slow: fetched chunks wait in hand
+            return super().write_batch(batch)
 
-    monkeypatch.setattr(Materializer, "_write_batch", held_write)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=64 * MiB, make_writer=HeldWriter)
     fs = SnapshotFS(box.catalog, fetcher, local=m)
     path = box.path("data/shard1.bin")
     node = box.catalog.resolve(path)

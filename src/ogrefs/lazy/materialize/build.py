@@ -10,6 +10,10 @@ Who owns what: :func:`prepare` runs in one worker thread before any writer
 starts.  It gets immutable inputs and returns a new, frozen :class:`Prepared`
 (or the reason it refused); the loop assigns what it needs from that.  It
 never touches the loop's state.
+
+The materializer calls the preparation as a :data:`Preparer`: :func:`prepare`
+unless it is given another (a test wraps :func:`prepare` to see when the tree
+is built).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Callable, Iterable
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.lazy.materialize import space
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, Plan
-from ogrefs.lazy.materialize.writer import TreeWriter, syncfs
+from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory, syncfs
 from ogrefs.lazy.resolve import EntryResolver
 from ogrefs.repo.traces import Entry
 from ogrefs.localtree import LocalTree
@@ -51,14 +55,15 @@ class Prepared:
 
 
 def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
-            refusal: Callable[[int], str | None]) -> Prepared | str:
+            refusal: Callable[[int], str | None], make_writer: WriterFactory = TreeWriter) -> Prepared | str:
     """Worker thread: the tree and the plan ready for passes, or why materialization is refused.
 
     ``refusal(needed bytes)``: the disk-space policy (:func:`space.refusal`).
+    ``make_writer``: makes the tree's writer (the one :attr:`Prepared.writer` hands the passes).
     Raises :class:`space.Stop` when the disk or the plan fails meanwhile.
     """
     try:
-        return _prepare(plan, catalog, tree_root, trace, refusal)
+        return _prepare(plan, catalog, tree_root, trace, refusal, make_writer)
     except (OSError, sqlite3.Error, OgrefsError) as exc:
         plan.rollback()
         raise space.Stop(exc, "preparing the local tree") from None
@@ -68,12 +73,12 @@ def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
 
 
 def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
-             refusal: Callable[[int], str | None]) -> Prepared | str:
+             refusal: Callable[[int], str | None], make_writer: WriterFactory) -> Prepared | str:
     fresh = plan.meta("built") != "1"
     reason = refusal(catalog.file_data_total() if fresh else plan.bytes_needed())
     if reason is not None:
         return reason
-    writer = TreeWriter(catalog, LocalTree(tree_root, create=fresh), plan)
+    writer = make_writer(catalog, LocalTree(tree_root, create=fresh), plan)
     if fresh:
         build(writer, tree_root)
     _classify_trace(plan, catalog, trace)
@@ -83,6 +88,11 @@ def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
         total[cls], done[cls] = t, d
     return Prepared(writer, fresh, (total[0], total[1], total[2]), (done[0], done[1], done[2]),
                     plan.count_files(), plan.complete_inos(), plan.done_chunks())
+
+
+#: The preparation as the materializer calls it, in a worker thread: ``(plan, catalog, tree_root, trace,
+#: refusal, make_writer) -> Prepared | refusal reason``; :func:`prepare` unless the Materializer is given another.
+Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory], Prepared | str]
 
 
 def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> bool:

@@ -16,6 +16,14 @@ an attribute of a Materializer.  Where each chunk is (memory, in hand, in
 the tree) is the :class:`~ogrefs.lazy.residency.Residency`'s, also the
 loop's.  :meth:`Materializer.local_paths` is the one method meant for other
 threads (the vfs's page-cache push): it reads recorded state only.
+
+Seams: the two worker-thread stages are passed in, with the real ones as
+defaults: ``preparer`` (:func:`~.build.prepare`) and ``make_writer``
+(:class:`~.writer.TreeWriter`, whose :class:`~.writer.Disk` does the durable
+I/O).  Tests wrap them (to see when the tree is built, to hold a batch back,
+to tear a write) instead of patching the materializer's methods; like every
+worker-thread callable they get immutable inputs and assign nothing of the
+loop's.
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ import trio
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize import space
-from ogrefs.lazy.materialize.build import Prepared, prepare
+from ogrefs.lazy.materialize.build import Prepared, Preparer, prepare
 from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
 from ogrefs.lazy.materialize.plan import CLASSES, Plan
-from ogrefs.lazy.materialize.writer import TreeWriter
+from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory
 from ogrefs.lazy.residency import Residency
 from ogrefs.repo.traces import Entry
 from ogrefs.repo.catalog import Catalog
@@ -59,7 +67,8 @@ class Materializer:
                  group_bytes: int = 16 * MiB, batch_bytes: int = 16 * MiB, batch_chunks: int = 1024,
                  reserve_bytes: int | None = None, flush_after: float = 0.2, retry_delay: float = 10.0,
                  adopt_bytes: int = 64 * MiB, residency: Residency | None = None,
-                 free_bytes: space.FreeBytes = space.free_bytes) -> None:
+                 free_bytes: space.FreeBytes = space.free_bytes, preparer: Preparer = prepare,
+                 make_writer: WriterFactory = TreeWriter) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         # where each chunk is: the fetcher's residency (so what readers fetch is adopted into the tree)
@@ -69,6 +78,8 @@ class Materializer:
         self.reserve_bytes = reserve_bytes
         self.retry_delay = retry_delay
         self._free_bytes = free_bytes
+        self._preparer = preparer  # (worker-thread stages: see the module docstring's seams)
+        self._make_writer = make_writer
         self._settings = dict(window_bytes=window_bytes, group_bytes=group_bytes, batch_bytes=batch_bytes,
                               batch_chunks=batch_chunks, flush_after=flush_after, adopt_bytes=adopt_bytes)
         self.adopted_chunks = 0
@@ -204,7 +215,7 @@ class Materializer:
         """Worker thread: the tree and the plan (:func:`~.build.prepare`); assigns nothing."""
         refusal = lambda needed: space.refusal(needed, self.state_dir, self.reserve_bytes,  # noqa: E731
                                                self._free_bytes)
-        return prepare(self._plan, self.catalog, self._tree_b, trace, refusal)
+        return self._preparer(self._plan, self.catalog, self._tree_b, trace, refusal, self._make_writer)
 
     def _adopt_prepared(self, p: Prepared) -> None:
         """On the loop: take over what the preparation found."""
@@ -226,10 +237,10 @@ class Materializer:
         and passes again over what is not done.
         """
         delay = self.retry_delay
+        assert self._writer is not None
         while True:
             one = Pass(self._plan, self.fetcher, self.residency, PassSettings(bridge=self._fresh, **self._settings),
-                       write_batch=lambda batch: self._write_batch(batch), on_written=self._written,
-                       failed=self._failed)
+                       write_batch=self._writer.write_batch, on_written=self._written, failed=self._failed)
             try:
                 await one.run()
             finally:
@@ -245,11 +256,6 @@ class Materializer:
             await trio.sleep(delay)
             delay = min(delay * 2, 300.0)
             self.state, self.reason = "running", None
-
-    def _write_batch(self, batch: Batch) -> list[int]:
-        """Worker thread: one durable batch write (:meth:`TreeWriter.write_batch`)."""
-        assert self._writer is not None
-        return self._writer.write_batch(batch)
 
     def _written(self, batch: Batch, newly: list[int]) -> None:
         """On the loop, after a batch is recorded: progress."""

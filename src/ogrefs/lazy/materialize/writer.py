@@ -8,9 +8,16 @@ between) is fetched and written again.  Files whose data is then all done get
 their owner, mode, xattrs and times and are recorded complete.
 
 Who owns what: a :class:`TreeWriter` is immutable (a catalog, the tree's root
-fd, the plan) and only ever called in worker threads, one at a time (the
-pipeline's writers take turns under a lock); it gets immutable batches and
-returns new lists.  It never touches the loop's state.
+fd, the plan, its :class:`Disk`) and only ever called in worker threads, one
+at a time (the pipeline's writers take turns under a lock); it gets immutable
+batches and returns new lists.  It never touches the loop's state.
+
+Seams: the materializer makes its writer with a :data:`WriterFactory`
+(:class:`TreeWriter` itself unless a caller passes another, e.g. a test's
+writer that holds a batch back), and a writer does its durable I/O through a
+:class:`Disk` (the real system calls unless one is passed that tears a write
+or fails a flush, as :class:`~ogrefs.store.faults.FaultyStore` does for the
+store).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+
+from typing import Callable
 
 from ogrefs.lazy.materialize.plan import TRACE, Item, Plan
 from ogrefs.localtree import LocalTree, pwrite_all
@@ -58,13 +67,27 @@ def syncfs(path: bytes) -> None:
         os.close(fd)
 
 
+class Disk:
+    """The system calls a batch write makes durable with; stateless.  A seam: pass a subclass to fail them."""
+
+    def pwrite(self, fd: int, data: bytes, offset: int) -> None:
+        pwrite_all(fd, data, offset)
+
+    def datasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def syncfs(self, fd: int) -> None:
+        syncfs_fd(fd)
+
+
 class TreeWriter:
     """Writes chunks and metadata into one local tree and records them in its plan; see the module docstring."""
 
-    def __init__(self, catalog: Catalog, tree: LocalTree, plan: Plan) -> None:
+    def __init__(self, catalog: Catalog, tree: LocalTree, plan: Plan, disk: Disk = Disk()) -> None:
         self.catalog = catalog
         self.tree = tree
         self.plan = plan
+        self.disk = disk
         self._as_root = os.geteuid() == 0
 
     def apply_metadata(self, path: bytes, node) -> None:
@@ -96,14 +119,14 @@ class TreeWriter:
                     fd = fds.get(ino)
                     if fd is None:
                         fd = fds[ino] = self.tree.open(path, os.O_WRONLY)
-                    pwrite_all(fd, data, off)
+                    self.disk.pwrite(fd, data, off)
                     if item.cls != TRACE:
                         written.append((fd, off, len(data)))
             if len(fds) > _SYNCFS_ABOVE:
-                syncfs_fd(next(iter(fds.values())))  # many small files: one flush of the file system is cheaper
+                self.disk.syncfs(next(iter(fds.values())))  # many small files: one flush of the file system is cheaper
             else:
                 for fd in fds.values():
-                    os.fdatasync(fd)
+                    self.disk.datasync(fd)
             # Durable now: the written pages leave the page cache.  The application that reads them
             # has them in the mount's own page cache already (adopted chunks) or reads them from disk
             # later, as after a reboot; a copy of the whole snapshot in the page cache would only
@@ -128,3 +151,8 @@ class TreeWriter:
                 self.apply_metadata(path, node)
         syncfs(tree_root)
         self.plan.mark_finished()
+
+
+#: How the materializer's preparation makes the writer of a tree: (catalog, tree, plan) -> a TreeWriter.
+#: :class:`TreeWriter` unless the Materializer is given another (a subclass that wraps :meth:`TreeWriter.write_batch`).
+WriterFactory = Callable[[Catalog, LocalTree, Plan], TreeWriter]
