@@ -245,8 +245,6 @@ def test_triggers_during_a_snapshot_wait_and_become_one_more_snapshot(tmp_path):
     from ogrefs.agent.watch import Checkpoint
 
     events: list[dict] = []
-    agent = Agent(None, AgentOptions(paths=[b"/x"], status_path=tmp_path / "agent.json"), events.append)
-    agent.status["box"] = "b"
     running, release, taken = threading.Event(), threading.Event(), []
 
     def take(ck):
@@ -256,7 +254,8 @@ def test_triggers_during_a_snapshot_wait_and_become_one_more_snapshot(tmp_path):
             assert release.wait(30)
         return {"id": f"{len(taken):064x}", "tags": [], "totals": {"files": 1, "new_stored_bytes": 0, "read_bytes": 0}}
 
-    agent._take = take
+    agent = Agent(None, AgentOptions(paths=[b"/x"], status_path=tmp_path / "agent.json"), events.append, take=take)
+    agent.status["box"] = "b"
     agent._queue.put(Trigger("start"))
     first = threading.Thread(target=lambda: agent._snapshot_for(agent._fold(agent._queue.get(timeout=10))))
     first.start()

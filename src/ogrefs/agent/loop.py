@@ -73,10 +73,15 @@ def status_path() -> Path:
 
 
 class Agent:
-    def __init__(self, repo, opts: AgentOptions, emit: Callable[[dict], None]) -> None:
+    """``take``: how one snapshot is taken (main thread; the checkpoint it is for -> its manifest):
+    :meth:`take_snapshot` of the repository unless a caller stands another in (a test's stand-in snapshot)."""
+
+    def __init__(self, repo, opts: AgentOptions, emit: Callable[[dict], None], *,
+                 take: Callable[[Checkpoint | None], dict] | None = None) -> None:
         self.repo = repo
         self.opts = opts
         self.emit = emit
+        self._take = take if take is not None else self.take_snapshot
         self._queue: queue.Queue[Trigger] = queue.Queue()
         self._stop = threading.Event()
         #: (run directories, checkpoint held) of each snapshot taken, for the watch thread
@@ -228,7 +233,8 @@ class Agent:
         self.emit(event)
         self._write_status()
 
-    def _take(self, ck: Checkpoint | None) -> dict:
+    def take_snapshot(self, ck: Checkpoint | None) -> dict:
+        """One snapshot of the box, tagged ``agent`` (and the checkpoint it holds); its manifest."""
         from ogrefs.snapshot.pipeline import take_snapshot
         from ogrefs.snapshot.setup import snapshot_options
 
