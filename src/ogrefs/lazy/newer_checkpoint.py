@@ -210,6 +210,6 @@ def _describe_swaps(swaps: dict[bytes, _Swap]) -> list[str]:
     for (old, new, run), group in by.items():
         lost = sum(1 for s in group if s.new is None)
         lines.append(f"trace: reads of checkpoint {old} replayed as reads of {new}, the newest coherent checkpoint "
-                     f"of run {run} ({len(group)} files"
+                     f"of run {run} ({len(group)} file{'s' if len(group) != 1 else ''}"
                      + (f"; {lost} without a counterpart there not replayed)" if lost else ")"))
     return lines
