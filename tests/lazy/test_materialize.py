@@ -591,14 +591,13 @@ def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
 
 @pytest.mark.parametrize("with_trace", [True, False], ids=["trace", "hints-without-trace"])
 def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_are_fetched_once(
-        box, tmp_path, monkeypatch, with_trace):
+        box, tmp_path, with_trace):
     """Materializing mounts stream the trace at once (the tree takes seconds to build) and write it from memory;
     without a trace the hints (python, checkpoint) stream the same way."""
     from ogrefs.lazy.prefetch import hint_refs
 
     from ogrefs.lazy import prefetch
 
-    monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 2 * MiB)
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     log = CallLog(box.repo.read_pack_range)
     fetcher = Fetcher(log, cache, memory_bytes=1)  # an LRU that keeps nothing: the replay is held apart from it
@@ -630,6 +629,7 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
     # (with the box's real idle CPU as the pace, a loaded test machine held the rest back until the
     # 20 s settle deadline, and the tree was built before it had streamed)
     pf = Prefetch(box.catalog, fetcher, trace_entries=trace, materializer=m, idle_for=idle_for, settle_quiet=0.3,
+                  rest_hold_bytes=2 * MiB,
                   spare_cpu=lambda: at_once)
     run_trio(fetcher, pf.run)
     assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
@@ -686,21 +686,17 @@ def test_materialization_waits_for_the_application_to_settle(box, tmp_path, app_
 
 
 @pytest.mark.parametrize("reads_past_trace", [True, False], ids=["reads-past-its-trace", "reads-its-trace"])
-def test_an_application_reading_past_its_trace_starts_the_materializer(box, tmp_path, monkeypatch,
-                                                                       reads_past_trace):
+def test_an_application_reading_past_its_trace_starts_the_materializer(box, tmp_path, reads_past_trace):
     """A busy application that has left its traced start-up (reads what the trace did not hold) is not waited for:
     the tree is built at once, so what it reads next is adopted."""
-    from ogrefs.lazy import prefetch
-
-    monkeypatch.setattr(prefetch, "REST_HOLD_BYTES", 0)
     fetcher = Fetcher(box.repo.read_pack_range)
     started: list[float] = []
     m = Materializer(box.catalog, fetcher, tmp_path / "state", preparer=timed(prepare, started))
     traced = box.refs_of("data/shard0.bin")[:1]  # (the trace entry's chunk)
     untraced = box.refs_of("data/shard2.bin")
-    monkeypatch.setattr(prefetch, "SETTLE_PAST_TRACE_BYTES", sum(r.raw_len for r in untraced))
     pf = Prefetch(box.catalog, fetcher, trace_entries=[(box.path("data/shard0.bin"), 0)], materializer=m,
-                  idle_for=lambda: 0.0, settle_quiet=0.2, settle_max=3.0)  # never quiet
+                  idle_for=lambda: 0.0, settle_quiet=0.2, settle_max=3.0,  # never quiet
+                  rest_hold_bytes=0, settle_past_trace_bytes=sum(r.raw_len for r in untraced))
     t0 = time.monotonic()
 
     async def body():

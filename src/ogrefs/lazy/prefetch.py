@@ -15,7 +15,7 @@ are fetched, into the bounded chunk cache, at most half of the cache's bound
 the fetcher keeps request slots for them.
 
 Before the materializer's tree exists, the trace (or the hints) and then up
-to ``REST_HOLD_BYTES`` of the rest stream into memory, held by the fetcher
+to ``REST_HOLD_BYTES`` (``rest_hold_bytes``) of the rest stream into memory, held by the fetcher
 for the materializer (:meth:`Prefetch._stream_first`); the materializer
 starts once the application settles or reads past its trace
 (:meth:`Prefetch._settle`).
@@ -186,6 +186,7 @@ class Prefetch:
                  materializer: Materializer | None = None, cache_budget: int | None = None,
                  window_bytes: int = 64 * MiB, idle_for: Callable[[], float] | None = None,
                  settle_quiet: float = SETTLE_QUIET_S, settle_max: float = SETTLE_MAX_S,
+                 settle_past_trace_bytes: int = SETTLE_PAST_TRACE_BYTES, rest_hold_bytes: int = REST_HOLD_BYTES,
                  spare_cpu: Callable[[], Callable[[], Awaitable[None]]] | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
@@ -199,6 +200,8 @@ class Prefetch:
         self.idle_for = idle_for  # seconds since the application's last request to the mount
         self.settle_quiet = settle_quiet
         self.settle_max = settle_max
+        self.settle_past_trace_bytes = settle_past_trace_bytes
+        self.rest_hold_bytes = rest_hold_bytes
         #: makes the pace of the streamed rest: by default the box's idle CPU (SpareCpu), which
         #: depends on everything else running; a test of what streams, not of pacing, passes its own
         self.spare_cpu = spare_cpu or (lambda: SpareCpu().wait)
@@ -248,7 +251,7 @@ class Prefetch:
         trace is still streaming.
 
         A trace says where the start-up ends: once the trace is replayed and
-        the application has read ``SETTLE_PAST_TRACE_BYTES`` that were not in
+        the application has read ``settle_past_trace_bytes`` that were not in
         memory (the trace did not hold them), it is past the start-up the
         trace recorded (a training loop reading its data, a crawl), and the
         materializer starts at once: what the application reads from then on
@@ -268,7 +271,7 @@ class Prefetch:
                     return
                 past_trace = self._missed_at_trace_end
                 if (past_trace is not None
-                        and self.fetcher.stats.read_missed_bytes - past_trace >= SETTLE_PAST_TRACE_BYTES):
+                        and self.fetcher.stats.read_missed_bytes - past_trace >= self.settle_past_trace_bytes):
                     log.info("materialization starts: the application reads past its trace")
                     return
                 await trio.sleep(min(self.settle_quiet - idle, deadline - now, poll))
@@ -298,7 +301,7 @@ class Prefetch:
         :func:`_memory_for_trace` allows.
 
         Then the rest of the snapshot, in the materializer's background order
-        (pack order), at ``Priority.BACKGROUND``, up to ``REST_HOLD_BYTES``:
+        (pack order), at ``Priority.BACKGROUND``, up to ``rest_hold_bytes``:
         an application whose start-up is replayed spends the next seconds
         computing (a training step), and without this the link would idle
         until the materializer's tree exists; a training run that goes on to
@@ -313,7 +316,7 @@ class Prefetch:
                 await self._replay_trace_in_memory(Keep.MEMORY)
             else:
                 await self._replay_hints_in_memory(room)
-            room = min(self.fetcher.residency.hold_bytes - self.fetcher.residency.held_size, REST_HOLD_BYTES)
+            room = min(self.fetcher.residency.hold_bytes - self.fetcher.residency.held_size, self.rest_hold_bytes)
             if room > 0:
                 refs = await trio.to_thread.run_sync(rest_refs, self.catalog, self.fetcher.residency.held_chunks(), room)
                 rest = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.BACKGROUND,
