@@ -79,4 +79,6 @@ def test_a_writable_mount_says_it_too_and_json_carries_it(tmp_path, spot_loop, m
     assert printed[0].startswith(f"mounted {m_b['id']} at {target} (writable") and _expected(src) in printed
     st = json.loads((tmp_path / "out.status.json").read_text())
     assert st["trace_notes"] == [_expected(src)]
+    log = open(st["log"]).read()  # the keeper's daemon logs it too (the log outlives the mount)
+    assert "mounted snapshot" in log and _expected(src) in log
     assert json.loads((tmp_path / "out.json").read_text())["trace_notes"] == [_expected(src)]
