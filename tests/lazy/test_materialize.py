@@ -620,8 +620,7 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
     m = Materializer(box.catalog, fetcher, tmp_path / "state", preparer=spy)
 
     def idle_for() -> float:  # an application busy until the replay and the rest have streamed
-        r = pf._replays.get("background")
-        return 1e9 if r is not None and r.stats.finished else 0.0
+        return 1e9 if pf.replay_finished("background") else 0.0
 
     async def at_once() -> None:  # the rest streams whatever else the machine runs (pacing is test_trace's)
         pass
@@ -703,7 +702,7 @@ def test_an_application_reading_past_its_trace_starts_the_materializer(box, tmp_
         async with trio.open_nursery() as n:
             n.start_soon(pf.run)
             with trio.fail_after(10):
-                while not (pf._replays.get("trace") and pf._replays["trace"].stats.finished):
+                while not pf.replay_finished("trace"):
                     await trio.sleep(0.01)
             for ref in traced[:1] + (untraced if reads_past_trace else traced[:1] * 3):
                 await fetcher.get(ref, Priority.READ)

@@ -373,6 +373,11 @@ class Prefetch:
             await hints.run()
         log.info("prefetch into the chunk cache done: %s", {k: r.stats.bytes_done for k, r in self._replays.items()})
 
+    def replay_finished(self, name: str) -> bool:
+        """On the loop: whether the replay of class ``name`` (trace, hint, background) has run to its end."""
+        r = self._replays.get(name)
+        return r is not None and r.stats.finished
+
     def stats(self) -> dict[str, Any]:
         """For the status file: mode, state, reason, per class bytes done/total, rate, ETA."""
         if self.mode == "materialize" and self.materializer is not None:
