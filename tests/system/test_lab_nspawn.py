@@ -91,3 +91,26 @@ def test_booted_b_stops_and_restarts_the_unit(lab, tmp_path):
         assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
         assert f"Driver Version: {B.driver}" in box.out("nvidia-smi")
         box.poweroff()
+
+
+def test_restart_while_a_service_started_on_the_old_tree_runs_is_refused_naming_it(lab, tmp_path):
+    """A service started after the mount runs the snapshot's /usr: after `systemctl stop` it keeps the old
+    (lazily detached) tree and its daemon alive, so `systemctl start` must fail promptly and cleanly with one
+    line naming it (no second writer of the same state); once it is stopped, start mounts again."""
+    with boot_b(lab, tmp_path) as (box, snap):
+        box.sh("systemd-run --unit=old-tree-user --property=WorkingDirectory=/opt/project sleep 600", timeout=60)
+        holder = box.out("systemctl show -p MainPID --value old-tree-user.service").strip()
+        stop = box.sh("systemctl stop ogrefs-resume.service", timeout=120, check=False)
+        assert stop.returncode == 0, f"{stop.returncode}: {stop.stderr}"
+        start = box.sh("systemctl start ogrefs-resume.service", timeout=200, check=False)
+        assert start.returncode != 0
+        assert box.out("systemctl is-active ogrefs-resume.service", check=False).strip() == "failed"
+        said = [ln for ln in box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat").splitlines()
+                if ln.startswith("ogrefs: ")]
+        assert said and "unmounted lazily" in said[-1] and f"{holder} sleep" in said[-1], said
+        assert "Traceback" not in box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat")
+        assert box.out("test -e /opt/project || echo gone").strip() == "gone"  # nothing mounted by the refusal
+        box.sh("systemctl stop old-tree-user.service", timeout=60)
+        box.sh("systemctl reset-failed ogrefs-resume.service && systemctl start ogrefs-resume.service", timeout=200)
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        box.poweroff()

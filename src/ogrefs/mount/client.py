@@ -189,6 +189,9 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
     targets = [o.target for o in load_overlays(state)]
     callers = [] if lazy else holders.callers_or_refuse(f"unmount {mp}", targets, info)
     lazy = lazy or bool(callers)  # only the caller's own shell holds them: it lets go after we return
+    # their ids stay theirs once detached: a later mount names who still holds the old tree by them
+    tree_ids = {str(i): t for t in targets for i in holders.mount_ids([t])}
+    tree_ids.update({str(i): str(state / "lower") for i in holders.mount_ids([str(state / "lower")], "fuse.ogrefs")})
     errors = overlay.unmount_all(load_overlays(state), lazy=lazy, keep=info.get("own_directories") or [])
     if errors:
         save_overlays(overlay.still_mounted(load_overlays(state)), state)  # what is mounted now
@@ -220,7 +223,7 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
         _wait_exit(pid, min(timeout, LAZY_EXIT_WAIT_S), mp)
         return None
     except MountError:
-        reg.write({**(reg.read() or info), "detached": True})
+        reg.write({**(reg.read() or info), "detached": True, "detached_mounts": tree_ids})
         who = f" ({', '.join(str(h) for h in callers[:3])})" if callers else ""
         return (f"{mp} is detached; its daemon (pid {pid}) goes on serving the processes that still use "
                 f"the snapshot's files{who} and exits when the last of them does")

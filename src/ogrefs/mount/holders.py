@@ -11,7 +11,9 @@ session: they only go away after the command returns, so they are detached
 lazily and the daemon serves them until they exit) from every other process
 (then nothing is touched and the one-line error names them).
 
-References are matched by mount id, not by path: a process started before
+References are matched by mount id, not by path (a lazily detached mount
+keeps its id: the registration remembers them, so ``mount`` can name what
+still holds the old tree): a process started before
 the mount runs this box's own ``/usr/bin/bash``, at the same path but below
 the overlay, and does not keep the overlay busy. Memory mappings are not
 counted: overlayfs maps the underlying file, so they never pin the overlay
@@ -79,18 +81,39 @@ def _mnt_id_of_link(link: str) -> int | None:
         os.close(fd)
 
 
-def _holds(pid: str, ids: set[int]) -> str | None:
-    """What of ``pid`` is on one of the mounts ``ids``, or None."""
+def _holds(pid: str, ids: dict[int, str], maps: bool = False) -> str | None:
+    """What of ``pid`` is on one of the mounts ``ids``, or None; with ``maps``, its memory mappings too.
+
+    ``ids`` maps each mount id to the path to show before the link's text: "" for a mount attached
+    here (the kernel's text is the full path), its old target for a detached one (text from its root).
+    """
     for name, label in (("cwd", "cwd"), ("root", "root"), ("exe", "program")):
-        if _mnt_id_of_link(f"/proc/{pid}/{name}") in ids:
-            return f"{label} {_readlink(f'/proc/{pid}/{name}')}"
+        if (mid := _mnt_id_of_link(f"/proc/{pid}/{name}")) in ids:
+            return f"{label} {_shown(ids[mid], f'/proc/{pid}/{name}')}"
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return None
     for fd in fds:
-        if _mnt_id_of_fdinfo(f"/proc/{pid}/fdinfo/{fd}") in ids:
-            return f"file {_readlink(f'/proc/{pid}/fd/{fd}')}"
+        if (mid := _mnt_id_of_fdinfo(f"/proc/{pid}/fdinfo/{fd}")) in ids:
+            return f"file {_shown(ids[mid], f'/proc/{pid}/fd/{fd}')}"
+    return _maps(pid, ids) if maps else None
+
+
+def _shown(root: str, link: str) -> str:
+    text = _readlink(link)
+    return (root.rstrip("/") + text if text != "/" else root) if root else text
+
+
+def _maps(pid: str, ids: dict[int, str]) -> str | None:
+    """A file ``pid`` has mapped (a library) from one of the mounts ``ids`` (root only: map_files)."""
+    try:
+        entries = os.listdir(f"/proc/{pid}/map_files")
+    except OSError:
+        return None
+    for entry in entries:
+        if (mid := _mnt_id_of_link(f"/proc/{pid}/map_files/{entry}")) in ids:
+            return f"mapped {_shown(ids[mid], f'/proc/{pid}/map_files/{entry}')}"
     return None
 
 
@@ -103,7 +126,14 @@ def _readlink(path: str) -> str:
 
 def holders(targets: list[str], exclude: set[int] | None = None) -> list[Holder]:
     """Processes holding one of the overlays mounted at ``targets`` (this namespace), but not ``exclude``."""
-    ids = mount_ids(targets)
+    return holders_of({i: "" for i in mount_ids(targets)}, exclude)
+
+
+def holders_of(ids: dict[int, str], exclude: set[int] | None = None, maps: bool = False) -> list[Holder]:
+    """Processes holding one of the mounts ``ids``, attached or detached (a lazy unmount keeps their ids).
+
+    ``ids``: mount id -> "" if attached here, else the path it was mounted at (for the message).
+    """
     if not ids:
         return []
     skip = exclude or set()
@@ -111,7 +141,7 @@ def holders(targets: list[str], exclude: set[int] | None = None) -> list[Holder]
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in skip:
             continue
-        what = _holds(entry, ids)
+        what = _holds(entry, ids, maps)
         if what is not None:
             try:
                 comm = Path(f"/proc/{entry}/comm").read_text().strip()
@@ -169,4 +199,4 @@ def callers_or_refuse(what: str, targets: list[str], info: dict) -> list[Holder]
     return found.callers
 
 
-__all__ = ["Holder", "InUse", "holders", "in_use", "ancestry", "mount_ids", "callers_or_refuse"]
+__all__ = ["Holder", "InUse", "holders", "holders_of", "in_use", "ancestry", "mount_ids", "callers_or_refuse"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ogrefs.boxmounts import Overlay, Registration, load_overlays, mountpoint_key, pid_alive, state_base
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.lazy.resolve import load_trace
-from ogrefs.mount import hostpaths, mountsys, overlay, topfiles
+from ogrefs.mount import holders, hostpaths, mountsys, overlay, topfiles
 from ogrefs.mount.checks import check_mountpoint
 from ogrefs.mount.options import MountOptions
 from ogrefs.repo.catalog import ROOT_INO, Catalog
@@ -182,6 +182,28 @@ def lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_WA
                     and pid_alive(info.get("pid") or 0))
             if live or time.monotonic() > deadline:
                 os.close(fd)
-                raise UsageError(f"the state directory {state} is in use by a live mount; unmount it first, "
-                                 "or give this mount another --state-dir") from None
+                raise UsageError(_state_in_use(state, info, live)) from None
             time.sleep(0.05)
+
+
+def _state_in_use(state: Path, info: dict, live: bool) -> str:
+    """One line: why ``state`` cannot be mounted now, and what to do.
+
+    A lazily unmounted mount's daemon lives on while processes started on the
+    old tree run (it serves them, and it and its overlays still write the
+    upper directories and the local copy): a second mount of the same state
+    would be a second writer of them, so it is refused (after the bounded wait:
+    one that just let go is not refused), naming those processes.
+    """
+    if live or info.get("state_dir") != str(state) or not info.get("detached"):
+        return (f"the state directory {state} is in use by a live mount; unmount it first, "
+                "or give this mount another --state-dir")
+    ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
+    detached = info.get("detached_mounts") if isinstance(info.get("detached_mounts"), dict) else {}
+    found = holders.holders_of({int(i): str(t) for i, t in detached.items() if str(i).isdigit()},
+                               exclude=ours, maps=True)
+    names = ", ".join(str(h) for h in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    who = f": {names}" if found else " (no process found holding it: it should exit any moment)"
+    return (f"the state directory {state} is still used by the earlier mount of {info.get('mountpoint')}, "
+            f"unmounted lazily: its daemon (pid {info.get('pid')}) serves processes started on the old tree"
+            f"{who}; stop or restart them, then mount again (or mount with another --state-dir)")
