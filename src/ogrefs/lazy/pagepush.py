@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import trio
 
 from ogrefs.errors import OgrefsError
+from ogrefs.lazy.metacache import BoundedCache
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ PUSH_FILE_MAX = 128 * 1024
 #: ... up to this many bytes per directory, go into the kernel's page cache together.
 PUSH_DIR_MAX = 16 * MiB
 PUSH_BATCH = 64  # files opened and read ahead at once
+PARENT_CACHE_ENTRIES = 65536
 
 
 class PagePusher:
@@ -57,12 +59,17 @@ class PagePusher:
         self.stats = stats
         self._kernel_holds = kernel_holds  # whether the kernel knows an inode (it drops a push for any other)
         self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
+        # each file's directory (a snapshot never changes): an open asked SQLite for it every time
+        self._parents: BoundedCache[int, int] = BoundedCache(PARENT_CACHE_ENTRIES)
         self._send, self._recv = trio.open_memory_channel[tuple[int, int]](64)
         self.in_flight = 0  # directories queued and not yet pushed (loop-owned, like the rest)
 
     def opened(self, ino: int) -> None:
         """A small file with a complete local copy was opened: its directory's others go too."""
-        parent = self.catalog.parent_of(ino)
+        parent = self._parents.get(ino)
+        if parent is None:
+            parent = self.catalog.parent_of(ino)
+            self._parents.put(ino, parent)
         if parent not in self._dirs_pushed:
             self._queue(parent, ino)
 
