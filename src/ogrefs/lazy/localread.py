@@ -44,6 +44,7 @@ class LocalHandle(Protocol):
     ino: int
     size: int
     local_fd: int | None  # the complete local copy; None once it was found damaged
+    local_pending: bytes | None  # the complete local copy's path until the first read opens it
     extents: list[Extent]
     starts: list[int]
     verified: set[int]  # indices of extents whose local bytes were read and found right
@@ -86,6 +87,25 @@ class LocalReads:
                         os.fsdecode(path), st.st_size, size)
             return None
         return fd
+
+    async def open_pending(self, f: LocalHandle, path: bytes) -> None:
+        """The first read of a handle whose local copy was complete at open: open the copy, else use the store.
+
+        The vfs opens a complete copy here rather than at open: a file opened
+        again whose pages the kernel caches is never read.  Inline (one open
+        and one fstat); only a copy that cannot be opened awaits, for the
+        extent list the store path needs, and a read that comes meanwhile does
+        the same rather than read without extents.
+        """
+        fd = self.open(path, f.size)
+        if fd is not None:
+            f.local_fd, f.local_pending = fd, None
+            return
+        extents = await trio.to_thread.run_sync(self.catalog.extents, f.ino) if f.size else []
+        if f.local_pending is not None:
+            f.set_extents(extents)
+            f.local_pending = None
+            self.stats.local_opens -= 1  # served by the store after all
 
     async def _verify(self, f: LocalHandle, offset: int, end: int) -> bool:
         """Whether every chunk of ``[offset, end)`` in the complete local copy holds the catalog's bytes.

@@ -19,7 +19,18 @@ the PagePusher); worker threads never touch it.
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+from ogrefs.repo.catalog import Inode
+
+if TYPE_CHECKING:
+    from ogrefs.lazy.vfs import LocalCopy
+    from ogrefs.repo.catalog import Catalog
+
+#: Inode rows and complete local paths kept, and entries of first listing pages kept: a few MiB each at most,
+#: several times what a training step opens and lists (the pointer box: 1,674 files, 220 directories).
+NODE_CACHE_ENTRIES = 16384
+LISTING_CACHE_ENTRIES = 16384
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -55,3 +66,45 @@ class BoundedCache(Generic[K, V]):
     @property
     def weight(self) -> int:
         return self._weight
+
+
+class Remembered:
+    """What the vfs asks at every open and listing, asked once: inode rows, first pages, complete local copies.
+
+    ``first_page(ino)`` reads a directory's first page of entries with their
+    attributes (the vfs's); ``local`` is the vfs's LocalCopy or None.  Only
+    answers that cannot change are kept: an inode that exists, a page, the
+    path of a copy once complete (a file once complete stays so, at the same
+    path; each handle still checks the copy's bytes at its first read).
+    """
+
+    def __init__(self, catalog: "Catalog", local: "LocalCopy | None",
+                 first_page: Callable[[int], list[tuple[bytes, Any]]]) -> None:
+        self.catalog = catalog
+        self.local = local
+        self._read_first_page = first_page
+        self._nodes: BoundedCache[int, Inode] = BoundedCache(NODE_CACHE_ENTRIES)
+        self._pages: BoundedCache[int, list[tuple[bytes, Any]]] = BoundedCache(LISTING_CACHE_ENTRIES)
+        self._local_paths: BoundedCache[int, bytes] = BoundedCache(NODE_CACHE_ENTRIES)
+
+    def node(self, ino: int) -> Inode | None:
+        node = self._nodes.get(ino)
+        if node is None and (node := self.catalog.get(ino)) is not None:
+            self._nodes.put(ino, node)
+        return node
+
+    def first_page(self, ino: int) -> list[tuple[bytes, Any]]:
+        page = self._pages.get(ino)
+        if page is None:
+            page = self._read_first_page(ino)
+            self._pages.put(ino, page, len(page) + 1)
+        return page
+
+    def local_path(self, ino: int) -> bytes | None:
+        """The complete local copy of ``ino``, or None (no local copy, or not complete yet: asked again)."""
+        if self.local is None:
+            return None
+        path = self._local_paths.get(ino)
+        if path is None and (path := self.local.local_path(ino)) is not None:
+            self._local_paths.put(ino, path)
+        return path

@@ -43,7 +43,7 @@ PUSH_FILE_MAX = 128 * 1024
 #: ... up to this many bytes per directory, go into the kernel's page cache together.
 PUSH_DIR_MAX = 16 * MiB
 PUSH_BATCH = 64  # files opened and read ahead at once
-PARENT_CACHE_ENTRIES = 65536
+PARENT_CACHE_ENTRIES = 16384
 
 
 class PagePusher:

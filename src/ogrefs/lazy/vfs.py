@@ -55,7 +55,7 @@ from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
 from ogrefs.lazy.localread import LocalReads, pread
-from ogrefs.lazy.metacache import BoundedCache
+from ogrefs.lazy.metacache import Remembered
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
 from ogrefs.store.base import StoreError
@@ -77,9 +77,6 @@ SIBLING_FILE_MAX = 256 * 1024
 #: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
 SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
-#: Catalog answers kept in memory (lazy/metacache.py): inode rows, and first pages of listings by entry.
-NODE_CACHE_ENTRIES = 65536
-LISTING_CACHE_ENTRIES = 65536
 
 
 #: Extended attributes overlayfs interprets on its lower layers (metacopy, redirect, opaque, origin):
@@ -224,9 +221,8 @@ class SnapshotFS:
         self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__)
                         if page_cache is not None and local is not None else None)
         self._files: dict[int, _OpenFile] = {}
-        self._nodes: BoundedCache[int, Inode] = BoundedCache(NODE_CACHE_ENTRIES)
-        self._first_pages: BoundedCache[int, list[tuple[bytes, Attr]]] = BoundedCache(LISTING_CACHE_ENTRIES)
-        self._local_paths: BoundedCache[int, bytes] = BoundedCache(NODE_CACHE_ENTRIES)
+        # the answers every open and listing asks for, asked of the catalog once (a snapshot never changes)
+        self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE))
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
         self._last_request = -float("inf")  # trio time of the latest application request
@@ -255,12 +251,9 @@ class SnapshotFS:
         return (node.size + 511) // 512
 
     def _node(self, ino: int) -> Inode:
-        node = self._nodes.get(ino)
+        node = self._memo.node(ino)
         if node is None:
-            node = self.catalog.get(ino)
-            if node is None:
-                raise FsError(errno.ENOENT)
-            self._nodes.put(ino, node)
+            raise FsError(errno.ENOENT)
         return node
 
     async def getattr(self, ino: int) -> Attr:
@@ -345,14 +338,6 @@ class SnapshotFS:
         data = self.catalog.data_bytes_many([n.ino for _, n in rows if n.is_reg and n.size])
         return [(name, Attr(node, self._blocks(node, data.get(node.ino, 0)))) for name, node in rows]
 
-    def _first_page(self, ino: int) -> list[tuple[bytes, Attr]]:
-        """The first page of a listing: asked for at every listing of the directory, and never different."""
-        page = self._first_pages.get(ino)
-        if page is None:
-            page = self._page(ino, None, 0, READDIR_FIRST_PAGE)
-            self._first_pages.put(ino, page, len(page) + 1)
-        return page
-
     async def readdir(self, fh: int, start: int, emit: Callable[[bytes, Attr, int], bool]) -> None:
         """Report entries from position ``start`` through ``emit(name, attr, next_position)``.
 
@@ -380,7 +365,7 @@ class SnapshotFS:
                     after, skip = None, pos
                 if pos == 0:
                     size = READDIR_FIRST_PAGE
-                    page = self._first_page(d.ino)
+                    page = self._memo.first_page(d.ino)
                 else:
                     size = READDIR_PAGE
                     page = await trio.to_thread.run_sync(self._page, d.ino, after, skip, size)
@@ -412,7 +397,7 @@ class SnapshotFS:
             raise FsError(errno.EISDIR)
         if not node.is_reg:
             raise FsError(errno.ENXIO)
-        if self.local is not None and (path := self._local_path(ino)) is not None:
+        if (path := self._memo.local_path(ino)) is not None:
             # a complete local copy: opened there at the first read (_open_local), not now
             fh = self._new_fh()
             f = self._files[fh] = _OpenFile(ino, node.size, [])
@@ -481,7 +466,7 @@ class SnapshotFS:
         if offset >= end:
             return b""
         if f.local_pending is not None:
-            await self._open_local(f, f.local_pending)
+            await self._local_reads.open_pending(f, f.local_pending)
         if f.local_fd is not None:
             local_data = await self._local_reads.read(f, offset, end)
             if local_data is not None:
@@ -531,31 +516,6 @@ class SnapshotFS:
         self.stats.reads += 1
         self.stats.bytes_read += end - offset
         return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def _local_path(self, ino: int) -> bytes | None:
-        """The complete local copy of ``ino``, remembered: a file once complete stays so, at the same path."""
-        assert self.local is not None
-        path = self._local_paths.get(ino)
-        if path is None and (path := self.local.local_path(ino)) is not None:
-            self._local_paths.put(ino, path)
-        return path
-
-    async def _open_local(self, f: _OpenFile, path: bytes) -> None:
-        """The first read of a file whose local copy was complete at open: open the copy, else read the store.
-
-        Inline like a catalog point query (one open and one fstat).  Only a copy
-        that cannot be opened awaits (its extent list, for the store), and a
-        read that comes meanwhile does the same rather than read without extents.
-        """
-        fd = self._local_reads.open(path, f.size)
-        if fd is not None:
-            f.local_fd, f.local_pending = fd, None
-            return
-        extents = await trio.to_thread.run_sync(self.catalog.extents, f.ino) if f.size else []
-        if f.local_pending is not None:
-            f.set_extents(extents)
-            f.local_pending = None
-            self.stats.local_opens -= 1  # served by the store after all
 
     async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
         """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
