@@ -59,6 +59,9 @@ class PagePusher:
         self.stats = stats
         self._kernel_holds = kernel_holds  # whether the kernel knows an inode (it drops a push for any other)
         self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
+        # small files whose bytes the kernel already had from a read (it keeps them: keep_cache): pushing
+        # them again is only CPU, taken from the reads of the program that opened their neighbour
+        self._kernel_read: set[int] = set()
         # each file's directory (a snapshot never changes): an open asked SQLite for it every time
         self._parents: BoundedCache[int, int] = BoundedCache(PARENT_CACHE_ENTRIES)
         self._send, self._recv = trio.open_memory_channel[tuple[int, int]](64)
@@ -89,6 +92,11 @@ class PagePusher:
     def forgotten(self, ino: int) -> None:
         """The kernel forgot inode ``ino``: a directory took its files' cached pages along, push again next time."""
         self._dirs_pushed.discard(ino)
+        self._kernel_read.discard(ino)
+
+    def served(self, ino: int) -> None:
+        """A read of small file ``ino`` was answered: its pages are the kernel's now, no push needed."""
+        self._kernel_read.add(ino)
 
     def _queue(self, parent: int, opened: int) -> None:
         try:
@@ -110,7 +118,8 @@ class PagePusher:
 
     async def _push_dir(self, parent: int, opened: int) -> None:
         rows = await trio.to_thread.run_sync(self.catalog.small_files, parent, PUSH_FILE_MAX)
-        candidates = tuple((ino, size) for ino, size in rows if ino != opened and self._kernel_holds(ino))
+        candidates = tuple((ino, size) for ino, size in rows
+                           if ino != opened and ino not in self._kernel_read and self._kernel_holds(ino))
         if candidates:
             self.stats.page_cache_pushed += await trio.to_thread.run_sync(
                 push_files, self.page_cache, self.local.local_paths, candidates, self._holds_catalog_bytes)

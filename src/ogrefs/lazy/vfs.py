@@ -470,6 +470,7 @@ class SnapshotFS:
         if f.local_fd is not None:
             local_data = await self._local_reads.read(f, offset, end)
             if local_data is not None:
+                self._served(f)
                 return local_data
         first = max(0, bisect_right(f.starts, offset) - 1)
         last = first
@@ -515,7 +516,12 @@ class SnapshotFS:
             parts.append(bytes(end - pos))
         self.stats.reads += 1
         self.stats.bytes_read += end - offset
+        self._served(f)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _served(self, f: _OpenFile) -> None:
+        if self._pusher is not None and f.size <= PUSH_FILE_MAX:
+            self._pusher.served(f.ino)
 
     async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
         """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
