@@ -14,7 +14,9 @@ succeeding. The faults:
   holder check to find); ``/var`` was already down and must come back.
 - finalize: the local copy of ``/usr`` sits two overlays deep, so the kernel
   refuses the new ``/usr`` overlay (maximum stacking depth) after ``/mnt`` was
-  already swapped; ``/mnt`` must go back over the FUSE lower.
+  already swapped; ``/mnt`` must go back over the FUSE lower, with the disk
+  this box mounted inside it after the mount (detaching the old overlay
+  detached it too) still there, as after the retry's finalize.
 - finalize: ``chattr +i`` on ``/usr``'s work directory: the kernel would mount
   that overlay read-only (saying so only in dmesg), and the old one could not
   be mounted again from the same work directory either; refused before
@@ -101,6 +103,8 @@ def test_finalize_refused_by_the_kernel_half_way_swaps_back_what_it_swapped(whol
         {OGREFS} mount {snap} /
         timeout 60 {OGREFS} status / --wait > /dev/null
         echo kept > {box}/var/lib/app/written
+        mkdir -p {box}/mnt/later && mount -t tmpfs later-disk {box}/mnt/later   # a disk mounted after the mount
+        echo on the disk > {box}/mnt/later/f
         state={STATE_DIR}
         copy="$state/tree{box}/usr"                         # the local copy of usr, two overlays deep
         mkdir -p {tmp}/fault/{{u1,w1,u2,w2}}
@@ -112,16 +116,22 @@ def test_finalize_refused_by_the_kernel_half_way_swaps_back_what_it_swapped(whol
         {STATE} > {tmp}/state.json
         {OGREFS} status / > {tmp}/status.txt
         test "$(cat {box}/var/lib/app/written)" = "kept"
+        test "$(cat {box}/mnt/later/f)" = "on the disk"     # mnt went back with the disk inside it
         echo still writable > {box}/mnt/after-failure
         umount "$copy" && umount "$copy"                    # the fault removed: the retry works
         {OGREFS} finalize /
         ! grep -q fuse.ogrefs /proc/self/mountinfo
         test "$(cat {box}/mnt/after-failure)" = "still writable"
         test "$(cat {box}/usr/marker)" = "snap"
+        test "$(cat {box}/mnt/later/f)" = "on the disk"     # the finalized mnt keeps the disk too
+        ! {OGREFS} unmount / 2> {tmp}/unmount.err           # it is the box's: unmount names it, takes nothing
+        umount {box}/mnt/later
         {OGREFS} unmount /
     """)
     _assert_one_line((tmp / "finalize.err").read_text(), f"cannot finalize: overlay at {box}/usr failed",
                      "nothing was changed")
+    _assert_one_line((tmp / "unmount.err").read_text(), f"{box}/mnt/later was mounted inside it",
+                     "nothing was unmounted")
     _assert_as_before(tmp, box, "lower")
     assert "finalized" not in (tmp / "status.txt").read_text()
 

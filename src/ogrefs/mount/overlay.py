@@ -434,30 +434,73 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overla
         raise MountError(f"cannot finalize: {problems[0]}; nothing was changed")
     swapped: list[Overlay] = []
     below: list[int] = []  # the state directory as it is below its overlay (where the FUSE lower was mounted)
+    held: dict[str, dict[str, list[int]]] = {}  # per target: copies of the box's mounts made inside it
     try:
         for o_old, o_new in zip(old, news):  # one by one: each target shows the same tree before and after
             try:
+                held[o_old.target] = _hold_mounted_inside(o_old)
                 errors = unmount_all([o_old], lazy=True)
                 if errors:
                     raise OverlayError(errors[0])
                 if str(state).startswith(o_old.target.rstrip("/") + "/"):
                     below.append(os.open(state, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
                 shim_local_copy(o_new, state)
-                swapped.append(mount_one(o_new, keep))
+                swapped.append(_mount_with(o_new, keep, held[o_old.target]))
             except (OgrefsError, OSError) as exc:
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                raise MountError(f"cannot finalize: {why}; {_swap_back(state, old, swapped, keep)}") from None
+                raise MountError(f"cannot finalize: {why}; {_swap_back(state, old, swapped, keep, held)}") from None
         save_overlays(swapped, state)
         mountsys.umount(lower_root, lazy=True)
         for fd in below:
             mountsys.umount(f"/proc/self/fd/{fd}/lower", lazy=True)
     finally:
-        for fd in below:
+        for fd in below + [fd for copies in held.values() for fds in copies.values() for fd in fds]:
             os.close(fd)
     return swapped
 
 
-def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: list[str]) -> str:
+def _hold_mounted_inside(o: Overlay) -> dict[str, list[int]]:
+    """Two detached copies of each mount this box made inside ``o`` after it went up (a disk under /usr).
+
+    Detaching ``o`` detaches them too (MNT_DETACH takes the whole subtree):
+    a copy goes on the new overlay, the other on the old one if it has to be
+    mounted again. Raises OSError (nothing detached yet) if one cannot be copied.
+    """
+    copies: dict[str, list[int]] = {}
+    try:
+        for p in outermost(_mounted_inside(o)):
+            copies[p] = [mountsys.clone_tree(p)]
+            copies[p].append(mountsys.clone_tree(p))
+    except OSError:
+        for fd in (fd for fds in copies.values() for fd in fds):
+            os.close(fd)
+        raise
+    return copies
+
+
+def _mount_with(o: Overlay, keep: list[str], inside: dict[str, list[int]]) -> Overlay:
+    """:func:`mount_one`, then a copy of each mount held by :func:`_hold_mounted_inside` on top; all or nothing.
+
+    They are not added to ``binds``: they are this box's mounts, which a later unmount must not take away
+    in silence (it reports them as mounted inside, as before the finalize).
+    """
+    up = mount_one(o, keep)
+    done: list[str] = []
+    try:
+        for p, fds in inside.items():
+            mountsys.attach_tree(fds[0], p)
+            os.close(fds.pop(0))  # attached: the mount lives on without it
+            done.append(p)
+    except OSError as exc:
+        for q in reversed(done):
+            mountsys.umount(q, lazy=True)
+        unmount_one(up, lazy=True)
+        raise OverlayError(f"{o.target}: cannot keep {p} (mounted inside it) visible ({exc.strerror})") from None
+    return up
+
+
+def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: list[str],
+               held: dict[str, dict[str, list[int]]]) -> str:
     """Undo a finalize that failed at ``old[len(swapped)]``: every overlay over the FUSE lower again.
 
     Returns the end of the one-line reason: "nothing was changed", or which
@@ -467,10 +510,10 @@ def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: li
     lost: list[str] = []
     failed = old[len(swapped)]
     if mounted_fstype(Path(failed.target)) != "overlay":
-        lost += _mount_again(failed, keep)
+        lost += _mount_again(failed, keep, held.get(failed.target, {}))
     for o_back, o_done in reversed(list(zip(old, swapped))):
-        unmount_one(o_done, lazy=True)
-        lost += _mount_again(o_back, keep)
+        unmount_one(o_done, lazy=True)  # with our bind of the box's mounts inside: the held originals stay
+        lost += _mount_again(o_back, keep, held.get(o_back.target, {}))
     unmount_shims(state)
     save_overlays(still_mounted(old), state)
     if not lost:
@@ -479,10 +522,10 @@ def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: li
             "as before; `ogrefs unmount` then mount again")
 
 
-def _mount_again(o: Overlay, keep: list[str]) -> list[str]:
-    """Mount ``o`` as it was; [] when done, else why not (one item)."""
+def _mount_again(o: Overlay, keep: list[str], inside: dict[str, list[int]] | None = None) -> list[str]:
+    """Mount ``o`` as it was (with the box's mounts ``inside`` it); [] when done, else why not (one item)."""
     try:
-        mount_one(o, keep)
+        _mount_with(o, keep, inside or {})
     except (OgrefsError, OSError) as exc:
         return [f"{o.target} could not be mounted again ({exc})"]
     return []
