@@ -6,11 +6,29 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def run_in_venv() -> None:
+    """Re-run this script under the checkout's virtualenv when started by another Python.
+
+    The scripts start with ``#!/usr/bin/env python3`` (Debian's own Python on
+    a fresh box); the ones that import ogrefs in-process need its
+    dependencies (blake3, zstandard, pyfastcdc), which scripts/setup installs
+    in .venv only.
+    """
+    venv = ROOT / ".venv"
+    if Path(sys.prefix).resolve() == venv.resolve():
+        return
+    python = VENV_BIN / "python"
+    if not python.exists():
+        raise SystemExit(f"{sys.argv[0]}: no virtualenv at {venv}: run scripts/setup first")
+    os.execv(str(python), [str(python), sys.argv[0], *sys.argv[1:]])
 
 
 def drop_caches() -> bool:
