@@ -469,3 +469,82 @@ def test_replay_of_a_trace_recorded_on_a_stale_checkpoint_never_requests_it_ahea
         else:  # the local copy holds everything, the stale checkpoint too: in the background, after the run's reads
             assert stale_asked and {p for _i, p in stale_asked} == {Priority.BACKGROUND}
             assert min(i for i, _p in stale_asked) > max(i for i, _p in fresh_first.values())
+
+
+def test_recording_ends_at_the_first_quiet_period_of_the_resume(tmp_path):
+    """The resume's reads, then a pause, then a bulk reader of every file: only the resume is recorded.
+
+    A pause before the resume has read ``resume_bytes`` (a login before the job) does not end it; re-reads
+    of chunks already recorded are not new first touches and do not keep it going.
+    """
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    src = tmp_path / "src"
+    write_tree(src)
+    _, cat = snap(repo, src)
+    a, b, c = ino(cat, src / "lib" / "f1.bin"), ino(cat, src / "f3.txt"), ino(cat, src / "f4.bin")
+    now = [0.0]
+    r = Recorder(cat, quiet_s=5, resume_bytes=3 * MiB, clock=lambda: now[0])
+    r.record(b, 0, 4096)  # a login reads a little, then nothing for a minute
+    now[0] = 60.0
+    assert not r.expired() and r.active
+    r.record(a, 0, 2 * MiB)  # the job starts
+    now[0] = 61.0
+    r.record(a, 2 * MiB, 2 * MiB)
+    now[0] = 64.0
+    r.record(a, 0, 2 * MiB)  # a re-read: not a new first touch
+    assert r.active and r.bytes == 4 * MiB + 4096
+    now[0] = 66.5  # 5.5 s since the last new first touch
+    r.record(c, 0, MiB)  # the backup starts
+    assert not r.active and r.ended == "quiet" and r.complete
+    assert r.raw() == [(b, 0), (a, 0), (a, 2 * MiB)]
+    polled = Recorder(cat, quiet_s=5, resume_bytes=0, clock=lambda: now[0])
+    polled.record(a, 0, 1)
+    now[0] += 6
+    assert polled.expired() and polled.ended == "quiet"  # no read needed to notice it (the daemon polls)
+    stopped = Recorder(cat, quiet_s=5, resume_bytes=0, clock=lambda: now[0])
+    stopped.record(a, 0, 1)
+    stopped.stop()
+    assert stopped.ended == "stopped" and not stopped.complete
+    off = Recorder(cat, quiet_s=0, resume_bytes=0, clock=lambda: now[0])
+    off.record(a, 0, 1)
+    now[0] += 200
+    off.record(b, 0, 1)
+    assert off.active and len(off) == 2  # quiet_s=0: only the window ends it
+
+
+def test_a_complete_recording_replaces_the_trace_it_replayed_and_one_cut_short_refines_it(tmp_path):
+    """A poisoned trace (the whole box, in a backup's order) heals on the next resume that goes quiet."""
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    src = tmp_path / "src"
+    write_tree(src)
+    m, cat = snap(repo, src)
+    f1, f2, f3 = (os.fsencode(src / p) for p in ("lib/f1.bin", "lib/f2.bin", "f3.txt"))
+    poisoned = [(f1, 0), (f2, 0), (f3, 0), (f2, MiB)]
+    now = [0.0]
+
+    def resume() -> Recorder:
+        r = Recorder(cat, quiet_s=5, resume_bytes=0, clock=lambda: now[0])
+        r.record(cat.resolve(f3).ino, 0, 100)
+        r.record(cat.resolve(f1).ino, 0, MiB)
+        return r
+
+    cut_short = resume()
+    cut_short.stop()  # unmounted during the resume
+    save_trace(repo, m["id"], cut_short, poisoned)
+    assert find_trace(repo, m).entries == [(f3, 0), (f1, 0), (f2, 0), (f2, MiB)]
+    quiet = resume()
+    now[0] += 6
+    quiet.stop()  # the quiet period passed before the unmount: it counts
+    assert quiet.complete
+    save_trace(repo, m["id"], quiet, poisoned)
+    assert find_trace(repo, m).entries == [(f3, 0), (f1, 0)]
+
+
+def test_the_quiet_period_comes_from_the_environment(caplog, expect_log):
+    expect_log(r"OGREFS_TRACE_QUIET='soon' is not a number of seconds")
+    from ogrefs.lazy.recorder import DEFAULT_QUIET_S, quiet_from_env
+    assert quiet_from_env({}) == DEFAULT_QUIET_S
+    assert quiet_from_env({"OGREFS_TRACE_QUIET": "2.5"}) == 2.5
+    assert quiet_from_env({"OGREFS_TRACE_QUIET": "0"}) == 0
+    assert quiet_from_env({"OGREFS_TRACE_QUIET": "soon"}) == DEFAULT_QUIET_S
+    assert "OGREFS_TRACE_QUIET='soon' is not a number of seconds" in caplog.text

@@ -151,7 +151,7 @@ class LocalReads:
         if self.recorder is not None and self.recorder.active:
             granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
             for off in range(offset - offset % granule, end, granule):
-                self.recorder.record(f.ino, off)
+                self.recorder.record(f.ino, off, granule)
         try:
             data = await pread(f.local_fd, end - offset, offset)
         except OSError as exc:

@@ -137,7 +137,7 @@ class AccessRecorder(Protocol):
 
     active: bool
 
-    def record(self, ino: int, offset: int) -> None: ...
+    def record(self, ino: int, offset: int, length: int = 0) -> None: ...
 
 
 class LocalCopy(Protocol):
@@ -479,7 +479,7 @@ class SnapshotFS:
         wanted = [k for k in range(first, last) if f.extents[k].end > offset]
         if self.recorder is not None and self.recorder.active:
             for k in wanted:
-                self.recorder.record(f.ino, f.extents[k].offset)
+                self.recorder.record(f.ino, f.extents[k].offset, f.extents[k].end - f.extents[k].offset)
         ahead = self._read_ahead(f, offset, end, last)
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together (the

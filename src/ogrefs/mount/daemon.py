@@ -45,7 +45,7 @@ from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.fetchio import PackReads
 from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.prefetch import Prefetch
-from ogrefs.lazy.recorder import Recorder, save_trace, save_when_recorded
+from ogrefs.lazy.recorder import Recorder, quiet_from_env, save_trace, save_when_recorded
 from ogrefs.lazy.vfs import SnapshotFS
 from ogrefs.mount import fuse_ops, keeper, mountsys
 from ogrefs.mount.hostpaths import HostView
@@ -136,7 +136,7 @@ class Daemon:
         self.fetcher = Fetcher(packs.read_range, self.cache, max_requests=opts.max_requests,
                                memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob,
                                open_range=packs.open_range, stop=stop, retries=lambda: packs.retries)
-        self.recorder = Recorder(catalog) if plan.save_trace else None
+        self.recorder = Recorder(catalog, quiet_s=quiet_from_env()) if plan.save_trace else None
         # (the materializer shares the fetcher's residency: what readers fetch goes to the tree at once, not via
         # the chunk cache)
         materializer = (Materializer(catalog, self.fetcher, plan.state_dir)
