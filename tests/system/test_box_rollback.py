@@ -113,6 +113,7 @@ def test_finalize_refused_by_the_kernel_half_way_swaps_back_what_it_swapped(whol
         {OVERLAYS} > {tmp}/before.txt
         ! {OGREFS} finalize / 2> {tmp}/finalize.err         # mnt swapped, then usr refused
         {OVERLAYS} > {tmp}/after.txt
+        cat {tmp}/finalize.err {tmp}/after.txt >&2          # shown if a later step fails
         {STATE} > {tmp}/state.json
         {OGREFS} status / > {tmp}/status.txt
         test "$(cat {box}/var/lib/app/written)" = "kept"
