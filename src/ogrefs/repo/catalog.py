@@ -76,6 +76,15 @@ class Inode(NamedTuple):
         return stat.S_ISLNK(self.mode)
 
 
+class Listed(NamedTuple):
+    """One entry of a directory as :func:`listing` gives it."""
+
+    name: bytes
+    node: Inode
+    xattrs: list[tuple[bytes, bytes]]
+    extents: list[tuple[int, int, bytes, BlobLocation | None]]  # regular files only
+
+
 _INODE_COLS = "ino, mode, uid, gid, user, grp, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, target, src_dev, src_ino, flags"
 _I_COLS = ", ".join("i." + c.strip() for c in _INODE_COLS.split(","))
 
@@ -474,13 +483,16 @@ class Catalog:
 
     def located_extents(self, ino: int) -> list[tuple[int, int, bytes, BlobLocation | None]]:
         """(offset, length, chunk id, location or None) in one query: for incremental reuse."""
+        return self._located(ino, self._rows(
+            "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size FROM extents e "
+            "JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack "
+            "WHERE e.ino=? ORDER BY e.offset", (ino,)))
+
+    def _located(self, ino: int, rows: Iterable[tuple]) -> list[tuple[int, int, bytes, BlobLocation | None]]:
+        """One file's extent rows ``(offset, length, chunk, pack, pack offset, stored, raw, size)``, checked."""
         out = []
         end = 0
-        for off, ln, cid, pack, poff, slen, rlen, size in self._rows(
-                "SELECT e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size FROM extents e "
-                "JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack "
-                "WHERE e.ino=? ORDER BY e.offset",
-                (ino,)):
+        for off, ln, cid, pack, poff, slen, rlen, size in rows:
             end = self._check_layout(ino, off, ln, rlen, size, end)
             if pack is not None:
                 _check_location(cid, pack, poff, slen, self.path.name)
@@ -709,6 +721,37 @@ class Catalog:
                 bad = True
                 continue
             yield row[:7]
+
+
+def listing(cat: Catalog, parent: int) -> list[Listed]:
+    """Every valid entry of directory ``parent`` with its xattrs and located extents, in three queries
+    (hard links within the directory: their rows once).
+
+    What a snapshot of a box running from a mount takes for a directory
+    nothing has changed (snapshot/untouched.py): the same rows as
+    :meth:`Catalog.children`, :meth:`~Catalog.xattrs` and :meth:`~Catalog.located_extents` give one
+    entry at a time, checked the same way, for a whole directory at once.
+    """
+    kids = cat.children(parent)
+    xattrs: dict[int, list[tuple[bytes, bytes]]] = {}
+    for ino, name, value in cat._rows(
+            "SELECT x.ino, x.name, x.value FROM xattrs x WHERE x.ino IN (SELECT ino FROM dirents WHERE parent=?) "
+            "ORDER BY x.ino, x.name", (parent,)):
+        if type(name) is bytes and name and b"\0" not in name and type(value) is bytes:
+            xattrs.setdefault(ino, []).append((name, value))
+        else:
+            cat._reject(ino, b"xattr " + (name if type(name) is bytes else repr(name).encode()),
+                         "malformed extended attribute")
+    rows: dict[int, list[tuple]] = {}
+    for r in cat._rows(
+            "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size "
+            "FROM extents e JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino "
+            "LEFT JOIN packs p ON p.id = b.pack WHERE e.ino IN (SELECT ino FROM dirents WHERE parent=?) "
+            "ORDER BY e.ino, e.offset", (parent,)):
+        rows.setdefault(r[0], []).append(r[1:])
+    return [Listed(name, node, xattrs.get(node.ino, []),
+                   cat._located(node.ino, rows.get(node.ino, ())) if node.is_reg else [])
+            for name, node in kids]
 
 
 # -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------

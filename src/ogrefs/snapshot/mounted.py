@@ -113,6 +113,10 @@ class Layer:
     prefix: bytes  # b"" for the catalog's root
     mount: OwnMount
     merged: bytes | None = None  # host files synthesized above the snapshot (hostpaths.py)
+    #: The overlay's lower layers are the snapshot (and ``merged`` above it) only, as mounted now: no layer of
+    #: the box's own content below the snapshot's, so a directory with nothing in upper or merged holds exactly
+    #: the catalog's children (snapshot/untouched.py).  False when the mount table says anything else.
+    lower_only: bool = False
     _redirected: dict[bytes, bool] = field(default_factory=dict)
 
     def origin(self, path: bytes) -> Origin | None:
@@ -181,11 +185,18 @@ def own_mounts() -> list[OwnMount]:
             for root in (m.state_dir + b"/lower", m.state_dir + b"/tree"):
                 if lower == root or lower.startswith(root + b"/"):
                     merged = os.fsencode(o["merged"]) if o.get("merged") else None
-                    m.layers.append(Layer(target, os.fsencode(o["upper"]), lower[len(root):], m, merged))
+                    m.layers.append(Layer(target, os.fsencode(o["upper"]), lower[len(root):], m, merged,
+                                          _lower_only(mp.options, lower, merged)))
                     break
         if m.layers:
             out.append(m)
     return out
+
+
+def _lower_only(options: str, lower: bytes, merged: bytes | None) -> bool:
+    """Whether an overlay's mount options name exactly ``[merged:]lower`` as its lower layers."""
+    want = os.fsdecode(lower if merged is None else merged + b":" + lower)
+    return any(opt == "lowerdir=" + want for opt in options.split(","))
 
 
 class OwnMounts:

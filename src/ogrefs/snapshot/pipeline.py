@@ -36,12 +36,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode
+from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode, Listed
 from ogrefs.snapshot.frommount import MountedSnapshots
 from ogrefs.snapshot.packer import PackStats, Packer
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
 from ogrefs.repo.trash import read_trash
+from ogrefs.snapshot.untouched import KnownDir, UntouchedDirs
 from ogrefs.snapshot.walk import WalkRules
 
 
@@ -118,6 +119,18 @@ def read_xattrs(path: bytes) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def live_extents(repo: Repository, live_packs: set[str], extents: list) -> list | None:
+    """Extents ``(offset, length, chunk, location or None)`` located in live packs; None if some data is gone."""
+    rows = []
+    for off, length, cid, loc in extents:
+        if loc is None or loc.pack not in live_packs:
+            loc = repo.index.lookup(cid, live_packs)
+            if loc is None:
+                return None  # the data it pointed to is gone: read the file again
+        rows.append((off, length, cid, loc))
+    return rows
+
+
 def normalize_roots(paths: list[bytes]) -> list[bytes]:
     """Absolute, normalized, without duplicates or paths nested in another root."""
     out: list[bytes] = []
@@ -183,14 +196,7 @@ class Snapshotter:
 
     def _live_rows(self, cat: Catalog, old_ino: int) -> list | None:
         """A file's extents in ``cat`` with locations in live packs; None if some data is gone."""
-        rows = []
-        for off, length, cid, loc in cat.located_extents(old_ino):
-            if loc is None or loc.pack not in self._live_packs:
-                loc = self.repo.index.lookup(cid, self._live_packs)
-                if loc is None:
-                    return None  # the data it pointed to is gone: read the file again
-            rows.append((off, length, cid, loc))
-        return rows
+        return live_extents(self.repo, self._live_packs, cat.located_extents(old_ino))
 
     def _reuse_from_mount(self, path: bytes, lst: os.stat_result, ino: int) -> bool:
         """A file of the mounted snapshot that nothing has changed: its entry, unread (mounted.py says how)."""
@@ -267,7 +273,7 @@ class Snapshotter:
         if stat.S_ISDIR(mode):
             self.stats.dirs += 1
             self.cat.add_inode(ino, lst, self._names.user(lst.st_uid), self._names.group(lst.st_gid))
-            self._walk_dir(ino, path, lst, old.ino if old else None)
+            self._walk_dir(ino, path, lst.st_dev, old.ino if old else None)
         elif stat.S_ISREG(mode):
             self.stats.files += 1
             self.stats.bytes += lst.st_size
@@ -287,24 +293,69 @@ class Snapshotter:
             self.cat.add_inode(ino, lst, self._names.user(lst.st_uid), self._names.group(lst.st_gid), size=0)
         self._tick()
 
-    def _walk_dir(self, ino: int, path: bytes, lst: os.stat_result, old_ino: int | None) -> None:
-        skipped = self.rules.not_descended(path, is_root=path in self._roots, dev=lst.st_dev,
-                                           root_dev=self._root_dev)
+    def _walk_dir(self, ino: int, path: bytes, dev: int, old_ino: int | None, cat_ino: int | None = None) -> None:
+        """List directory ``path`` (``cat_ino``: its inode in the mounted snapshot's catalog, when known)."""
+        skipped = self.rules.not_descended(path, is_root=path in self._roots, dev=dev, root_dev=self._root_dev)
         if skipped is not None:
             if skipped["type"] != "directory":  # a mount point: listed; volatile plain dirs are the rules' own
                 self.skipped_mounts.append(skipped)
             return
-        try:
-            names = sorted(os.listdir(path))
-        except OSError as exc:
-            self._unreadable(path, exc)
-            return
+        known = self._untouched.known_dir(path, cat_ino)
+        if known is not None and known.complete:
+            names = list(known.entries)  # untouched since the mount: the catalog's names (untouched.py)
+        else:
+            try:
+                names = sorted(os.listdir(path))
+            except OSError as exc:
+                self._unreadable(path, exc)
+                return
         for obs in self.opts.observers:
             obs.observe_dir(path, names)
         base = path.rstrip(b"/")
         old_children = self._old_children(old_ino)
         for name in names:
-            self._record(ino, name, base + b"/" + name, old_ino, old_children)
+            child = base + b"/" + name
+            listed = self._untouched.entry(known, name, child) if known is not None else None
+            if listed is None or not self._record_listed(ino, name, child, listed, known, dev, old_children):
+                self._record(ino, name, child, old_ino, old_children)
+
+    def _record_listed(self, parent_ino: int, name: bytes, path: bytes, listed: Listed, known: KnownDir, dev: int,
+                       old_children: dict[bytes, Inode] | None) -> bool:
+        """Record an entry the mounted snapshot's catalog knows unchanged, sending nothing through the mount.
+
+        False when it must be looked at after all (``_record``): a mount point, a hard link (overlayfs may
+        show another alias's copy-up), a file whose data is gone from the repository or was read changing.
+        """
+        old = listed.node
+        if self.rules.excluded(path) or path in self._skip_entirely:
+            return True
+        if path in self.rules.table or (old.nlink > 1 and not old.is_dir):
+            return False
+        rows = live_extents(self.repo, self._live_packs, listed.extents) if old.is_reg and not old.flags & FLAG_CHANGED else None
+        if old.is_reg and rows is None:
+            return False
+        ino = self.cat.new_ino()
+        self.cat.add_dirent(parent_ino, name, ino)
+        self.cat.copy_inode(ino, old)
+        xattrs = self._untouched.xattrs(listed)
+        if xattrs:
+            self.cat.add_xattrs(ino, xattrs)
+        if old.is_dir:
+            self.stats.dirs += 1
+            prev = old_children.get(name) if old_children is not None else None
+            self._walk_dir(ino, path, dev, prev.ino if prev is not None and prev.is_dir else None, old.ino)
+        elif rows is not None:
+            self.stats.files += 1
+            self.stats.bytes += old.size
+            self.cat.add_located_extents(ino, rows)
+            self.stats.reused_files += 1
+            self.stats.mount_reused_files += 1
+            self.stats.chunks += len(rows)
+            self._mounted.unchanged_paths.add(os.fsdecode(path))
+        else:  # symbolic links (their target is in the row), fifos, devices
+            self.stats.others += 1
+        self._tick()
+        return True
 
     # -- orchestration ------------------------------------------------------------
     def _find_parent(self, roots: list[bytes]) -> None:
@@ -359,6 +410,7 @@ class Snapshotter:
             if not os.path.lexists(r):
                 raise UsageError(f"{os.fsdecode(r)}: no such file or directory")
         self._find_own_mounts(roots)
+        self._untouched = UntouchedDirs(self._own, self._mounted)
         layers = self._own.targets if self._own is not None else frozenset()
         if self.opts.whole_box:
             self.rules = WalkRules.for_whole_box(self.opts.excludes, [], self.opts.cross_mounts, layers)
@@ -403,7 +455,7 @@ class Snapshotter:
             self.cat.add_root(root)
             self._root_dev = os.lstat(root).st_dev
             if root == b"/":
-                self._walk_dir(ROOT_INO, b"/", os.lstat(b"/"), ROOT_INO if self._parent_cat else None)
+                self._walk_dir(ROOT_INO, b"/", os.lstat(b"/").st_dev, ROOT_INO if self._parent_cat else None)
                 continue
             # Ancestors are recorded with their own attributes but without other children.
             parent, old_parent = ROOT_INO, (ROOT_INO if self._parent_cat else None)
@@ -425,31 +477,6 @@ class Snapshotter:
         self._tick(force=True)
         return self._commit(roots, cat_path)
 
-    def _finish_observers(self) -> dict[str, Any] | None:
-        """Let the environment probe read what it noted; store its prefetch hints in the catalog.
-
-        Hints are ``{class: [absolute paths]}``; each path becomes a catalog row
-        ``(class, ino, rank)`` in the order given, so the mount can prefetch
-        python environments, CUDA libraries and the latest checkpoint first.
-        """
-        environment = None
-        for obs in self.opts.observers:
-            try:
-                result = obs.finish()
-            except Exception as exc:  # the probe must never cost the snapshot
-                result = {"notes": [f"environment capture failed: {exc!r}"]}
-            hints = result.pop("hints", None) or {}
-            rank = 0
-            for klass, paths in hints.items():
-                for p in paths:
-                    ino = self.cat.resolve(os.fsencode(p))
-                    if ino is not None:
-                        self.cat.add_hint(klass, ino, rank)
-                        rank += 1
-            result["hint_counts"] = {k: len(v) for k, v in hints.items()}
-            environment = result
-        return environment
-
     def _commit(self, roots: list[bytes], cat_path: Path) -> dict[str, Any]:
         for cid in self.cat.unlocated():
             loc = self.repo.index.lookup(cid, self._live_packs)
@@ -460,7 +487,7 @@ class Snapshotter:
             if loc is None:
                 raise OgrefsError(f"internal error: chunk {cid.hex()[:12]} has no location; snapshot not saved")
             self.cat.set_location(cid, loc)
-        environment = self._finish_observers()
+        environment = finish_observers(self.opts.observers, self.cat)
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
@@ -503,6 +530,32 @@ class Snapshotter:
             manifest["environment"] = environment
         self.repo.put_manifest(manifest)
         return manifest
+
+
+def finish_observers(observers: list[Any], cat: CatalogWriter) -> dict[str, Any] | None:
+    """Let the environment probe read what it noted; store its prefetch hints in the catalog.
+
+    Hints are ``{class: [absolute paths]}``; each path becomes a catalog row
+    ``(class, ino, rank)`` in the order given, so the mount can prefetch
+    python environments, CUDA libraries and the latest checkpoint first.
+    """
+    environment = None
+    for obs in observers:
+        try:
+            result = obs.finish()
+        except Exception as exc:  # the probe must never cost the snapshot
+            result = {"notes": [f"environment capture failed: {exc!r}"]}
+        hints = result.pop("hints", None) or {}
+        rank = 0
+        for klass, paths in hints.items():
+            for p in paths:
+                ino = cat.resolve(os.fsencode(p))
+                if ino is not None:
+                    cat.add_hint(klass, ino, rank)
+                    rank += 1
+        result["hint_counts"] = {k: len(v) for k, v in hints.items()}
+        environment = result
+    return environment
 
 
 def take_snapshot(repo: Repository, opts: SnapshotOptions,

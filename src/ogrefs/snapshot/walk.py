@@ -66,6 +66,7 @@ class MountPoint:
     path: bytes
     fstype: str
     source: str
+    options: str = ""  # the super block's options (an overlay's lowerdir=..., upperdir=...)
 
 
 def mount_table() -> dict[bytes, MountPoint]:
@@ -81,7 +82,8 @@ def mount_table() -> dict[bytes, MountPoint]:
                     continue
                 point = _unescape_mountinfo(parts[4])
                 source = parts[sep + 2] if len(parts) > sep + 2 else ""
-                out[point] = MountPoint(point, parts[sep + 1], source)
+                options = parts[sep + 3] if len(parts) > sep + 3 else ""
+                out[point] = MountPoint(point, parts[sep + 1], source, options)
     except OSError:
         pass
     return out
