@@ -18,7 +18,7 @@ import pytest
 
 from ogrefs.errors import CorruptObject
 from ogrefs.repo import Repository
-from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.repo.catalog import ROOT_INO, Catalog, listing
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
 
@@ -98,3 +98,27 @@ def test_forged_lengths_and_entries_are_corrupt_object_not_type_errors(snap, tmp
         with pytest.raises(CorruptObject):
             query()
     assert cat.small_files(d.ino, 1 << 20) == [(a.ino, 1000), (b.ino, 3000)]  # the bad name is skipped
+
+
+def test_listing_gives_a_directory_as_children_xattrs_and_located_extents_do_one_by_one(tmp_path):
+    """snapshot/untouched.py takes whole directories with it: the same rows, a hard link pair's once."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(os.urandom(300_000))
+    (src / "b.txt").write_bytes(b"b" * 10)
+    os.link(src / "a.bin", src / "a-link.bin")
+    os.setxattr(src / "b.txt", "user.k", b"v")
+    os.setxattr(src / "sub", "user.d", b"dir")
+    os.symlink("b.txt", src / "ln")
+    repo = Repository.init(f"memory://list-{secrets.token_hex(4)}", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    cat = Catalog(repo.catalog_path(m["id"]))
+    d = cat.resolve(os.fsencode(src))
+    listed = listing(cat, d.ino)
+    assert [e.name for e in listed] == [b"a-link.bin", b"a.bin", b"b.txt", b"ln", b"sub"]
+    for e, (name, node) in zip(listed, cat.children(d.ino)):
+        assert (e.name, e.node) == (name, node)
+        assert e.xattrs == cat.xattrs(node.ino)
+        assert e.extents == (cat.located_extents(node.ino) if node.is_reg else [])
+    assert listed[0].node.ino == listed[1].node.ino and len(listed[0].extents) >= 1
+    assert listed[2].xattrs == [(b"user.k", b"v")] and listed[4].xattrs == [(b"user.d", b"dir")]

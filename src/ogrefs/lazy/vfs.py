@@ -121,6 +121,9 @@ class StatFs(NamedTuple):
 @dataclass
 class VfsStats:
     lookups: int = 0
+    getattrs: int = 0
+    dir_opens: int = 0  # opendir: one per listing (a snapshot's walk of the mount shows here)
+    xattr_lists: int = 0  # listxattr
     opens: int = 0
     reads: int = 0
     bytes_read: int = 0  # bytes returned to applications (the kernel)
@@ -257,6 +260,7 @@ class SnapshotFS:
         return node
 
     async def getattr(self, ino: int) -> Attr:
+        self.stats.getattrs += 1
         return self._attr(self._node(ino))
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
@@ -317,6 +321,7 @@ class SnapshotFS:
         raise FsError(errno.ENODATA)
 
     async def listxattr(self, ino: int) -> list[bytes]:
+        self.stats.xattr_lists += 1
         self._node(ino)
         return [n for n, _ in self.catalog.xattrs(ino) if not n.startswith(OVERLAY_XATTRS)]
 
@@ -326,6 +331,7 @@ class SnapshotFS:
 
     # -- directories ------------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
+        self.stats.dir_opens += 1
         if not self._node(ino).is_dir:
             raise FsError(errno.ENOTDIR)
         fh = self._new_fh()

@@ -249,6 +249,7 @@ class Daemon:
         fs, vs = self.fs, self.fs.stats
         return {**self.info, "time": time.time(), "bytes_read": vs.bytes_read, "reads": vs.reads,
                 "opens": vs.opens, "open_files": fs.open_files, "lookups": vs.lookups,
+                "getattrs": vs.getattrs, "dir_opens": vs.dir_opens, "xattr_lists": vs.xattr_lists,
                 "referenced_inodes": fs.referenced_inodes, "read_errors": vs.read_errors,
                 "read_wait_s": round(vs.read_wait, 3),
                 "bytes_fetched": st["bytes_fetched"], "bytes_bridged": st["bytes_bridged"],
