@@ -5,7 +5,9 @@ its status beside it) and keeps the overlays it mounted in ``<state>/overlays.js
 ``mount/`` writes these records (the daemon writes the registration and status, the
 keeper completes the registration once, ``unmount``/``finalize`` update overlays.json);
 ``snapshot/`` (a box running from a mount), ``agent/`` and ``ogrefs mounts`` only read
-them. So the records' format lives here, below every layer that reads it, and reading
+them, with one exception: a snapshot of a box running from a writable mount leaves
+``<state>/snapshot-started`` (:func:`mark_snapshot_started`), which the daemon's access-trace
+recorder reads (``lazy/recorder.py``: a snapshot marks the end of the resume). So the records' format lives here, below every layer that reads it, and reading
 them needs nothing of the mount machinery. No locks: every write is an atomic rename.
 """
 
@@ -16,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +194,43 @@ def load_overlays(state_dir: Path) -> list[Overlay]:
         return []
     except (ValueError, TypeError) as exc:
         raise OgrefsError(f"{state_dir}/overlays.json is damaged ({exc})") from None
+
+
+SNAPSHOT_STARTED = "snapshot-started"
+
+
+def mark_snapshot_started(state_dir: Path) -> None:
+    """Say in a writable mount's state directory that a snapshot of the box starts now (``time.monotonic()``).
+
+    An OSError (a state directory this process may not write) is the caller's to ignore: the mark only
+    helps the mount's access trace.
+    """
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(repr(time.monotonic()))
+        os.replace(tmp, state_dir / SNAPSHOT_STARTED)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def snapshot_started(state_dir: Path) -> float | None:
+    """When the newest snapshot of the box started (:func:`mark_snapshot_started`), or None. Blocking (a read)."""
+    try:
+        return float((state_dir / SNAPSHOT_STARTED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_snapshot_started(state_dir: Path) -> None:
+    """A new mount of the state directory: an earlier mount's (or boot's) mark means nothing to it.
+
+    Best effort: a mark left in place is ignored anyway when its time is not within the recording.
+    """
+    with contextlib.suppress(OSError):
+        (state_dir / SNAPSHOT_STARTED).unlink()
 
 
 def state_base() -> Path:

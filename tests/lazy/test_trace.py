@@ -548,3 +548,32 @@ def test_the_quiet_period_comes_from_the_environment(caplog, expect_log):
     assert quiet_from_env({"OGREFS_TRACE_QUIET": "0"}) == 0
     assert quiet_from_env({"OGREFS_TRACE_QUIET": "soon"}) == DEFAULT_QUIET_S
     assert "OGREFS_TRACE_QUIET='soon' is not a number of seconds" in caplog.text
+
+
+def test_a_snapshot_after_the_resume_ends_the_recording_where_it_started(tmp_path):
+    """The spot loop's B: the step, a checkpoint, ``ogrefs snapshot`` (whose probe reads through the mount), then
+    ``restic backup`` at once, all within the quiet period: the trace ends where the snapshot started.  A snapshot
+    that starts before the resume has read enough, or while it still reads, does not end it."""
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    src = tmp_path / "src"
+    write_tree(src)
+    _, cat = snap(repo, src)
+    a, b, c = ino(cat, src / "lib" / "f1.bin"), ino(cat, src / "f3.txt"), ino(cat, src / "f4.bin")
+    now = [10.0]
+    r = Recorder(cat, quiet_s=0, resume_bytes=3 * MiB, clock=lambda: now[0])
+    assert not r.snapshot_started(5.0)  # before this recording began: an old mark
+    r.record(a, 0, 2 * MiB)
+    now[0] = 11.0
+    assert not r.snapshot_started(11.0) and r.active  # the agent's first snapshot, 2 MiB into the resume
+    r.record(a, 2 * MiB, 2 * MiB)
+    now[0] = 11.5
+    assert not r.snapshot_started(11.5) and r.active  # 4 MiB in, but it read 0.5 s ago: still resuming
+    r.record(a, 4 * MiB, 2 * MiB)
+    now[0] = 14.0
+    r.record(b, 0, 100)  # the snapshot's own probe, at 14.0
+    now[0] = 14.5
+    r.record(c, 0, MiB)  # restic
+    assert not r.snapshot_started(20.0)  # a mark from the future is not this recording's either
+    assert r.snapshot_started(13.9) and r.ended == "snapshot" and r.complete
+    assert r.raw() == [(a, 0), (a, 2 * MiB), (a, 4 * MiB)] and r.bytes == 6 * MiB
+    assert not r.snapshot_started(13.9)  # ended already

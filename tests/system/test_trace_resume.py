@@ -88,3 +88,22 @@ def test_a_trace_poisoned_by_a_bulk_reader_is_replaced_by_the_next_resumes(job_b
     assert _traced_files(job_box) == everything
     _resume_then_backup(job_box, QUIET_S)  # replays the poisoned trace; records the job, then goes quiet
     assert _traced_files(job_box) == {str(proj / "job" / "weights.bin")}
+
+
+def test_a_snapshot_of_the_box_ends_the_trace_and_a_backup_right_after_it_is_not_recorded(job_box):
+    """The spot loop's B on a small box: the job, a pause (it trains), ``ogrefs snapshot`` (its environment probe
+    reads through the mount), ``restic``-like reads of every file at once. The quiet rule is off here, so only the
+    snapshot can end the recording."""
+    proj, tmp = job_box["proj"], job_box["tmp"]
+    in_namespace(job_box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        OGREFS_TRACE_QUIET=0 {OGREFS} mount {job_box['snap']} / --no-materialize
+        cat {proj}/job/weights.bin > /dev/null          # the resume
+        sleep 2                                         # the step trains (over the recorder's 1 s pause)
+        echo step > {proj}/job/step.log
+        {OGREFS} -q snapshot {proj} > /dev/null
+        find {proj} -type f -exec cat {{}} + > /dev/null  # the backup, at once
+        {OGREFS} unmount /
+    """)
+    assert _traced_files(job_box) == {str(proj / "job" / "weights.bin")}
+    assert list((tmp / "state").glob("*/snapshot-started"))  # the snapshot's mark (the next mount clears it)

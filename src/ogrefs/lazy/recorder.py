@@ -27,10 +27,24 @@ Recording ends at the first of:
   libraries and dotfiles, then a pause until the job starts) from ending the
   recording before the job's first read; a job whose whole start-up reads
   less is recorded for the window, as before;
+* **a snapshot of the box** (``ogrefs snapshot`` or the agent, of a box that
+  runs from this writable mount: it leaves ``<state>/snapshot-started``,
+  :func:`ogrefs.boxmounts.mark_snapshot_started`), once 64 MiB are recorded
+  and the box had read nothing new for ``SNAPSHOT_PAUSE_S`` (1 s) when it
+  started: the job checkpointed, its resume is over.  What was first touched
+  after the snapshot started is dropped: the snapshot's own environment
+  probe (``pyvenv.cfg`` and ``dist-info`` metadata, read through the mount)
+  and whatever follows it, such as ``restic backup`` right after it.  On a
+  small box that sequence takes less than the quiet period (measured, a
+  ``torch.load`` of a 64 MB checkpoint then ``ogrefs snapshot`` then
+  ``restic backup``: 2.8 s from the step's last first touch to the
+  snapshot's, 0.8 s more to restic's).  The pause keeps a snapshot taken
+  *during* a resume (the agent's first one, at boot beside the job) from
+  cutting it short;
 * ``window_s`` seconds after the mount (300) or ``max_entries`` (200,000);
 * :meth:`Recorder.stop` (unmount).
 
-A recording that ended at a quiet period is the whole resume: it is saved on
+A recording that ended at a quiet period or at a snapshot is the whole resume: it is saved on
 its own and *replaces* the trace the mount replayed, so a trace poisoned by a
 bulk reader in the past heals on the next resume.  One cut short (the window,
 the bound, an unmount) is followed by the replayed trace's entries it did not
@@ -66,6 +80,7 @@ DEFAULT_WINDOW_S = 300.0
 DEFAULT_MAX_ENTRIES = 200_000
 DEFAULT_QUIET_S = 5.0
 DEFAULT_RESUME_BYTES = 64 * MiB
+SNAPSHOT_PAUSE_S = 1.0
 QUIET_ENV = "OGREFS_TRACE_QUIET"
 #: Reads of a file served from a local copy carry no extent list; they are recorded per granule of
 #: this size (the average chunk), which the replay maps back to the extents holding them.
@@ -89,7 +104,7 @@ class Recorder:
 
     ``record`` is called by the vfs for every chunk a read touches; it costs a
     clock read and a dict lookup, and nothing once recording has ended
-    (``ended`` says why: ``quiet``, ``window``, ``full`` or ``stopped``).
+    (``ended`` says why: ``quiet``, ``snapshot``, ``window``, ``full`` or ``stopped``).
     Owned by the trio loop.
     """
 
@@ -105,7 +120,8 @@ class Recorder:
         self._clock = clock
         self._start = clock()
         self._last_new: float | None = None  # when the newest first touch came
-        self._seen: dict[tuple[int, int], None] = {}  # insertion-ordered set
+        # insertion-ordered: (inode, offset) -> (when first touched, bytes recorded up to and with it)
+        self._seen: dict[tuple[int, int], tuple[float, int]] = {}
         self.active = max_entries > 0 and window_s > 0
         self.ended: str | None = None if self.active else "stopped"
 
@@ -118,9 +134,9 @@ class Recorder:
             return
         key = (ino, offset)
         if key not in self._seen:
-            self._seen[key] = None
-            self._last_new = now
             self.bytes += length
+            self._seen[key] = (now, self.bytes)
+            self._last_new = now
             if len(self._seen) >= self.max_entries:
                 self._end("full")
 
@@ -143,10 +159,26 @@ class Recorder:
             log.info("access trace: recording ended (%s) after %.1f s with %d entries (%.0f MiB)", why,
                      self._clock() - self._start, len(self._seen), self.bytes / MiB)
 
+    def snapshot_started(self, at: float) -> bool:
+        """A snapshot of the box started at ``at`` (this clock): end the recording there if the resume is over.
+
+        Over: at least ``resume_bytes`` first touched before ``at`` and none new in the ``SNAPSHOT_PAUSE_S``
+        before it.  Then what was first touched after ``at`` is dropped.  Returns whether it ended.
+        """
+        if not self.active or not self._start <= at <= self._clock():  # not this recording's (an old mark)
+            return False
+        before = [(key, v) for key, v in self._seen.items() if v[0] <= at]
+        if not before or before[-1][1][1] < self.resume_bytes or at - before[-1][1][0] < SNAPSHOT_PAUSE_S:
+            return False
+        self._seen = dict(before)
+        self.bytes = before[-1][1][1]
+        self._end("snapshot")
+        return True
+
     @property
     def complete(self) -> bool:
-        """Whether the recording ended at a quiet period: it holds the whole resume, nothing to merge."""
-        return self.ended == "quiet"
+        """Whether the recording ended at a quiet period or a snapshot: it holds the whole resume, nothing to merge."""
+        return self.ended in ("quiet", "snapshot")
 
     def stop(self) -> None:
         """End recording (unmount); a quiet period that has passed unnoticed still counts as one."""
@@ -196,15 +228,24 @@ def save_trace(repo: Repository, snap_id: str, recorder: Recorder, previous: lis
 
 
 async def save_when_recorded(repo: Repository, snap_id: str, recorder: Recorder,
-                             previous: list[Entry] | None = None, *, poll: float = 1.0) -> str | None:
-    """Daemon task: wait until ``recorder`` has stopped recording (quiet, window over or full), then save the trace.
+                             previous: list[Entry] | None = None, *, poll: float = 1.0,
+                             snapshot_started: Callable[[], float | None] | None = None) -> str | None:
+    """Daemon task: wait until ``recorder`` has stopped recording (quiet, a snapshot, window over or full), then save.
 
-    Store failures are logged, never raised: a lost trace only costs the next
-    mount its head start.  On an earlier unmount, call :func:`save_trace` in a
-    worker thread instead (``recorder.stop()`` first).
+    ``snapshot_started`` (blocking: run in a worker thread each ``poll``) says
+    when the newest snapshot of the box started, or None.  Store failures are
+    logged, never raised: a lost trace only costs the next mount its head
+    start.  On an earlier unmount, call :func:`save_trace` in a worker thread
+    instead (``recorder.stop()`` first).
     """
+    seen: float | None = None
     while recorder.active:
         await trio.sleep(poll)
+        if snapshot_started is not None:
+            at = await trio.to_thread.run_sync(snapshot_started)
+            if at is not None and at != seen:  # a new snapshot (one that came during the resume is not one again)
+                seen = at
+                recorder.snapshot_started(at)
         recorder.expired()  # no read came to notice the quiet period or the end of the window
     try:
         return await trio.to_thread.run_sync(save_trace, repo, snap_id, recorder, previous)

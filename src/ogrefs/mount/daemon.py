@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import trio
 
-from ogrefs.boxmounts import MountError, Registration, atomic_json
+from ogrefs.boxmounts import MountError, Registration, atomic_json, clear_snapshot_started, snapshot_started
 from ogrefs.lazy.chunkcache import CacheCipher, ChunkCache
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.fetchio import PackReads
@@ -137,6 +137,8 @@ class Daemon:
                                memory_bytes=opts.memory_cache, decode=repo.codec.decode_blob,
                                open_range=packs.open_range, stop=stop, retries=lambda: packs.retries)
         self.recorder = Recorder(catalog, quiet_s=quiet_from_env()) if plan.save_trace else None
+        if self.recorder is not None and plan.state_dir is not None:
+            clear_snapshot_started(plan.state_dir)  # an earlier mount's snapshot says nothing about this resume
         # (the materializer shares the fetcher's residency: what readers fetch goes to the tree at once, not via
         # the chunk cache)
         materializer = (Materializer(catalog, self.fetcher, plan.state_dir)
@@ -209,8 +211,13 @@ class Daemon:
         await trio.to_thread.run_sync(atomic_json, self.plan.registration.status, self.status())
 
     async def _save_when_recorded(self) -> None:
-        await save_when_recorded(self.plan.repo, self.plan.snapshot_id, self.recorder, self.plan.trace_entries)
+        await save_when_recorded(self.plan.repo, self.plan.snapshot_id, self.recorder, self.plan.trace_entries,
+                                 snapshot_started=self._snapshot_started)
         self.trace_saved = True
+
+    def _snapshot_started(self) -> float | None:
+        """When a snapshot of the box running from this writable mount started (blocking: a small read)."""
+        return snapshot_started(self.plan.state_dir) if self.plan.state_dir is not None else None
 
     async def _write_status(self) -> None:
         while True:
@@ -271,6 +278,9 @@ class Daemon:
         """
         if self.trace_saved:
             return
+        at = self._snapshot_started()
+        if at is not None:
+            self.recorder.snapshot_started(at)
         self.recorder.stop()
         try:
             save_trace(self.plan.repo, self.plan.snapshot_id, self.recorder, self.plan.trace_entries)

@@ -23,6 +23,7 @@ packs with their index objects, which the next run finds and reuses.
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import pwd
 import secrets
@@ -45,6 +46,7 @@ from ogrefs.repo.trash import read_trash
 from ogrefs.snapshot.untouched import KnownDir, UntouchedDirs
 from ogrefs.snapshot.walk import WalkRules
 
+log = logging.getLogger(__name__)
 
 EXIT_PARTIAL = 3  # snapshot written, but some files could not be read
 
@@ -390,6 +392,8 @@ class Snapshotter:
             own = OwnMounts(own_mounts())
         self._own = own if own is not None and own.mounts else None
         self._from = self._own.covering(roots) if self._own is not None else None
+        if self._from is not None:
+            _mark_snapshot_started(self._from.state_dir)
         if self._from is not None and self._mounted.catalog(self._from.snapshot) is not None:
             self._mounted.from_manifest = self.repo.load_manifest(self._from.snapshot)
         from ogrefs.snapshot.selection import box_of
@@ -566,3 +570,13 @@ def take_snapshot(repo: Repository, opts: SnapshotOptions,
         # the catalog being built and the index cache live in the local cache directory
         raise OgrefsError(f"local cache {repo.cache_dir}: {exc} (is the disk full?); "
                           "nothing was saved as a snapshot") from None
+
+
+def _mark_snapshot_started(state_dir: bytes) -> None:
+    """Tell the mount this box runs from that a snapshot starts: its access trace ends here (lazy/recorder.py)."""
+    from ogrefs.boxmounts import mark_snapshot_started
+
+    try:
+        mark_snapshot_started(Path(os.fsdecode(state_dir)))
+    except OSError as exc:  # the trace then records on (to its quiet period): nothing of the snapshot is lost
+        log.info("could not mark the snapshot's start in %s: %s", os.fsdecode(state_dir), exc)
