@@ -216,9 +216,14 @@ class OwnMounts:
         return [m.state_dir for m in self.mounts]
 
     def origin(self, path: bytes) -> Origin | None:
+        la = self.layer_of(path)
+        return la.origin(path) if la is not None else None
+
+    def layer_of(self, path: bytes) -> Layer | None:
+        """The innermost layer whose target holds ``path``."""
         for la in self._layers:
             if path == la.target or la.target == b"/" or path.startswith(la.target + b"/"):
-                return la.origin(path)
+                return la
         return None
 
     def covering(self, roots: list[bytes]) -> OwnMount | None:

@@ -60,8 +60,11 @@ class UntouchedDirs:
 
     def known_dir(self, path: bytes, cat_ino: int | None = None) -> KnownDir | None:
         """The catalog's view of directory ``path`` (``cat_ino``: its catalog inode, when known), or None."""
-        origin = self._own.origin(path) if self._own is not None else None
-        if origin is None or not origin.layer.lower_only:
+        layer = self._own.layer_of(path) if self._own is not None else None
+        if layer is None or not layer.lower_only:
+            return None  # asked first: the origin costs syscalls on the upper directory
+        origin = layer.origin(path)
+        if origin is None:
             return None
         snap = origin.layer.mount.snapshot
         cat = self._mounted.catalog(snap)
