@@ -164,3 +164,44 @@ if o['target'].endswith('/usr')))")
     _assert_one_line((tmp / "finalize.err").read_text(), f"cannot finalize: {box}/usr: its work directory",
                      "not usable", "nothing was changed")
     _assert_as_before(tmp, box, "lower")
+
+
+def test_finalize_is_recorded_while_the_daemon_still_serves(whole):
+    """swap_lowers hands the new overlays to its caller before it detaches the FUSE lower.
+
+    Detaching the lower ends the daemon; its keeper then takes down every
+    overlay of a mount whose registration does not say finalized. finalize
+    recorded that only after swap_lowers returned, so under load the keeper
+    sometimes won: the finalized box lost its overlays (and showed the
+    box's own directories) right after "finalized" was printed. The
+    callback is where finalize records it; this checks it runs while the
+    lower is still mounted and the daemon still lives, every time.
+    """
+    box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
+    in_namespace(whole["env"], f"""
+        {OGREFS} mount {snap} /
+        timeout 60 {OGREFS} status / --wait > /dev/null
+        state={STATE_DIR}
+        timeout 60 {PY} - "$state" > {tmp}/seen.json <<'PY'
+import json, os, sys
+from pathlib import Path
+from ogrefs.boxmounts import load_overlays, registered_mounts
+from ogrefs.mount import overlay
+from ogrefs.mount.mountsys import mounted_fstype
+
+state = Path(sys.argv[1])
+info = registered_mounts()[0]
+seen = []
+def swapped_all(new):
+    seen.append({{"lower": mounted_fstype(state / "lower"), "daemon": os.path.exists(f"/proc/{{info['pid']}}"),
+                  "targets": sorted(o.target for o in new)}})
+overlay.swap_lowers(state, load_overlays(state), info.get("own_directories") or [], swapped_all=swapped_all)
+seen.append({{"lower_after": mounted_fstype(state / "lower")}})
+print(json.dumps(seen))
+PY
+    """)
+    seen = json.loads((tmp / "seen.json").read_text())
+    assert len(seen) == 2, seen
+    assert (seen[0]["lower"] or "").startswith("fuse") and seen[0]["daemon"], seen
+    assert seen[0]["targets"] == sorted(str(box / d) for d in ("mnt", "usr", "var")), seen
+    assert not (seen[1]["lower_after"] or "").startswith("fuse"), seen  # and then it is detached

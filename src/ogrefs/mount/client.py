@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ogrefs.boxmounts import MountError, Registration, load_overlays, pid_alive, save_overlays
+from ogrefs.boxmounts import MountError, Overlay, Registration, load_overlays, pid_alive, save_overlays
 from ogrefs.errors import UsageError
 from ogrefs.mount import holders, hostpaths, keeper, mountsys, overlay, rescue, topfiles
 from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
@@ -269,15 +269,19 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
     callers = holders.callers_or_refuse(f"finalize {mp}", [o.target for o in old], info)
     moved = _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
                                           if not p.endswith(" (merged)")])
+
+    def record_finalized(_new: list[Overlay]) -> None:
+        # before the FUSE lower goes: its daemon then exits, and its keeper tears down a mount not marked finalized
+        topfiles.rebind(state, state / "tree")
+        info.update(finalized=True, pid=None, lower=None)
+        reg.write(info)
+
     try:
-        new = overlay.swap_lowers(state, old, info.get("own_directories") or [])
+        new = overlay.swap_lowers(state, old, info.get("own_directories") or [], swapped_all=record_finalized)
     except MountError:
         for src, dest in reversed(moved):  # the local copy as it was: a later finalize sets them aside again
             os.replace(dest, src)
         raise
-    topfiles.rebind(state, state / "tree")
-    info.update(finalized=True, pid=None, lower=None)
-    reg.write(info)
     pid = status.get("pid")
     mountsys.umount(str(state / "lower"), lazy=True)
     if pid and pid_alive(pid) and callers:

@@ -35,6 +35,7 @@ import posixpath
 import stat
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from ogrefs.boxmounts import Overlay, save_overlays, unescape_mountinfo  # overlays.json's format lives there
 from ogrefs.mount import mountsys
@@ -411,7 +412,8 @@ def _finalize_problem(o_new: Overlay) -> str | None:
     return _work_dir_problem(o_new)
 
 
-def swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overlay]:
+def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
+                swapped_all: Callable[[list[Overlay]], None] = lambda new: None) -> list[Overlay]:
     """``finalize``: each overlay again over ``state/tree`` instead of ``state/lower``; all or nothing.
 
     Same upper and work directories, so no write is lost. What can be checked
@@ -424,6 +426,12 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overla
     Afterwards the FUSE lower is detached where it is bound back and where it
     was mounted first (below the new overlay that covers the state
     directory). Saves what is mounted.
+
+    ``swapped_all(new)`` runs once every new overlay is up and before the
+    FUSE lower is detached: detaching it ends the daemon, and the keeper,
+    seeing the daemon gone, takes down every overlay of a mount that its
+    registration does not call finalized. So the caller records the
+    finalize there, never after this returns.
     """
     from ogrefs.boxmounts import MountError
 
@@ -450,6 +458,7 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str]) -> list[Overla
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 raise MountError(f"cannot finalize: {why}; {_swap_back(state, old, swapped, keep, held)}") from None
         save_overlays(swapped, state)
+        swapped_all(swapped)
         mountsys.umount(lower_root, lazy=True)
         for fd in below:
             mountsys.umount(f"/proc/self/fd/{fd}/lower", lazy=True)
