@@ -52,6 +52,15 @@ def ino(cat: Catalog, path: Path) -> int:
     return node.ino
 
 
+def _three_files(tmp_path: Path) -> tuple[Catalog, tuple[int, int, int]]:
+    """A snapshot of write_tree's tree: its catalog and the inodes of lib/f1.bin, f3.txt and f4.bin."""
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    src = tmp_path / "src"
+    write_tree(src)
+    _, cat = snap(repo, src)
+    return cat, (ino(cat, src / "lib" / "f1.bin"), ino(cat, src / "f3.txt"), ino(cat, src / "f4.bin"))
+
+
 def test_recorder_keeps_first_touch_order_within_its_window_and_bound(tmp_path):
     repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
     src = tmp_path / "src"
@@ -477,11 +486,7 @@ def test_recording_ends_at_the_first_quiet_period_of_the_resume(tmp_path):
     A pause before the resume has read ``resume_bytes`` (a login before the job) does not end it; re-reads
     of chunks already recorded are not new first touches and do not keep it going.
     """
-    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
-    src = tmp_path / "src"
-    write_tree(src)
-    _, cat = snap(repo, src)
-    a, b, c = ino(cat, src / "lib" / "f1.bin"), ino(cat, src / "f3.txt"), ino(cat, src / "f4.bin")
+    cat, (a, b, c) = _three_files(tmp_path)
     now = [0.0]
     r = Recorder(cat, quiet_s=5, resume_bytes=3 * MiB, clock=lambda: now[0])
     r.record(b, 0, 4096)  # a login reads a little, then nothing for a minute
@@ -554,11 +559,7 @@ def test_a_snapshot_after_the_resume_ends_the_recording_where_it_started(tmp_pat
     """The spot loop's B: the step, a checkpoint, ``ogrefs snapshot`` (whose probe reads through the mount), then
     ``restic backup`` at once, all within the quiet period: the trace ends where the snapshot started.  A snapshot
     that starts before the resume has read enough, or while it still reads, does not end it."""
-    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
-    src = tmp_path / "src"
-    write_tree(src)
-    _, cat = snap(repo, src)
-    a, b, c = ino(cat, src / "lib" / "f1.bin"), ino(cat, src / "f3.txt"), ino(cat, src / "f4.bin")
+    cat, (a, b, c) = _three_files(tmp_path)
     now = [10.0]
     r = Recorder(cat, quiet_s=0, resume_bytes=3 * MiB, clock=lambda: now[0])
     assert not r.snapshot_started(5.0)  # before this recording began: an old mark
