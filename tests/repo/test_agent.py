@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,25 @@ class _Metadata(http.server.ThreadingHTTPServer):
     def __init__(self, provider: str) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.provider = provider
-        self.notice = False
+        self._notice = False
+        self.changed = threading.Condition()
         self.token = "tok-" + os.urandom(4).hex()
         self.requests: list[tuple[str, str, dict]] = []
         self.deadline = time.time() + 120
+
+    @property
+    def notice(self) -> bool:
+        return self._notice
+
+    @notice.setter
+    def notice(self, value: bool) -> None:
+        with self.changed:
+            self._notice = value
+            self.changed.notify_all()
+
+    @property
+    def etag(self) -> str:
+        return "etag-true" if self._notice else "etag-false"
 
     @property
     def url(self) -> str:
@@ -46,8 +62,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
-    def _send(self, code: int, body: bytes = b"") -> None:
+    def _send(self, code: int, body: bytes = b"", etag: str | None = None) -> None:
         self.send_response(code)
+        if etag is not None:
+            self.send_header("ETag", etag)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -71,10 +89,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return self._send(404)
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.deadline))
             return self._send(200, json.dumps({"action": "terminate", "time": when}).encode())
-        if s.provider == "gcp" and self.path == "/computeMetadata/v1/instance/preempted":
+        url = urllib.parse.urlsplit(self.path)
+        if s.provider == "gcp" and url.path == "/computeMetadata/v1/instance/preempted":
             if self.headers.get("Metadata-Flavor") != "Google":
                 return self._send(403)
-            return self._send(200, b"TRUE" if s.notice else b"FALSE")
+            query = urllib.parse.parse_qs(url.query)
+            if query.get("wait_for_change") == ["true"]:  # GCP's hanging GET: answer when the value changes
+                last = (query.get("last_etag") or [None])[0]
+                with s.changed:
+                    s.changed.wait_for(lambda: s.etag != last, timeout=float((query.get("timeout_sec") or [5])[0]))
+            return self._send(200, b"TRUE" if s.notice else b"FALSE", etag=s.etag)
         if s.provider == "azure" and self.path.startswith("/metadata/scheduledevents?api-version="):
             if self.headers.get("Metadata") != "true":
                 return self._send(400)
@@ -187,6 +211,52 @@ def test_preemption_notice_snapshots_at_once_and_sigterm_once_more(env, tmp_path
     dead = subprocess.run([PY, "-m", "ogrefs", "agent", "status"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert dead.returncode == 1 and "not running" in dead.stdout
+
+
+@pytest.mark.parametrize("metadata", ["gcp"], indirect=True)
+def test_gcp_notice_is_seen_through_a_hanging_get_not_the_next_poll(env, tmp_path, metadata):
+    """GCP answers ``wait_for_change`` at the change: with an hour between polls, the notice is still seen."""
+    agent = _Agent(env, ["--path", str(tmp_path / "box"), "--no-on-checkpoint", "--no-initial",
+                         "--preemption", "gcp", "--metadata-endpoint", metadata.url, "--poll", "3600"])
+    try:
+        agent.next(lambda e: e["event"] == "started")
+        deadline = time.monotonic() + 30
+        while not any("wait_for_change=true" in r[1] for r in metadata.requests):  # the agent now waits
+            assert time.monotonic() < deadline, f"no hanging GET: {metadata.requests}"
+            time.sleep(0.05)
+        metadata.notice = True
+        snap = agent.next(lambda e: e["event"] == "snapshot" and "notice" in e["reasons"], timeout=60)
+        assert snap["files"] == 1
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+    first, hanging = metadata.requests[0][1], metadata.requests[1][1]
+    assert "?" not in first  # a plain GET first: it gives the ETag the next one waits on
+    assert urllib.parse.parse_qs(urllib.parse.urlsplit(hanging).query)["last_etag"] == ["etag-false"]
+
+
+class _IgnoresWaiting(_Handler):
+    """A metadata server (or proxy) that answers a hanging GET at once: GCP's value with an ETag, no wait."""
+
+    def do_GET(self) -> None:
+        self.server.requests.append(("GET", self.path, {}))
+        self._send(200, b"FALSE", etag="etag-false")
+
+
+def test_a_server_that_does_not_hold_the_get_is_polled_not_hammered():
+    from ogrefs.agent.notices import GcpPreempted
+
+    server = _Metadata("gcp")
+    server.RequestHandlerClass = _IgnoresWaiting
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        src = GcpPreempted(server.url)
+        assert src.poll() is None and src.next_wait(2.0) == 0.0  # an ETag: the next request may wait
+        assert src.poll() is None and src.next_wait(2.0) == 2.0  # it did not wait: poll every 2 s
+        assert "wait_for_change=true" in server.requests[1][1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _torch_save(path: Path, step: int, what: str = "w") -> bytes:

@@ -5,7 +5,9 @@ Triggers, each a thread that only puts a :class:`Trigger` on the agent's queue:
 * the *timer* (``--every`` minutes after the last snapshot started);
 * the *checkpoint watch* (:mod:`.watch`): a new coherent checkpoint, complete
   and quiet, in the run directories the last snapshot found (and ``--watch``);
-* the *notice poller* (:mod:`.notices`): a preemption notice, once per notice;
+* the *notice poller* (:mod:`.notices`): a preemption notice, once per notice
+  (every ``--poll`` seconds; on GCP a hanging GET that the server answers at
+  the change);
 * SIGTERM / SIGINT (the handler only puts a trigger; the main thread acts).
 
 Who owns what: the main thread owns the repository, the queue's consumer side,
@@ -120,10 +122,13 @@ class Agent:
     def _poll(self, source: NoticeSource) -> None:
         seen = False
         errors = 0
-        while not self._stop.wait(self.opts.poll_s):
+        wait = 0.0  # the first poll at once: a notice already given when the agent starts is seen now
+        while not self._stop.wait(wait):
+            wait = self.opts.poll_s
             try:
                 notice = source.poll()
                 errors = 0
+                wait = source.next_wait(self.opts.poll_s)
             except OSError as exc:
                 errors += 1
                 if errors == 1:
