@@ -40,6 +40,14 @@ class Overlay:
     merged: str | None = None  # a layer of host files synthesized for this box (hostpaths.py), topmost
     binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
     host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
+    #: With the box's own directory as the lowest layer: the keeper's O_PATH descriptor of that directory,
+    #: opened just before this overlay was mounted and held for the keeper's life, the directory's
+    #: (st_dev, st_ino), and the overlay's mount id (mountinfo's first field) right after mount(2). A reader
+    #: opens ``/proc/<keeper_pid>/fd/<own_fd>`` to see the own layer the overlay covers (snapshot/mounted.py).
+    own_fd: int | None = None
+    own_dev: int | None = None
+    own_ino: int | None = None
+    mount_id: int | None = None
 
 
 def unescape_mountinfo(field: str) -> str:
@@ -139,7 +147,10 @@ def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
     ``finalized``, ``pid`` (daemon), ``keeper_pid``, ``died`` (the daemon was killed; the keeper
     detached the overlays), ``overlays`` (each: ``target``, ``lower``, ``upper``, ``work``,
     ``merged`` — a layer of host files synthesized above the snapshot —, ``binds`` — this box's
-    directories bound back on top —, ``host_dir``), ``host_owned`` (snapshot paths the FUSE view
+    directories bound back on top —, ``host_dir``, and with the box's own directory as the lowest
+    layer ``own_fd``, ``own_dev``, ``own_ino``, ``mount_id``: the keeper's descriptor of that directory,
+    its identity, and the overlay's mount id as mounted; else None), ``keeper_start`` (the keeper's
+    start time, :func:`process_start`: with ``keeper_pid`` it names one process), ``host_owned`` (snapshot paths the FUSE view
     hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
     """
     state = info.get("state_dir")
@@ -152,9 +163,11 @@ def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
     kept = info.get("host_kept") or []
     return {"snapshot": info.get("snapshot"), "repo": info.get("repo"), "target": info.get("mountpoint"),
             "state_dir": state, "tree": str(Path(state) / "tree"), "finalized": bool(info.get("finalized")),
-            "pid": info.get("pid"), "keeper_pid": info.get("keeper_pid"), "died": bool(info.get("died")),
+            "pid": info.get("pid"), "keeper_pid": info.get("keeper_pid"), "keeper_start": info.get("keeper_start"),
+            "died": bool(info.get("died")),
             "overlays": [{"target": o.target, "lower": o.lower, "upper": o.upper, "work": o.work,
-                          "merged": o.merged, "binds": list(o.binds), "host_dir": o.host_dir} for o in overlays],
+                          "merged": o.merged, "binds": list(o.binds), "host_dir": o.host_dir, "own_fd": o.own_fd,
+                          "own_dev": o.own_dev, "own_ino": o.own_ino, "mount_id": o.mount_id} for o in overlays],
             "host_owned": [p for p in kept if not p.endswith(" (merged)")], "skipped": info.get("skipped") or []}
 
 
@@ -177,6 +190,18 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in (b"Z", b"X")
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: with the pid it names one process), or None if none lives."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X") or not fields[19].isdigit():
+        return None
+    return int(fields[19])
 
 
 def save_overlays(overlays: list[Overlay], state_dir: Path) -> None:

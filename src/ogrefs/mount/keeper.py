@@ -25,6 +25,13 @@ When the daemon dies, the keeper detaches the overlays at once, so the box
 falls back to its own tree (no "Transport endpoint is not connected"
 everywhere) and a later ``ogrefs mount`` resumes with every write kept.
 
+The keeper also holds, for its whole life, an O_PATH descriptor of each
+overlay's own directory when the box's own content is the lowest layer
+(overlay.mount_one ``hold_own``; overlays.json records the descriptor and the
+directory's identity): a snapshot of the box reads that layer through
+``/proc/<keeper>/fd/N`` where the path itself now reaches the overlay
+(snapshot/mounted.py, untouched.py).
+
 Who owns what: the keeper alone mounts and unmounts in the box's namespace
 for a running mount (the ``unmount`` and ``finalize`` commands do it too,
 after which the keeper finds nothing left to do). It writes the mount's
@@ -42,7 +49,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ogrefs.boxmounts import Registration, load_overlays, save_overlays
+from ogrefs.boxmounts import Registration, load_overlays, process_start, save_overlays
 from ogrefs.errors import OgrefsError
 from ogrefs.mount import hostpaths, mountsys, overlay, rescue, topfiles
 from ogrefs.repo import default_cache_dir
@@ -101,7 +108,7 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
     host = hostpaths.prepare(layout.overlays, state, layout.host_paths)  # opens host files before they are covered
     target = str(layout.target)
     way_back = rescue.prepare(rescue_dir(plan.registration)) if target == "/" else None
-    up = overlay.mount_all(host.overlays, state, keep=keep)
+    up = overlay.mount_all(host.overlays, state, keep=keep, hold_own=True)  # own-dir fds held for our life
     owned = set(layout.host_paths.kept) if layout.host_paths is not None else set()
     shown = topfiles.show([e for e in layout.top_files or [] if "/" + e["name"] not in owned], state / "lower",
                           state)
@@ -164,7 +171,7 @@ def keep(plan: MountPlan, daemon_pid: int, from_daemon: int, to_daemon: int, rea
         _answer(ready_fd, f"error {exc}")
         return 1
     info = reg.read() or {}
-    info.update(done, keeper_pid=os.getpid())
+    info.update(done, keeper_pid=os.getpid(), keeper_start=process_start(os.getpid()))
     reg.write(info)
     log.info("overlays up: %s; kept from the host: %s; ldconfig: %s", ", ".join(done["overlays"]),
              ", ".join(done["host_kept"]) or "nothing", done["ldconfig"])

@@ -154,6 +154,18 @@ def super_options(mountpoint: "os.PathLike[str] | str") -> list[str]:
     return found
 
 
+def mount_id(mountpoint: "os.PathLike[str] | str") -> int | None:
+    """The mount id (mountinfo's first field) of what is mounted exactly at ``mountpoint`` (the top one), or None."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            fields = line.partition(" - ")[0].split()
+            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target and fields[0].isdigit():
+                found = int(fields[0])
+    return found
+
+
 def mounted_fstype(mountpoint: Path) -> str | None:
     """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
     target = os.path.abspath(mountpoint)

@@ -192,18 +192,53 @@ def uses_metacopy(o: Overlay) -> bool:
     return os.path.exists(_metacopy_marker(o)) or os.environ.get(METACOPY_ENV) == "1"
 
 
-def mount_options(o: Overlay) -> str:
+def mount_options(o: Overlay, lowers: str | None = None) -> str:
     metacopy = ",metacopy=on" if uses_metacopy(o) else ""  # implies redirect_dir=on (the kernel's rule)
-    return f"lowerdir={lowerdir(o)},upperdir={o.upper},workdir={o.work}{metacopy}"
+    return f"lowerdir={lowers or lowerdir(o)},upperdir={o.upper},workdir={o.work}{metacopy}"
 
 
-def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
+def _hold_own(o: Overlay, lowers: str) -> int | None:
+    """An O_PATH descriptor of the box's own directory when ``lowers`` has it as the lowest layer, else None.
+
+    Opened immediately before the overlay covers that path: afterwards the path reaches the overlay, the
+    descriptor still the directory the overlay was mounted over (snapshot/mounted.py reads it there).
+    """
+    own = o.host_dir or o.target
+    if not o.keep_existing or not lowers.endswith(":" + own):
+        return None
+    return os.open(own, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def mount_one(o: Overlay, keep: list[str] | None = None, hold_own: bool = False) -> Overlay:
     """Mount ``o``; then bind the box's submounts and ogrefs' own directories back on top of it.
 
     Returns ``o`` with ``binds`` set to what was bound back (saved, so unmount
     takes them down first). Directories to bind back are opened (O_PATH)
     before the overlay covers them and bound from ``/proc/self/fd/N``.
+
+    ``hold_own`` (the keeper, which lives as long as the mount): when the box's
+    own directory is the lowest layer, an O_PATH descriptor of it is opened just
+    before the mount and left open; the result records it (``own_fd``, its
+    ``own_dev``/``own_ino``, the overlay's ``mount_id``). Otherwise those are None:
+    an overlay mounted again by another process (finalize, a rollback) never
+    carries a descriptor that is not the one its lowest layer was opened from.
     """
+    lowers = lowerdir(o)
+    own_fd = _hold_own(o, lowers) if hold_own else None
+    try:
+        up = _mount_one(o, keep, lowers)
+    except BaseException:
+        if own_fd is not None:
+            os.close(own_fd)
+        raise
+    if own_fd is None:
+        return replace(up, own_fd=None, own_dev=None, own_ino=None, mount_id=None)
+    st = os.fstat(own_fd)
+    return replace(up, own_fd=own_fd, own_dev=st.st_dev, own_ino=st.st_ino, mount_id=mountsys.mount_id(o.target))
+
+
+def _mount_one(o: Overlay, keep: list[str] | None, lowers: str) -> Overlay:
+    """:func:`mount_one` but for the own directory's descriptor: mount with ``lowers``, bind back, return ``o``."""
     for d in (o.upper, o.work):
         os.makedirs(d, mode=0o700, exist_ok=True)
     # overlayfs shows the upper directory's own attributes on the mount's root:
@@ -218,7 +253,7 @@ def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
     fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in back}
     try:
         try:
-            mountsys.overlay(o.target, mount_options(o))
+            mountsys.overlay(o.target, mount_options(o, lowers))
         except OSError as exc:
             extra = " (with metacopy=on)" if uses_metacopy(o) else ""
             raise OverlayError(f"overlay at {o.target} failed{extra}: {exc.strerror}") from None
@@ -245,14 +280,20 @@ def mount_one(o: Overlay, keep: list[str] | None = None) -> Overlay:
     return replace(o, binds=tuple(back))
 
 
-def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None = None) -> list[Overlay]:
-    """Mount every overlay or none (those already up are taken down again); saves and returns them."""
+def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None = None,
+              hold_own: bool = False) -> list[Overlay]:
+    """Mount every overlay or none (those already up are taken down again); saves and returns them.
+
+    ``hold_own``: see :func:`mount_one` (the keeper's call; its descriptors stay open for its life).
+    """
     done: list[Overlay] = []
     try:
         for o in overlays:
-            done.append(mount_one(o, keep))
+            done.append(mount_one(o, keep, hold_own))
     except BaseException:
         unmount_all(done, lazy=True)
+        for fd in (o.own_fd for o in done if o.own_fd is not None):
+            os.close(fd)
         raise
     save_overlays(done, state_dir)
     return done

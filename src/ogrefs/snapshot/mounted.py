@@ -113,16 +113,31 @@ class Layer:
     prefix: bytes  # b"" for the catalog's root
     mount: OwnMount
     merged: bytes | None = None  # host files synthesized above the snapshot (hostpaths.py)
-    #: The overlay's lower layers are the snapshot (and ``merged`` above it) only, as mounted now: no layer of
-    #: the box's own content below the snapshot's, so a directory with nothing in upper or merged holds exactly
-    #: the catalog's children (snapshot/untouched.py).  False when the mount table says anything else.
-    lower_only: bool = False
+    #: What the overlay's lower layers are, as mounted now (:func:`classify_lowers`): ``LOWER_ONLY`` the
+    #: snapshot (and ``merged`` above it) only, so a directory with nothing in upper or merged holds exactly
+    #: the catalog's children; ``LOWER_OVER_OWN`` the same over the box's own directory, proven to be the one
+    #: readable at ``own_root``, so such a directory holds the catalog's children and the own directory's
+    #: (snapshot/untouched.py); ``UNKNOWN`` anything else: the walk goes through the mount.
+    lowers: str = "unknown"
+    #: With ``LOWER_OVER_OWN``: ``/proc/<keeper>/fd/<n>``, the box's own directory below the snapshot's.
+    own_root: bytes | None = None
     _redirected: dict[bytes, bool] = field(default_factory=dict)
+
+    @property
+    def lower_only(self) -> bool:
+        return self.lowers == LOWER_ONLY
+
+    def rel(self, path: bytes) -> bytes | None:
+        """``path`` relative to the target (b"" for the target itself, else b"/..."); None if not below it."""
+        rel = path[len(self.target):] if self.target != b"/" else path
+        if rel == b"/" and self.target == b"/":
+            return b""
+        return rel if not rel or rel.startswith(b"/") else None
 
     def origin(self, path: bytes) -> Origin | None:
         """Where ``path`` (below or at ``target``) comes from; None when it cannot be known."""
-        rel = path[len(self.target):] if self.target != b"/" else path
-        if rel and not rel.startswith(b"/"):
+        rel = self.rel(path)
+        if rel is None:
             return None
         if self._below_redirect(os.path.dirname(rel) if rel else b""):
             return None
@@ -185,18 +200,60 @@ def own_mounts() -> list[OwnMount]:
             for root in (m.state_dir + b"/lower", m.state_dir + b"/tree"):
                 if lower == root or lower.startswith(root + b"/"):
                     merged = os.fsencode(o["merged"]) if o.get("merged") else None
+                    lowers = classify_lowers(mp.options, lower, merged, os.fsencode(o.get("host_dir") or o["target"]))
+                    own_root = own_layer_root(ws, o, mp.mount_id) if lowers == LOWER_OVER_OWN else None
+                    if lowers == LOWER_OVER_OWN and own_root is None:
+                        lowers = UNKNOWN  # the own layer cannot be proven readable: walk through the mount
                     m.layers.append(Layer(target, os.fsencode(o["upper"]), lower[len(root):], m, merged,
-                                          _lower_only(mp.options, lower, merged)))
+                                          lowers, own_root))
                     break
         if m.layers:
             out.append(m)
     return out
 
 
-def _lower_only(options: str, lower: bytes, merged: bytes | None) -> bool:
-    """Whether an overlay's mount options name exactly ``[merged:]lower`` as its lower layers."""
+LOWER_ONLY, LOWER_OVER_OWN, UNKNOWN = "lower_only", "lower_over_own", "unknown"
+
+
+def classify_lowers(options: str, lower: bytes, merged: bytes | None, own: bytes) -> str:
+    """What an overlay's mount options name as its lower layers: exactly ``[merged:]lower`` (LOWER_ONLY),
+    exactly ``[merged:]lower:own`` (LOWER_OVER_OWN: the box's own directory lowest), or anything else."""
     want = os.fsdecode(lower if merged is None else merged + b":" + lower)
-    return any(opt == "lowerdir=" + want for opt in options.split(","))
+    got = [opt[len("lowerdir="):] for opt in options.split(",") if opt.startswith("lowerdir=")]
+    if got == [want]:
+        return LOWER_ONLY
+    if got == [want + ":" + os.fsdecode(own)]:
+        return LOWER_OVER_OWN
+    return UNKNOWN
+
+
+def own_layer_root(ws: dict, o: dict, mount_id: int | None) -> bytes | None:
+    """``/proc/<keeper>/fd/<n>``: the box's own directory below overlay ``o``, or None unless all of this holds.
+
+    The keeper opened that descriptor of the own directory immediately before it mounted the overlay and
+    holds it for its life (overlay.mount_one ``hold_own``), so it is the directory the overlay's lowest layer
+    was resolved to, when: the mount is not finalized (then the lowers are the local copy and the walk
+    through the overlay is cheap); the keeper is the same process (pid and start time); the overlay mounted
+    at the target now is the one it mounted (``mount_id``); and the descriptor is still that directory
+    (``own_dev``/``own_ino``). Anything missing, different or unreadable: None, never a guess.
+    """
+    from ogrefs.boxmounts import process_start
+
+    pid, start, fd = ws.get("keeper_pid"), ws.get("keeper_start"), o.get("own_fd")
+    if ws.get("finalized") or not all(isinstance(v, int) for v in (pid, start, fd, mount_id)):
+        return None
+    if o.get("mount_id") != mount_id or process_start(pid) != start:
+        return None
+    root = f"/proc/{pid}/fd/{fd}"
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (o.get("own_dev"), o.get("own_ino")):
+        return None
+    if process_start(pid) != start:  # the pid was reused while we looked: its descriptor is not the keeper's
+        return None
+    return os.fsencode(root)
 
 
 class OwnMounts:

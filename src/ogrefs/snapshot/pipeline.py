@@ -302,9 +302,11 @@ class Snapshotter:
             if skipped["type"] != "directory":  # a mount point: listed; volatile plain dirs are the rules' own
                 self.skipped_mounts.append(skipped)
             return
-        known = self._untouched.known_dir(path, cat_ino)
+        # a mount point (a disk mounted inside, a directory bound back) shows its own file system, never the catalog's
+        submount = path in self.rules.table and path not in self.rules.own_layers
+        known = self._untouched.known_dir(path, cat_ino) if not submount else None
         if known is not None and known.complete:
-            names = list(known.entries)  # untouched since the mount: the catalog's names (untouched.py)
+            names = known.names()  # untouched since the mount: the catalog's (and own layer's) names (untouched.py)
         else:
             try:
                 names = sorted(os.listdir(path))

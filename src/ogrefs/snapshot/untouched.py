@@ -12,9 +12,27 @@ the mounted snapshot's, unchanged.  overlayfs makes it sound not to ask:
   FUSE view of its catalog, or after ``finalize`` the local copy made from it);
 * a directory with no counterpart in upper has exactly the lower's children:
   a child written, copied up or whited out would have made overlayfs create
-  the directory in upper first.  This holds only when the snapshot is the
-  overlay's lowest layer (:attr:`~ogrefs.snapshot.mounted.Layer.lower_only`);
-  with the box's own content kept below it, the merged view holds more.
+  the directory in upper first.  When the snapshot is the overlay's lowest
+  layer (:data:`~ogrefs.snapshot.mounted.LOWER_ONLY`) those are the catalog's
+  children.
+* With the box's own directory kept below the snapshot
+  (:data:`~ogrefs.snapshot.mounted.LOWER_OVER_OWN`: a resumed box's own /usr
+  under the snapshot's), the merged view is the union of two read-only
+  layers, and the own one is read directly where the keeper holds it open
+  (``/proc/<keeper>/fd/<n>``: mounted.py proves it is the overlay's lowest
+  layer, else the walk goes through the mount).  overlayfs' rules, applied
+  here: the own directory for a path exists only if every component from
+  the own root down is a real directory (lstat: an own symlink ``lib64 ->
+  lib`` is not a directory, merging stops at it); a name in both is the
+  catalog's (the upper of the two); a directory in both is merged (the
+  catalog's attributes and xattrs, the union of children, recursively); a
+  catalog directory over an own non-directory is the catalog's alone.  Names
+  only in own are recorded through the mount (``_record``: no FUSE round trip
+  but a negative lookup).  A whiteout as data (a 0/0 character device, in the
+  catalog or the own directory) or any ``trusted.overlay.*`` xattr on the own
+  directory: that directory is listed through the mount, the kernel decides
+  what it hides (the same for a catalog whiteout in a LOWER_ONLY layer: the
+  merged view never shows it, so it is never taken from the catalog).
 
 So for such a directory the snapshot takes the names, attributes, xattrs and
 chunk lists from the catalog (:func:`ogrefs.repo.catalog.listing`,
@@ -29,26 +47,41 @@ Used by the snapshot's main thread only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import stat
+from dataclasses import dataclass, field
 
-from ogrefs.repo.catalog import Catalog, Listed, listing
+from ogrefs.repo.catalog import Catalog, Inode, Listed, listing
 from ogrefs.snapshot.frommount import MountedSnapshots
-from ogrefs.snapshot.mounted import OwnMount
+from ogrefs.snapshot.mounted import LOWER_ONLY, LOWER_OVER_OWN, Layer, OwnMount
 
 #: The xattrs the FUSE view never lists (lazy/vfs.py OVERLAY_XATTRS) and overlayfs hides from the merged view.
 HIDDEN_XATTRS = (b"trusted.overlay.", b"user.overlay.")
+#: An own directory with one of these is overlayfs metadata (opaque, redirect, xattr whiteouts): not merged here.
+OVERLAY_XATTR_PREFIXES = ("trusted.overlay.", "user.overlay.")
+_WHITEOUT = object()  # an own directory holding a whiteout or overlay metadata: list it through the mount
+
+
+def is_whiteout(node: Inode) -> bool:
+    """A 0/0 character device: what overlayfs takes for a whiteout in any layer."""
+    return stat.S_ISCHR(node.mode) and node.rdev == 0
 
 
 @dataclass(frozen=True)
 class KnownDir:
-    """A directory of the merged view as the mounted snapshot's catalog has it."""
+    """A directory of the merged view as the mounted snapshot's catalog (and the own layer below it) have it."""
 
     entries: dict[bytes, Listed]  # the catalog's children, by name (in name order)
-    complete: bool  # no counterpart in upper: these ARE its children, no listdir needed
+    complete: bool  # no counterpart in upper: these (and ``own``) ARE its children, no listdir needed
     snapshot: str
     cat: Catalog
     mount: OwnMount
     cat_path: bytes  # the directory's path in the catalog
+    own: dict[bytes, bool] = field(default_factory=dict)  # the own layer's children below it: name -> is a dir
+
+    def names(self) -> list[bytes]:
+        """The merged directory's names: the catalog's and the own layer's."""
+        return sorted(self.entries.keys() | self.own.keys()) if self.own else list(self.entries)
 
 
 class UntouchedDirs:
@@ -57,11 +90,12 @@ class UntouchedDirs:
     def __init__(self, own, mounted: MountedSnapshots) -> None:
         self._own = own  # mounted.OwnMounts or None
         self._mounted = mounted
+        self._own_dirs: dict[tuple[bytes, bytes], bool] = {}  # (target, rel): a real directory in the own layer
 
     def known_dir(self, path: bytes, cat_ino: int | None = None) -> KnownDir | None:
         """The catalog's view of directory ``path`` (``cat_ino``: its catalog inode, when known), or None."""
         layer = self._own.layer_of(path) if self._own is not None else None
-        if layer is None or not layer.lower_only:
+        if layer is None or layer.lowers not in (LOWER_ONLY, LOWER_OVER_OWN):
             return None  # asked first: the origin costs syscalls on the upper directory
         origin = layer.origin(path)
         if origin is None:
@@ -75,18 +109,70 @@ class UntouchedDirs:
             if node is None or not node.is_dir:
                 return None
             cat_ino = node.ino
-        return KnownDir({e.name: e for e in listing(cat, cat_ino)}, not origin.in_upper, snap, cat,
-                        origin.layer.mount, origin.cat_path)
+        entries = {e.name: e for e in listing(cat, cat_ino)}
+        complete = not origin.in_upper and not any(is_whiteout(e.node) for e in entries.values())
+        own: dict[bytes, bool] = {}
+        if complete and layer.lowers == LOWER_OVER_OWN:
+            listed_own = self._own_children(layer, path)
+            if listed_own is _WHITEOUT:
+                complete = False  # listed through the mount: the kernel decides what a whiteout hides
+            else:
+                own = listed_own  # type: ignore[assignment]
+        return KnownDir(entries, complete, snap, cat, origin.layer.mount, origin.cat_path, own)
+
+    def _own_children(self, layer: Layer, path: bytes) -> dict[bytes, bool] | object:
+        """The own layer's children of ``path`` (name -> a real directory); {} where it has no directory there."""
+        rel = layer.rel(path)
+        if rel is None or not self._own_is_dir(layer, rel):
+            return {}
+        where = layer.own_root + rel  # type: ignore[operator]
+        try:
+            if any(n.startswith(OVERLAY_XATTR_PREFIXES) for n in os.listxattr(where, follow_symlinks=False)):
+                return _WHITEOUT
+            out = {}
+            with os.scandir(where) as it:
+                for e in it:
+                    is_dir = e.is_dir(follow_symlinks=False)
+                    if not is_dir and not e.is_file(follow_symlinks=False) and not e.is_symlink():
+                        st = e.stat(follow_symlinks=False)
+                        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                            return _WHITEOUT
+                    out[e.name] = is_dir
+                    self._remember(layer.target, rel + b"/" + e.name, is_dir)
+        except OSError:
+            return _WHITEOUT  # unreadable: the mount is asked instead
+        return out
+
+    def _own_is_dir(self, layer: Layer, rel: bytes) -> bool:
+        """Whether every component of ``rel`` below the own root is a real directory (never a symlink)."""
+        if not rel:
+            return True  # the root itself: the keeper's descriptor of a directory (mounted.own_layer_root)
+        hit = self._own_dirs.get((layer.target, rel))
+        if hit is None:
+            hit = self._own_is_dir(layer, os.path.dirname(rel) if os.path.dirname(rel) != b"/" else b"")
+            if hit:
+                try:
+                    hit = stat.S_ISDIR(os.lstat(layer.own_root + rel).st_mode)  # type: ignore[operator]
+                except OSError:
+                    hit = False
+            self._remember(layer.target, rel, hit)
+        return hit
+
+    def _remember(self, target: bytes, rel: bytes, is_dir: bool) -> None:
+        if len(self._own_dirs) > 200_000:
+            self._own_dirs.clear()
+        self._own_dirs[(target, rel)] = is_dir
 
     def entry(self, kd: KnownDir, name: bytes, path: bytes) -> Listed | None:
         """The catalog's entry for child ``name`` (at ``path``) if it is what the merged view shows there."""
         listed = kd.entries.get(name)
-        if listed is None:
-            return None
+        if listed is None or is_whiteout(listed.node):
+            return None  # only in the own layer, or a whiteout: what the merged view shows is asked of the mount
         if kd.complete:  # nothing in upper or merged below this directory; host-owned paths are per path
             return None if kd.mount.is_host_owned(kd.cat_path.rstrip(b"/") + b"/" + name) else listed
         origin = self._own.origin(path) if self._own is not None else None
-        return listed if origin is not None and not origin.in_upper and origin.layer.lower_only else None
+        return listed if (origin is not None and not origin.in_upper
+                          and origin.layer.lowers in (LOWER_ONLY, LOWER_OVER_OWN)) else None
 
     @staticmethod
     def xattrs(listed: Listed) -> list[tuple[bytes, bytes]]:

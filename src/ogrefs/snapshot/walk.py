@@ -67,6 +67,7 @@ class MountPoint:
     fstype: str
     source: str
     options: str = ""  # the super block's options (an overlay's lowerdir=..., upperdir=...)
+    mount_id: int | None = None  # mountinfo's first field
 
 
 def mount_table() -> dict[bytes, MountPoint]:
@@ -83,7 +84,8 @@ def mount_table() -> dict[bytes, MountPoint]:
                 point = _unescape_mountinfo(parts[4])
                 source = parts[sep + 2] if len(parts) > sep + 2 else ""
                 options = parts[sep + 3] if len(parts) > sep + 3 else ""
-                out[point] = MountPoint(point, parts[sep + 1], source, options)
+                out[point] = MountPoint(point, parts[sep + 1], source, options,
+                                        int(parts[0]) if parts[0].isdigit() else None)
     except OSError:
         pass
     return out
