@@ -17,6 +17,7 @@ starting with ``#`` are ignored (as restic). Pure functions, no state.
 from __future__ import annotations
 
 import os
+from typing import Collection
 
 from ogrefs.errors import UsageError
 
@@ -67,12 +68,20 @@ def parse_if_present(spec: str) -> tuple[bytes, bytes | None]:
     return os.fsencode(name), (header.encode() if sep else None)
 
 
-def marked_directory(path: bytes, markers: list[tuple[bytes, bytes | None]]) -> bool:
-    """True if directory ``path`` holds one of the marker files (with its header, when one is required)."""
+def marked_directory(path: bytes, markers: list[tuple[bytes, bytes | None]],
+                     names: Collection[bytes] | None = None) -> bool:
+    """True if directory ``path`` holds one of the marker files (with its header, when one is required).
+
+    ``names``: the entry's names when they are known without looking (a non-directory: none; a directory
+    taken whole from a mounted snapshot's catalog, snapshot/untouched.py), so a missing marker costs no
+    lookup through the mount; only a marker with a header to check is still opened.
+    """
     for name, header in markers:
+        if names is not None and name not in names:
+            continue
         marker = os.path.join(path, name)
         if header is None:
-            if os.path.lexists(marker) and os.path.isdir(path):
+            if names is not None or (os.path.lexists(marker) and os.path.isdir(path)):
                 return True
             continue
         try:

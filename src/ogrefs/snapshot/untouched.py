@@ -91,9 +91,20 @@ class UntouchedDirs:
         self._own = own  # mounted.OwnMounts or None
         self._mounted = mounted
         self._own_dirs: dict[tuple[bytes, bytes], bool] = {}  # (target, rel): a real directory in the own layer
+        self._last: tuple[tuple[bytes, int | None], KnownDir | None] | None = None
 
     def known_dir(self, path: bytes, cat_ino: int | None = None) -> KnownDir | None:
-        """The catalog's view of directory ``path`` (``cat_ino``: its catalog inode, when known), or None."""
+        """The catalog's view of directory ``path`` (``cat_ino``: its catalog inode, when known), or None.
+
+        The last answer is kept: ``--exclude-if-present`` asks for a directory just before the walk lists it.
+        """
+        if self._last is not None and self._last[0] == (path, cat_ino):
+            return self._last[1]
+        kd = self._known_dir(path, cat_ino)
+        self._last = ((path, cat_ino), kd)
+        return kd
+
+    def _known_dir(self, path: bytes, cat_ino: int | None) -> KnownDir | None:
         layer = self._own.layer_of(path) if self._own is not None else None
         if layer is None or layer.lowers not in (LOWER_ONLY, LOWER_OVER_OWN):
             return None  # asked first: the origin costs syscalls on the upper directory

@@ -168,12 +168,15 @@ class WalkRules:
         """False for directories that are recorded empty (volatile paths and skipped mount points)."""
         return self.not_descended(path, is_root=False, dev=0, root_dev=0) is None
 
-    def excluded(self, path: bytes) -> bool:
-        """True if ``path`` must not be recorded at all (``--exclude`` patterns, ``--exclude-if-present``)."""
+    def excluded(self, path: bytes, names=None) -> bool:
+        """True if ``path`` must not be recorded at all (``--exclude`` patterns, ``--exclude-if-present``).
+
+        ``names``: its names when known without looking (patterns.marked_directory).
+        """
         if self.exclude_if_present:
             from ogrefs.snapshot.patterns import marked_directory
 
-            if marked_directory(path, self.exclude_if_present):
+            if marked_directory(path, self.exclude_if_present, names):
                 return True
         if not self.excludes:
             return False
