@@ -150,7 +150,8 @@ def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
     directories bound back on top —, ``host_dir``, and with the box's own directory as the lowest
     layer ``own_fd``, ``own_dev``, ``own_ino``, ``mount_id``: the keeper's descriptor of that directory,
     its identity, and the overlay's mount id as mounted; else None), ``keeper_start`` (the keeper's
-    start time, :func:`process_start`: with ``keeper_pid`` it names one process), ``host_owned`` (snapshot paths the FUSE view
+    start time, :func:`process_start`: with ``keeper_pid`` it names one process),
+    ``host_owned`` (snapshot paths the FUSE view
     hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
     """
     state = info.get("state_dir")
@@ -193,7 +194,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot: with the pid it names one process), or None if none lives."""
+    """When process ``pid`` started (clock ticks since boot: with the pid it names one process); None if none lives."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             fields = fh.read().rsplit(b")", 1)[1].split()

@@ -302,7 +302,7 @@ class Snapshotter:
             if skipped["type"] != "directory":  # a mount point: listed; volatile plain dirs are the rules' own
                 self.skipped_mounts.append(skipped)
             return
-        known = self._untouched.known_dir(path, cat_ino) if not self._submount(path) else None
+        known = self._untouched.known_dir(path, cat_ino) if not self.rules.submount(path) else None
         if known is not None and known.complete:
             names = known.names()  # untouched since the mount: the catalog's (and own layer's) names (untouched.py)
         else:
@@ -329,7 +329,8 @@ class Snapshotter:
         show another alias's copy-up), a file whose data is gone from the repository or was read changing.
         """
         old = listed.node
-        names = self._known_names(path, old) if self.rules.exclude_if_present else None
+        names = (self._untouched.known_names(path, old, self.rules.submount(path))
+                 if self.rules.exclude_if_present else None)
         if self.rules.excluded(path, names) or path in self._skip_entirely:
             return True
         if path in self.rules.table or (old.nlink > 1 and not old.is_dir):
@@ -359,23 +360,6 @@ class Snapshotter:
             self.stats.others += 1
         self._tick()
         return True
-
-    def _known_names(self, path: bytes, old: Inode) -> Any:
-        """A catalog entry's names for ``--exclude-if-present``, known without asking the mount, or None.
-
-        A non-directory has none; a directory the walk will take whole from the catalog (and the own layer)
-        has the names it will list (untouched.py keeps that answer for the walk that follows).
-        """
-        if not old.is_dir:
-            return ()
-        if self._submount(path):
-            return None
-        kd = self._untouched.known_dir(path, old.ino)
-        return frozenset(kd.names()) if kd is not None and kd.complete else None
-
-    def _submount(self, path: bytes) -> bool:
-        """A mount point (a disk mounted inside, a directory bound back): its own file system, never the catalog's."""
-        return path in self.rules.table and path not in self.rules.own_layers
 
     # -- orchestration ------------------------------------------------------------
     def _find_parent(self, roots: list[bytes]) -> None:

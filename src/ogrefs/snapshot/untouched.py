@@ -185,6 +185,20 @@ class UntouchedDirs:
         return listed if (origin is not None and not origin.in_upper
                           and origin.layer.lowers in (LOWER_ONLY, LOWER_OVER_OWN)) else None
 
+    def known_names(self, path: bytes, node: Inode, submount: bool) -> frozenset[bytes] | tuple | None:
+        """A catalog entry's names for ``--exclude-if-present``, known without asking the mount, or None.
+
+        A non-directory has none; a directory the walk will take whole from the catalog (and the own layer)
+        has the names it will list (:meth:`known_dir` keeps that answer for the walk that follows); a mount
+        point (``submount``) is its own file system: None.
+        """
+        if not node.is_dir:
+            return ()
+        if submount:
+            return None
+        kd = self.known_dir(path, node.ino)
+        return frozenset(kd.names()) if kd is not None and kd.complete else None
+
     @staticmethod
     def xattrs(listed: Listed) -> list[tuple[bytes, bytes]]:
         return [(n, v) for n, v in listed.xattrs if not n.startswith(HIDDEN_XATTRS)]

@@ -164,6 +164,11 @@ class WalkRules:
         why = skip_reason(m, whole_box=self.whole_box, own_layers=self.own_layers)
         return None if why is None else {"path": os.fsdecode(path), "type": m.fstype, "reason": why}
 
+    def submount(self, path: bytes) -> bool:
+        """A mount point other than ogrefs' own overlays (a disk mounted inside, a directory bound back): it
+        shows its own file system, never the mounted snapshot's catalog (snapshot/untouched.py)."""
+        return path in self.table and path not in self.own_layers
+
     def descend(self, path: bytes) -> bool:
         """False for directories that are recorded empty (volatile paths and skipped mount points)."""
         return self.not_descended(path, is_root=False, dev=0, root_dev=0) is None
