@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -55,6 +56,8 @@ write(f"{{box}}/work/del.txt", "del\\n")
 write(f"{{box}}/odd/wh/k.txt", "next to a whiteout in the snapshot\\n")
 os.mknod(f"{{box}}/odd/wh/gone", 0o600 | 0o020000, os.makedev(0, 0))  # an overlay whiteout, as data
 write(f"{{box}}/odd/ow/m.txt", "the snapshot's, next to the box's own whiteout\\n")
+write(f"{{box}}/odd/sonly/s.txt", "a directory only the snapshot has\\n")
+os.mknod(f"{{box}}/odd/sonly/wo", 0o600 | 0o020000, os.makedev(0, 0))  # a whiteout in the lowest layer there
 '''
 
 # Box B, before the mount: its own content at the target (the lowest layer).
@@ -121,7 +124,8 @@ def _run(loop, tamper: str = "") -> dict:
         {_fresh_status(tmp / "before2.json")}
         {OGREFS} -q snapshot --exclude-if-present .nobackup {BOX}/big --json > {tmp}/big2.json
         {_fresh_status(tmp / "after2.json")}
-        cp -a {BOX} {tmp}/b-view                  # what B saw (reads it all: after the snapshots)
+        # what B saw (reads it all: after the snapshots); the kernel lists odd/sonly/wo but cannot stat it
+        cp -a {BOX} {tmp}/b-view 2> {tmp}/cp.err || true
         umount {BOX}/big/d3/mnt
         {OGREFS} unmount /
     """)
@@ -134,9 +138,18 @@ def _sent(tmp: Path, before: str, after: str) -> dict[str, int]:
 
 
 def _restored_equals_b_view(loop, snap: dict, name: str) -> None:
+    """A restore of ``snap`` is B's view, plus the lowest-layer whiteout the snapshot kept (B cannot stat it)."""
     tmp = loop["tmp"]
     subprocess.run([PY, "-m", "ogrefs", "-q", "restore", snap["id"], str(tmp / name)], env=loop["env"],
                    check=True, timeout=120)
+    assert [ln for ln in (tmp / "cp.err").read_text().splitlines() if ln.strip()] == [
+        f"cp: cannot stat '{BOX}/odd/sonly/wo': No such file or directory"]
+    kept = Path(f"{tmp}/{name}{BOX}/odd/sonly/wo")
+    st = os.lstat(kept)
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0  # A's whiteout, carried through B's snapshot
+    parent = os.lstat(kept.parent)
+    kept.unlink()
+    os.utime(kept.parent, ns=(parent.st_atime_ns, parent.st_mtime_ns))
     assert compare_trees(tmp / "b-view", Path(f"{tmp}/{name}{BOX}")) == []
 
 

@@ -28,11 +28,14 @@ the mounted snapshot's, unchanged.  overlayfs makes it sound not to ask:
   catalog's attributes and xattrs, the union of children, recursively); a
   catalog directory over an own non-directory is the catalog's alone.  Names
   only in own are recorded through the mount (``_record``: no FUSE round trip
-  but a negative lookup).  A whiteout as data (a 0/0 character device, in the
-  catalog or the own directory) or any ``trusted.overlay.*`` xattr on the own
-  directory: that directory is listed through the mount, the kernel decides
-  what it hides (the same for a catalog whiteout in a LOWER_ONLY layer: the
-  merged view never shows it, so it is never taken from the catalog).
+  but a negative lookup).  Where the own layer has the directory too, a
+  whiteout as data (a 0/0 character device, in the catalog or the own
+  directory) or any ``trusted.overlay.*`` xattr on the own directory: that
+  directory is listed through the mount, the kernel decides what it hides.  A catalog whiteout where the
+  catalog is the directory's lowest layer (LOWER_ONLY, or no own directory
+  there) hides nothing: the kernel lists its name but cannot stat it, so the
+  snapshot keeps the catalog's entry, unchanged since A saved it (a docker
+  ``overlay2`` tree inside the box keeps its whiteouts through the chain).
 
 So for such a directory the snapshot takes the names, attributes, xattrs and
 chunk lists from the catalog (:func:`ogrefs.repo.catalog.listing`,
@@ -78,6 +81,10 @@ class KnownDir:
     mount: OwnMount
     cat_path: bytes  # the directory's path in the catalog
     own: dict[bytes, bool] = field(default_factory=dict)  # the own layer's children below it: name -> is a dir
+    #: The own layer has a directory here, so a catalog whiteout is a real whiteout hiding one of its names.
+    #: Where the catalog's is the lowest layer of the directory, the kernel lists a whiteout but cannot stat
+    #: it: the snapshot keeps the catalog's entry (the data A saved, unchanged since), never a gap.
+    whiteouts_hide: bool = False
 
     def names(self) -> list[bytes]:
         """The merged directory's names: the catalog's and the own layer's."""
@@ -121,15 +128,21 @@ class UntouchedDirs:
                 return None
             cat_ino = node.ino
         entries = {e.name: e for e in listing(cat, cat_ino)}
-        complete = not origin.in_upper and not any(is_whiteout(e.node) for e in entries.values())
+        hides = layer.lowers == LOWER_OVER_OWN and self._own_dir_exists(layer, path)
+        complete = not origin.in_upper and not (hides and any(is_whiteout(e.node) for e in entries.values()))
         own: dict[bytes, bool] = {}
-        if complete and layer.lowers == LOWER_OVER_OWN:
+        if complete and hides:
             listed_own = self._own_children(layer, path)
             if listed_own is _WHITEOUT:
                 complete = False  # listed through the mount: the kernel decides what a whiteout hides
             else:
                 own = listed_own  # type: ignore[assignment]
-        return KnownDir(entries, complete, snap, cat, origin.layer.mount, origin.cat_path, own)
+        return KnownDir(entries, complete, snap, cat, origin.layer.mount, origin.cat_path, own, hides)
+
+    def _own_dir_exists(self, layer: Layer, path: bytes) -> bool:
+        """Whether the own layer has a real directory at ``path`` (every component one, never a symlink)."""
+        rel = layer.rel(path)
+        return rel is not None and self._own_is_dir(layer, rel)
 
     def _own_children(self, layer: Layer, path: bytes) -> dict[bytes, bool] | object:
         """The own layer's children of ``path`` (name -> a real directory); {} where it has no directory there."""
@@ -177,8 +190,8 @@ class UntouchedDirs:
     def entry(self, kd: KnownDir, name: bytes, path: bytes) -> Listed | None:
         """The catalog's entry for child ``name`` (at ``path``) if it is what the merged view shows there."""
         listed = kd.entries.get(name)
-        if listed is None or is_whiteout(listed.node):
-            return None  # only in the own layer, or a whiteout: what the merged view shows is asked of the mount
+        if listed is None or (kd.whiteouts_hide and is_whiteout(listed.node)):
+            return None  # only in the own layer, or a whiteout over it: what the merged view shows is the mount's
         if kd.complete:  # nothing in upper or merged below this directory; host-owned paths are per path
             return None if kd.mount.is_host_owned(kd.cat_path.rstrip(b"/") + b"/" + name) else listed
         origin = self._own.origin(path) if self._own is not None else None
