@@ -79,6 +79,17 @@ def _counters(tmp: Path, name: str) -> dict[str, int]:
     return {k: st[k] for k in ("lookups", "getattrs", "dir_opens", "xattr_lists", "bytes_fetched")}
 
 
+def snapshot_box_a(loop, script: str) -> dict:
+    """Box A: ``script`` (Python) builds it, then A's snapshot of BOX; its manifest."""
+    tmp = loop["tmp"]
+    (tmp / "make_a.py").write_text(script)
+    box(loop, f"""
+        {PY} {tmp}/make_a.py
+        {OGREFS} -q snapshot {BOX} --json > {tmp}/a.json
+    """)
+    return json.loads((tmp / "a.json").read_text())
+
+
 @pytest.mark.parametrize("store_url", ["file"], indirect=True)
 @pytest.mark.parametrize("metacopy", [False, True], ids=["copy-up", "metacopy"])
 def test_untouched_subtrees_come_from_the_catalog_and_changes_are_all_caught(loop, metacopy):
@@ -86,12 +97,7 @@ def test_untouched_subtrees_come_from_the_catalog_and_changes_are_all_caught(loo
     tmp = loop["tmp"]
     if metacopy:
         loop["env"]["OGREFS_METACOPY"] = "1"
-    (tmp / "make_a.py").write_text(MAKE_A)
-    box(loop, f"""
-        {PY} {tmp}/make_a.py
-        {OGREFS} -q snapshot {BOX} --json > {tmp}/a.json
-    """)
-    a = json.loads((tmp / "a.json").read_text())
+    a = snapshot_box_a(loop, MAKE_A)
     box(loop, f"""
         {OGREFS} -q mount --no-materialize {a["id"]} /
         {OGREFS} status / --wait --json > /dev/null   # the mount's prefetch has ended: counters are still

@@ -24,20 +24,23 @@ from ogrefs.repo import Repository
 from ogrefs.repo.catalog import Catalog
 from tests.system.test_loop import BOX, OGREFS, PY, _fresh_status, box, loop  # noqa: F401  (loop: fixture)
 from tests.system.test_loop import pytestmark  # noqa: F401  (fuse, unshare, /srv)
-from tests.system.test_untouched import _counters, _describe
+from tests.system.test_untouched import _counters, _describe, snapshot_box_a
 from tests.treegen import compare_trees
 
 DIRS, FILES = 10, 5  # big/d<i>/f<j>: the catalog's untouched directories
 
-# Box A: what the snapshot holds.
-MAKE_A = f'''
+#: Both box scripts start so: ``write(path, text)`` makes the parents.
+SCRIPT_HEAD = f'''
 import os
 box = {BOX!r}
 def write(p, text):
     os.makedirs(os.path.dirname(p), exist_ok=True)
     with open(p, "w") as fh:
         fh.write(text)
-for i in range({DIRS}):
+'''
+
+# Box A: what the snapshot holds.
+MAKE_A = SCRIPT_HEAD + f'''for i in range({DIRS}):
     for j in range({FILES}):
         write(f"{{box}}/big/d{{i}}/f{{j}}.txt", f"file {{i}} {{j}}\\n" * (i * 40 + j))
     os.setxattr(f"{{box}}/big/d{{i}}/f1.txt", "user.tag", f"tag {{i}}".encode())
@@ -61,14 +64,7 @@ os.mknod(f"{{box}}/odd/sonly/wo", 0o600 | 0o020000, os.makedev(0, 0))  # a white
 '''
 
 # Box B, before the mount: its own content at the target (the lowest layer).
-MAKE_OWN = f'''
-import os
-box = {BOX!r}
-def write(p, text):
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-    with open(p, "w") as fh:
-        fh.write(text)
-write(f"{{box}}/big/d0/own.txt", "the box's own, in a merged directory\\n")
+MAKE_OWN = SCRIPT_HEAD + f'''write(f"{{box}}/big/d0/own.txt", "the box's own, in a merged directory\\n")
 write(f"{{box}}/big/d7/.nobackup", "")  # --exclude-if-present: a marker the own layer has
 write(f"{{box}}/big/shared/own.txt", "own\\n")
 write(f"{{box}}/big/shared/both.txt", "both: the box's own, longer, hidden by the snapshot's\\n")
@@ -103,13 +99,8 @@ OWN_ONLY_NAMES = 6  # d0/own.txt, shared/own.txt, shared/ownsub, shared/sub/y.tx
 def _run(loop, tamper: str = "") -> dict:
     """A, then B with its own content below the snapshot; B's snapshots (``tamper``: done before the last)."""
     tmp = loop["tmp"]
-    (tmp / "make_a.py").write_text(MAKE_A)
+    a = snapshot_box_a(loop, MAKE_A)
     (tmp / "make_own.py").write_text(MAKE_OWN)
-    box(loop, f"""
-        {PY} {tmp}/make_a.py
-        {OGREFS} -q snapshot {BOX} --json > {tmp}/a.json
-    """)
-    a = json.loads((tmp / "a.json").read_text())
     box(loop, f"""
         {PY} {tmp}/make_own.py
         {OGREFS} -q mount --no-materialize {a["id"]} /

@@ -135,6 +135,20 @@ def tune_readahead(mountpoint: "os.PathLike[str] | str", kb: int) -> None:
         log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
 
 
+def _top_mount_line(mountpoint: "os.PathLike[str] | str") -> tuple[list[str], list[str]] | None:
+    """The mountinfo line of what is mounted exactly at ``mountpoint`` (the top one), split at " - ": the
+    fields before (mount id first, mount point fifth) and after (type, source, super options); None if nothing."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
+                found = (fields, right.split())
+    return found
+
+
 def super_options(mountpoint: "os.PathLike[str] | str") -> list[str]:
     """The super block options (mountinfo's last field) of what is mounted at ``mountpoint``; [] if nothing.
 
@@ -142,38 +156,19 @@ def super_options(mountpoint: "os.PathLike[str] | str") -> list[str]:
     immutable or foreign ``work/work``) and says so only in the kernel log:
     the caller asks here whether ``ro`` is among them.
     """
-    target = os.path.abspath(mountpoint)
-    found: list[str] = []
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
-                parts = right.split()
-                found = parts[2].split(",") if len(parts) >= 3 else []
-    return found
+    line = _top_mount_line(mountpoint)
+    return line[1][2].split(",") if line is not None and len(line[1]) >= 3 else []
 
 
 def mount_id(mountpoint: "os.PathLike[str] | str") -> int | None:
     """The mount id (mountinfo's first field) of what is mounted exactly at ``mountpoint`` (the top one), or None."""
-    target = os.path.abspath(mountpoint)
-    found = None
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
-            fields = line.partition(" - ")[0].split()
-            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target and fields[0].isdigit():
-                found = int(fields[0])
-    return found
+    line = _top_mount_line(mountpoint)
+    return int(line[0][0]) if line is not None and line[0][0].isdigit() else None
 
 
 def mounted_fstype(mountpoint: Path) -> str | None:
     """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
-    target = os.path.abspath(mountpoint)
-    found = None
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
-                found = right.split()[0] if right else "?"
-    return found
+    line = _top_mount_line(mountpoint)
+    if line is None:
+        return None
+    return line[1][0] if line[1] else "?"
