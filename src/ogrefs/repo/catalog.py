@@ -199,16 +199,41 @@ class CatalogWriter:
             rows.append((ino, off, length, bid))
         self._db.executemany("INSERT INTO extents VALUES (?,?,?,?)", rows)
 
+    def add_copied(self, dirents: list[tuple[int, bytes, int]], inodes: list[tuple[int, Inode]],
+                   xattrs: list[tuple[int, bytes, bytes]],
+                   extents: list[tuple[int, list[tuple[int, int, bytes, BlobLocation]]]]) -> None:
+        """Many entries copied from another catalog at once: what :meth:`add_dirent`, :meth:`copy_inode`,
+        :meth:`add_xattrs` and :meth:`add_located_extents` do one by one, in one statement per table."""
+        self._db.executemany("INSERT OR REPLACE INTO dirents VALUES (?,?,?)", dirents)
+        self._db.executemany(
+            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            [(ino, *old[1:10], 0, *old[11:]) for ino, old in inodes])
+        self._db.executemany("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", xattrs)
+        new_blobs, rows = [], []
+        for ino, located in extents:
+            for off, length, cid, loc in located:
+                bid = self._blob_ids.get(cid)
+                if bid is None:
+                    bid = self._blob_ids[cid] = len(self._blob_ids) + 1
+                    new_blobs.append((bid, cid, length, self._pack_id(loc.pack), loc.offset, loc.stored_len))
+                rows.append((ino, off, length, bid))
+        self._db.executemany("INSERT INTO blobs (id, chunk, raw_len, pack, offset, stored_len) VALUES (?,?,?,?,?,?)",
+                             new_blobs)
+        self._db.executemany("INSERT INTO extents VALUES (?,?,?,?)", rows)
+
+    def _pack_id(self, pack: str) -> int:
+        pid = self._pack_ids.get(pack)
+        if pid is None:
+            pid = self._pack_ids[pack] = len(self._pack_ids) + 1
+            self._db.execute("INSERT INTO packs VALUES (?,?)", (pid, pack))
+        return pid
+
     def set_location(self, chunk: bytes, loc: BlobLocation) -> None:
         bid = self._blob_ids.get(chunk)
         if bid is None:
             return
-        pid = self._pack_ids.get(loc.pack)
-        if pid is None:
-            pid = self._pack_ids[loc.pack] = len(self._pack_ids) + 1
-            self._db.execute("INSERT INTO packs VALUES (?,?)", (pid, loc.pack))
         self._db.execute("UPDATE blobs SET pack=?, offset=?, stored_len=? WHERE id=?",
-                         (pid, loc.offset, loc.stored_len, bid))
+                         (self._pack_id(loc.pack), loc.offset, loc.stored_len, bid))
 
     def unlocated(self) -> list[bytes]:
         return [r[0] for r in self._db.execute("SELECT chunk FROM blobs WHERE pack IS NULL")]
@@ -752,6 +777,80 @@ def listing(cat: Catalog, parent: int) -> list[Listed]:
     return [Listed(name, node, xattrs.get(node.ino, []),
                    cat._located(node.ino, rows.get(node.ino, ())) if node.is_reg else [])
             for name, node in kids]
+
+
+@dataclass(frozen=True)
+class Subtree:
+    """Everything below one directory of a catalog, as :func:`subtree` read it in three queries.
+
+    ``children``: directory inode -> its entries in name order (the top
+    directory's included); ``xattrs`` and ``extents`` by inode, checked as
+    :func:`listing` checks them.
+    """
+
+    top: int
+    children: dict[int, list[tuple[bytes, Inode]]]
+    xattrs: dict[int, list[tuple[bytes, bytes]]]
+    extents: dict[int, list[tuple[int, int, bytes, BlobLocation | None]]]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.children.values())
+
+
+def _subtree_sql(top_select: str) -> str:
+    # UNION, not UNION ALL: a damaged catalog with a directory loop still yields each row once, and ends
+    return ("WITH RECURSIVE t(parent, name, ino) AS (SELECT parent, name, ino FROM dirents WHERE parent=:top "
+            "UNION SELECT d.parent, d.name, d.ino FROM dirents d JOIN t ON d.parent = t.ino) " + top_select)
+
+
+def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
+    """Every entry below directory ``top`` with its xattrs and located extents, in three queries.
+
+    What a snapshot of a box running from a mount takes for a directory that
+    nothing below has changed (snapshot/pipeline.py ``_copy_untouched``),
+    instead of :func:`listing` directory by directory.  None, for the caller
+    to go directory by directory (where each oddity is reported as it is
+    there), when the subtree has more than ``limit`` entries or is not a
+    plain tree of valid names: an inode reached twice (a hard link, a loop),
+    an entry below a non-directory, a name :func:`valid_name` refuses.
+    """
+    rows = cat._rows(_subtree_sql(f"SELECT t.parent, t.name, {_I_COLS} FROM t JOIN inodes i ON i.ino = t.ino "
+                                  "LIMIT :limit"), {"top": top, "limit": limit + 1})
+    if len(rows) > limit:
+        return None
+    children: dict[int, list[tuple[bytes, Inode]]] = {top: []}
+    seen = {top}
+    for r in rows:
+        parent, name = r[0], r[1]
+        node = _check_inode(r[2:], cat.path.name)
+        if not valid_name(name) or node.ino in seen:
+            return None
+        seen.add(node.ino)
+        children.setdefault(parent, []).append((name, node))
+        if node.is_dir:
+            children.setdefault(node.ino, [])
+    kinds = {n.ino: n for kids in children.values() for _, n in kids}
+    if any(p != top and (p not in kinds or not kinds[p].is_dir) for p in children):
+        return None  # entries below a non-directory, or below an inode that is not in the tree
+    for kids in children.values():
+        kids.sort(key=lambda e: e[0])
+    xattrs: dict[int, list[tuple[bytes, bytes]]] = {}
+    for ino, name, value in cat._rows(_subtree_sql(
+            "SELECT x.ino, x.name, x.value FROM xattrs x WHERE x.ino IN (SELECT ino FROM t) ORDER BY x.ino, x.name"),
+            {"top": top}):
+        if type(name) is bytes and name and b"\0" not in name and type(value) is bytes:
+            xattrs.setdefault(ino, []).append((name, value))
+        else:
+            return None  # listing() reports it, directory by directory
+    rows_by_ino: dict[int, list[tuple]] = {}
+    for r in cat._rows(_subtree_sql(
+            "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size "
+            "FROM extents e JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino "
+            "LEFT JOIN packs p ON p.id = b.pack WHERE e.ino IN (SELECT ino FROM t) ORDER BY e.ino, e.offset"),
+            {"top": top}):
+        rows_by_ino.setdefault(r[0], []).append(r[1:])
+    extents = {ino: cat._located(ino, rows_by_ino.get(ino, ())) for ino, n in kinds.items() if n.is_reg}
+    return Subtree(top, children, xattrs, extents)
 
 
 # -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------

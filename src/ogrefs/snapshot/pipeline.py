@@ -43,6 +43,7 @@ from ogrefs.snapshot.packer import PackStats, Packer
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
 from ogrefs.repo.trash import read_trash
+from ogrefs.snapshot.treecopy import UntouchedTrees
 from ogrefs.snapshot.untouched import KnownDir, UntouchedDirs
 from ogrefs.snapshot.walk import WalkRules
 
@@ -313,6 +314,8 @@ class Snapshotter:
                 return
         for obs in self.opts.observers:
             obs.observe_dir(path, names)
+        if known is not None and known.complete and self._trees.copy(known, path, ino, dev, self._root_dev):
+            return  # the whole subtree from the mounted catalog (treecopy.py)
         base = path.rstrip(b"/")
         old_children = self._old_children(old_ino)
         for name in names:
@@ -444,6 +447,8 @@ class Snapshotter:
         tmpdir = tempfile.TemporaryDirectory(prefix="ogrefs-snap-", dir=self.repo.cache_dir)
         cat_path = Path(tmpdir.name) / "catalog.sqlite"
         self.cat = CatalogWriter(cat_path)
+        self._trees = UntouchedTrees(self.rules, self._skip_entirely, self.cat, self.stats, self.opts.observers,
+                                     self._mounted.unchanged_paths, lambda e: live_extents(self.repo, self._live_packs, e))
         self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
                               self.opts.upload_workers, self._unreadable, self._tick)
         try:

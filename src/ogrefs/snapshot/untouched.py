@@ -85,6 +85,7 @@ class KnownDir:
     #: Where the catalog's is the lowest layer of the directory, the kernel lists a whiteout but cannot stat
     #: it: the snapshot keeps the catalog's entry (the data A saved, unchanged since), never a gap.
     whiteouts_hide: bool = False
+    ino: int = 0  # the directory's inode in ``cat``
 
     def names(self) -> list[bytes]:
         """The merged directory's names: the catalog's and the own layer's."""
@@ -137,7 +138,7 @@ class UntouchedDirs:
                 complete = False  # listed through the mount: the kernel decides what a whiteout hides
             else:
                 own = listed_own  # type: ignore[assignment]
-        return KnownDir(entries, complete, snap, cat, origin.layer.mount, origin.cat_path, own, hides)
+        return KnownDir(entries, complete, snap, cat, origin.layer.mount, origin.cat_path, own, hides, cat_ino)
 
     def _own_dir_exists(self, layer: Layer, path: bytes) -> bool:
         """Whether the own layer has a real directory at ``path`` (every component one, never a symlink)."""
@@ -214,4 +215,9 @@ class UntouchedDirs:
 
     @staticmethod
     def xattrs(listed: Listed) -> list[tuple[bytes, bytes]]:
-        return [(n, v) for n, v in listed.xattrs if not n.startswith(HIDDEN_XATTRS)]
+        return visible_xattrs(listed.xattrs)
+
+
+def visible_xattrs(items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A catalog entry's xattrs as the merged view shows them (overlayfs' own hidden)."""
+    return [(n, v) for n, v in items if not n.startswith(HIDDEN_XATTRS)]
