@@ -11,8 +11,10 @@ Ownership (snapshot/pipeline.py's picture, steps 2-4):
   index lookup are guarded by ``_claim_lock``) and compress it if so.
 * Results are consumed strictly in submission order, so blobs land in packs
   in walk order (files of one directory stay together); a pack is sealed at
-  the target size and handed to an *upload worker*, which puts it and its
-  per-pack index object; the main thread then records it in the local index.
+  the target size (or after a file of at least a pack, so that its tail is
+  not held until the walk ends) and handed to an *upload worker*, which puts
+  it and its per-pack index object; the main thread then records it in the
+  local index.
 """
 
 from __future__ import annotations
