@@ -132,6 +132,19 @@ def create_schema(path: Path) -> None:
     db.conn.close()
 
 
+_COPY_INODE_SQL = f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+
+
+def _copied_inode(ino: int, old: Inode) -> tuple:
+    """``old``'s row under inode ``ino``; nlink 0, counted again at close."""
+    return (ino, *old[1:10], 0, *old[11:])
+
+
+def _valid_xattr(name: object, value: object) -> bool:
+    """What every reader of a catalog's xattrs checks: a non-empty name without NUL, bytes both."""
+    return type(name) is bytes and bool(name) and b"\0" not in name and type(value) is bytes
+
+
 class CatalogWriter:
     """Builds a catalog file.  Owned by one thread; call :meth:`close` once."""
 
@@ -162,10 +175,7 @@ class CatalogWriter:
         )
 
     def copy_inode(self, ino: int, old: Inode) -> None:
-        self._db.execute(
-            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (ino, *old[1:10], 0, *old[11:]),
-        )
+        self._db.execute(_COPY_INODE_SQL, _copied_inode(ino, old))
 
     def add_dirent(self, parent: int, name: bytes, ino: int) -> None:
         self._db.execute("INSERT OR REPLACE INTO dirents VALUES (?,?,?)", (parent, name, ino))
@@ -190,14 +200,7 @@ class CatalogWriter:
 
     def add_located_extents(self, ino: int, extents: list[tuple[int, int, bytes, BlobLocation]]) -> None:
         """Like add_extents, for chunks whose location is already known (reused from a parent)."""
-        rows = []
-        for off, length, cid, loc in extents:
-            new = cid not in self._blob_ids
-            bid = self._blob(cid, length)
-            if new:
-                self.set_location(cid, loc)
-            rows.append((ino, off, length, bid))
-        self._db.executemany("INSERT INTO extents VALUES (?,?,?,?)", rows)
+        self._insert_located([(ino, extents)])
 
     def add_copied(self, dirents: list[tuple[int, bytes, int]], inodes: list[tuple[int, Inode]],
                    xattrs: list[tuple[int, bytes, bytes]],
@@ -205,10 +208,13 @@ class CatalogWriter:
         """Many entries copied from another catalog at once: what :meth:`add_dirent`, :meth:`copy_inode`,
         :meth:`add_xattrs` and :meth:`add_located_extents` do one by one, in one statement per table."""
         self._db.executemany("INSERT OR REPLACE INTO dirents VALUES (?,?,?)", dirents)
-        self._db.executemany(
-            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            [(ino, *old[1:10], 0, *old[11:]) for ino, old in inodes])
+        self._db.executemany(_COPY_INODE_SQL, [_copied_inode(ino, old) for ino, old in inodes])
         self._db.executemany("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", xattrs)
+        self._insert_located(extents)
+
+    def _insert_located(self, extents: list[tuple[int, list[tuple[int, int, bytes, BlobLocation]]]]) -> None:
+        """Extent rows of files whose chunks are located; a chunk new to this catalog gets its blob row,
+        location included (one it already has keeps its own: it may be this run's, located at commit)."""
         new_blobs, rows = [], []
         for ino, located in extents:
             for off, length, cid, loc in located:
@@ -458,7 +464,7 @@ class Catalog:
     def xattrs(self, ino: int) -> list[tuple[bytes, bytes]]:
         out = []
         for name, value in self._rows("SELECT name, value FROM xattrs WHERE ino=? ORDER BY name", (ino,)):
-            if type(name) is bytes and name and b"\0" not in name and type(value) is bytes:
+            if _valid_xattr(name, value):
                 out.append((name, value))
             else:
                 self._reject(ino, b"xattr " + (name if type(name) is bytes else repr(name).encode()),
@@ -762,7 +768,7 @@ def listing(cat: Catalog, parent: int) -> list[Listed]:
     for ino, name, value in cat._rows(
             "SELECT x.ino, x.name, x.value FROM xattrs x WHERE x.ino IN (SELECT ino FROM dirents WHERE parent=?) "
             "ORDER BY x.ino, x.name", (parent,)):
-        if type(name) is bytes and name and b"\0" not in name and type(value) is bytes:
+        if _valid_xattr(name, value):
             xattrs.setdefault(ino, []).append((name, value))
         else:
             cat._reject(ino, b"xattr " + (name if type(name) is bytes else repr(name).encode()),
@@ -807,7 +813,7 @@ def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
     """Every entry below directory ``top`` with its xattrs and located extents, in three queries.
 
     What a snapshot of a box running from a mount takes for a directory that
-    nothing below has changed (snapshot/pipeline.py ``_copy_untouched``),
+    nothing below has changed (snapshot/treecopy.py),
     instead of :func:`listing` directory by directory.  None, for the caller
     to go directory by directory (where each oddity is reported as it is
     there), when the subtree has more than ``limit`` entries or is not a
@@ -838,7 +844,7 @@ def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
     for ino, name, value in cat._rows(_subtree_sql(
             "SELECT x.ino, x.name, x.value FROM xattrs x WHERE x.ino IN (SELECT ino FROM t) ORDER BY x.ino, x.name"),
             {"top": top}):
-        if type(name) is bytes and name and b"\0" not in name and type(value) is bytes:
+        if _valid_xattr(name, value):
             xattrs.setdefault(ino, []).append((name, value))
         else:
             return None  # listing() reports it, directory by directory
