@@ -667,6 +667,38 @@ def test_s3_stream_that_breaks_is_transient_never_short(exc: BaseException | Non
     assert body.closed
 
 
+def test_s3_client_creation_lists_no_other_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making the client looks into S3's data only, not into the ~450 other services botocore ships."""
+    import botocore.loaders
+
+    data = os.path.join(os.path.dirname(botocore.loaders.__file__), "data")
+    real_listdir = os.listdir
+    listed: list[str] = []
+
+    def listdir(path: Any = ".") -> list[str]:
+        listed.append(os.fspath(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(botocore.loaders.os, "listdir", listdir)
+    store = S3Store("some-bucket", endpoint_url="http://127.0.0.1:9")
+    services = {os.path.relpath(p, data).split(os.sep)[0] for p in listed if p.startswith(data + os.sep)}
+    assert services == {"s3"}, sorted(services)[:5]
+    assert data not in listed  # the list of every service was never asked for
+    assert store._client.meta.service_model.service_name == "s3"
+
+
+def test_s3_only_loader_answers_as_botocore_does_for_s3() -> None:
+    import botocore.loaders
+
+    from ogrefs.store.s3 import _S3OnlyLoader
+
+    narrow, full = _S3OnlyLoader(), botocore.loaders.Loader()
+    for type_name in ("service-2", "endpoint-rule-set-1", "paginators-1", "no-such-type-1"):
+        assert narrow.list_available_services(type_name) == \
+            [s for s in full.list_available_services(type_name) if s == "s3"], type_name
+    assert narrow.list_available_services("service-2") == ["s3"]
+
+
 # ---------------------------------------------------------------------------
 # S3 against the real SeaweedFS server
 # ---------------------------------------------------------------------------

@@ -18,6 +18,11 @@ Why it looks the way it does:
   mid-body (TransientError).  Never silently short.
 * put is a single PutObject: S3 makes it atomic (all or nothing) and packs
   are tens of MiB, far below the 5 GiB single-part limit.
+* The client's data loader knows only S3 (:class:`_S3OnlyLoader`): botocore's
+  own lists every service it ships (~450 directories, each listed, a file
+  stat'ed in each) only to check that "s3" is among them.  On a box that
+  boots with a cold page cache that scan was the slowest part of a mount's
+  start (docs/benchmarks.md, "The mount's start on a busy box").
 
 Locking: none of our own.  ``_client`` is created in ``__init__`` and only
 read afterwards; boto3 guards its connection pool itself.
@@ -25,12 +30,15 @@ read afterwards; boto3 guards its connection pool itself.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import boto3
 import botocore.exceptions as bx
+import botocore.loaders
+import botocore.session
 from botocore.config import Config
 
 from ogrefs.store.base import (
@@ -94,6 +102,34 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+class _S3OnlyLoader(botocore.loaders.Loader):
+    """botocore's data loader, asked about S3 alone (see the module docstring).
+
+    ``list_available_services`` answers what botocore's would, restricted to
+    S3: ``["s3"]`` when S3 has data of ``type_name`` on the search path, else
+    nothing.  Everything else (finding, loading and caching the data, the
+    search path with ``AWS_DATA_PATH``) is botocore's.
+    """
+
+    SERVICE = "s3"
+
+    def list_available_services(self, type_name: str) -> list[str]:
+        try:
+            self.list_api_versions(self.SERVICE, type_name)
+        except bx.DataNotFoundError:
+            return []
+        return [self.SERVICE]
+
+
+def _s3_session() -> boto3.session.Session:
+    """A fresh boto3 session whose data loader is :class:`_S3OnlyLoader` (as botocore makes its own)."""
+    core = botocore.session.Session()
+    search = core.get_config_variable("data_path")
+    extra = [os.path.expanduser(os.path.expandvars(p)) for p in search.split(os.pathsep)] if search else None
+    core.register_component("data_loader", _S3OnlyLoader(extra_search_paths=extra))
+    return boto3.session.Session(botocore_session=core)
+
+
 class S3Store(Store):
     """Keys live at ``<prefix>/<key>`` in ``bucket``."""
 
@@ -119,7 +155,7 @@ class S3Store(Store):
             retries={"mode": "standard", "max_attempts": 1},
             s3=s3_options or None,
         )
-        session = boto3.session.Session()
+        session = _s3_session()
         kwargs: dict[str, Any] = {"config": config}
         if endpoint_url:
             kwargs["endpoint_url"] = endpoint_url
