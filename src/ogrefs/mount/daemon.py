@@ -141,7 +141,8 @@ class Daemon:
             clear_snapshot_started(plan.state_dir)  # an earlier mount's snapshot says nothing about this resume
         # (the materializer shares the fetcher's residency: what readers fetch goes to the tree at once, not via
         # the chunk cache)
-        materializer = (Materializer(catalog, self.fetcher, plan.state_dir)
+        # (its passes yield to the application: idle_for is the vfs's, made just below)
+        materializer = (Materializer(catalog, self.fetcher, plan.state_dir, idle_for=lambda: self.fs.idle_for())
                         if (plan.state_dir is not None and opts.materialize) else None)
         host_paths = plan.writable.host_paths if plan.writable else None
         view = catalog

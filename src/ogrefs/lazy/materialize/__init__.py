@@ -25,6 +25,7 @@ Modules, one side of the thread boundary each:
 * :mod:`.space`    the disk-space policy (needs vs. free, "disk full");
 * :mod:`.writer`   durable batch writes and metadata (worker threads, one at a time);
 * :mod:`.pipeline` one pass: feeder, collector, writers (the trio loop);
+* :mod:`.pacing`   the pause after each batch while an application uses the mount (the trio loop);
 * :mod:`.materializer` the facade: lifecycle, progress, the vfs's questions (the trio loop).
 
 Durability and disk space are described in :mod:`.writer` and :mod:`.space`;

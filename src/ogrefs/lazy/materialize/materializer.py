@@ -42,6 +42,7 @@ from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize import space
 from ogrefs.lazy.materialize.build import Prepared, Preparer, prepare
+from ogrefs.lazy.materialize.pacing import Pacer
 from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
 from ogrefs.lazy.materialize.plan import CLASSES, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory
@@ -68,7 +69,7 @@ class Materializer:
                  reserve_bytes: int | None = None, flush_after: float = 0.2, retry_delay: float = 10.0,
                  adopt_bytes: int = 64 * MiB, residency: Residency | None = None,
                  free_bytes: space.FreeBytes = space.free_bytes, preparer: Preparer = prepare,
-                 make_writer: WriterFactory = TreeWriter) -> None:
+                 make_writer: WriterFactory = TreeWriter, idle_for: Callable[[], float] | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         # where each chunk is: the fetcher's residency (so what readers fetch is adopted into the tree)
@@ -80,6 +81,8 @@ class Materializer:
         self._free_bytes = free_bytes
         self._preparer = preparer  # (worker-thread stages: see the module docstring's seams)
         self._make_writer = make_writer
+        # seconds since the application's last request to the mount (the vfs's): passes yield to it (pacing.py)
+        self.pacer = Pacer(idle_for)
         self._settings = dict(window_bytes=window_bytes, group_bytes=group_bytes, batch_bytes=batch_bytes,
                               batch_chunks=batch_chunks, flush_after=flush_after, adopt_bytes=adopt_bytes)
         self.adopted_chunks = 0
@@ -166,6 +169,7 @@ class Materializer:
             "bytes_done": done, "bytes_total": total, "rate_bps": round(rate), "eta_s": None if eta is None else round(eta, 1),
             "files_complete": self.residency.files_complete, "files_total": self.files_total,
             "failed_chunks": self.failed_chunks, "adopted_chunks": self.adopted_chunks,
+            "yielded_s": round(self.pacer.paused_s, 1),  # paused for an active application (pacing.py)
         }
 
     # -- running --------------------------------------------------------------------------------
@@ -240,7 +244,8 @@ class Materializer:
         assert self._writer is not None
         while True:
             one = Pass(self._plan, self.fetcher, self.residency, PassSettings(bridge=self._fresh, **self._settings),
-                       write_batch=self._writer.write_batch, on_written=self._written, failed=self._failed)
+                       write_batch=self._writer.write_batch, on_written=self._written, failed=self._failed,
+                       pacer=self.pacer)
             try:
                 await one.run()
             finally:

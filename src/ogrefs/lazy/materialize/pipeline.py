@@ -39,6 +39,7 @@ import trio
 
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkMissing, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
+from ogrefs.lazy.materialize.pacing import Pacer
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, TRACE, Item, Plan
 from ogrefs.lazy.residency import Residency
 from ogrefs.lazy.window import RequestWindow, groups
@@ -80,8 +81,9 @@ class Pass:
 
     def __init__(self, plan: Plan, fetcher: Fetcher, residency: Residency, settings: PassSettings, *,
                  write_batch: Callable[[Batch], list[int]], on_written: Callable[[Batch, list[int]], None],
-                 failed: set[int]) -> None:
+                 failed: set[int], pacer: Pacer | None = None) -> None:
         self.plan = plan
+        self.pacer = pacer if pacer is not None else Pacer(None)
         self.fetcher = fetcher
         self.residency = residency
         self.settings = settings
@@ -233,11 +235,17 @@ class Pass:
 
     # -- the writers ----------------------------------------------------------------------------------
     async def _write(self, budget: RequestWindow, recv: trio.MemoryReceiveChannel) -> None:
+        """Write the feeder's batches; after each, the pacer's pause while the application is active.
+
+        (The adoption writer is not paced: what it writes an application fetched anyway, and its queue is bounded.)
+        """
         async with recv:
             async for batch, charged in recv:
+                started = trio.current_time()
                 if not await self._write_locked(batch):
                     return
                 budget.finished(charged, sum(item.ref.raw_len for item, _ in batch) - charged)
+                await self.pacer.after(trio.current_time() - started)
 
     async def _write_locked(self, batch: Batch) -> bool:
         """Write one batch (taking turns with the other writer) and record it; False if the pass stops."""

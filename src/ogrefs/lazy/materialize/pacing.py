@@ -1,0 +1,75 @@
+"""While an application is using the mount, materialization takes a bounded share of the time.
+
+Writing the tree is a worker thread's pwrite and fdatasync and the loop's
+bookkeeping around every batch; the chunks it writes were fetched and
+decoded in worker threads.  All of that shares the daemon's GIL, the trio
+loop that answers every FUSE request, the disk and, on a small box, the
+cores with the application.  The materializer waits for the application to
+settle before it starts (:meth:`ogrefs.lazy.prefetch.Prefetch._settle`), but
+the application does not stay settled: the second training step, an
+evaluation, a data loader opening the next shard come back to the mount
+while a pass writes gigabytes.  Measured on two cores (docs/benchmarks.md,
+"The warm step and the materializer"): a step whose data was in memory took
+1.6-1.8x its time from local disk when a pass started writing under it,
+1.1x when none did.
+
+So, after each batch a pass writes while the application is active (it sent
+the mount a request within ``active_s``), the pass waits until the batch's
+time is ``share`` of the time since the previous batch began: a batch of
+``d`` seconds is followed by ``d * (1 - share) / share`` seconds, at most
+``max_pause``, cut short as soon as the application has been quiet for
+``active_s``.  An application that computes without asking the mount
+anything (a training loop with its data in the page cache) does not slow the
+pass down at all, and a pass never stops: under an application that never
+goes quiet it still writes at ``share`` of its speed.
+
+Who owns what: a :class:`Pacer` belongs to the trio loop; the pass's writer
+task calls :meth:`Pacer.after` and nothing else touches it.  ``idle_for`` is
+the vfs's (seconds since the application's last request), read on the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import trio
+
+#: While the application is active, materialization takes this share of the time ...
+ACTIVE_SHARE = 0.25
+#: ... an application is active when its last request to the mount is this recent ...
+ACTIVE_S = 0.5
+#: ... and no pause is longer than this.
+MAX_PAUSE_S = 2.0
+
+
+class Pacer:
+    """The pause after each batch of a pass; see the module docstring."""
+
+    def __init__(self, idle_for: Callable[[], float] | None, share: float = ACTIVE_SHARE,
+                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05) -> None:
+        if not 0 < share <= 1:
+            raise ValueError("share must be in (0, 1]")
+        self.idle_for = idle_for
+        self.share = share
+        self.active_s = active_s
+        self.max_pause = max_pause
+        self.poll = poll
+        self.paused_s = 0.0  # seconds paused so far (status, tests)
+        self.pauses = 0
+
+    def active(self) -> bool:
+        """Whether the application asked the mount for something within ``active_s``."""
+        return self.idle_for is not None and self.idle_for() < self.active_s
+
+    async def after(self, took: float) -> None:
+        """Called after a batch that took ``took`` seconds: pause while the application is active."""
+        if took <= 0 or not self.active():
+            return
+        start = trio.current_time()
+        deadline = start + min(self.max_pause, took * (1 - self.share) / self.share)
+        self.pauses += 1
+        try:
+            while (now := trio.current_time()) < deadline and self.active():
+                await trio.sleep(min(self.poll, deadline - now))
+        finally:
+            self.paused_s += trio.current_time() - start
