@@ -47,12 +47,13 @@ def test_no_pause_for_an_idle_application_or_without_one():
 def test_a_pause_is_bounded_and_ends_when_the_application_goes_quiet():
     assert paused(Pacer(lambda: 0.0, max_pause=2.0), 100.0) == pytest.approx(2.0, abs=0.06)
 
-    start: list[float] = []
+    last_request: list[float] = []
 
     def idle_for() -> float:  # the application's last request came just before the batch ended
         now = trio.current_time()
-        start.append(now) if not start else None
-        return now - start[0]
+        if not last_request:
+            last_request.append(now)
+        return now - last_request[0]
 
     waited = paused(Pacer(idle_for, active_s=0.5, max_pause=2.0, poll=0.05), 10.0)
     assert 0.5 <= waited < 0.5 + 0.05 + 1e-9

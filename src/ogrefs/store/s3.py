@@ -22,7 +22,7 @@ Why it looks the way it does:
   own lists every service it ships (~450 directories, each listed, a file
   stat'ed in each) only to check that "s3" is among them.  On a box that
   boots with a cold page cache that scan was the slowest part of a mount's
-  start (docs/benchmarks.md, "The mount's start on a busy box").
+  start (docs/benchmarks.md, "Where a busy box's time goes").
 
 Locking: none of our own.  ``_client`` is created in ``__init__`` and only
 read afterwards; boto3 guards its connection pool itself.
