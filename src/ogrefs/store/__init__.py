@@ -83,7 +83,7 @@ def _open_backend(url: str, s3_endpoint: str | None) -> Store:
             raise InvalidStoreURL(f"memory URL needs a name (memory://name): {url!r}")
         return named_memory_store(rest)
     if scheme == "s3":
-        from ogrefs.store.s3 import S3Store, parse_s3_url  # boto3 is slow to import; only pay for it when used
+        from ogrefs.store.s3 import S3Store, parse_s3_url  # botocore is slow to import; only pay for it when used
 
         bucket, prefix = parse_s3_url(url)
         endpoint = s3_endpoint or os.environ.get(S3_ENDPOINT_ENV) or None

@@ -2,10 +2,18 @@
 
 Why it looks the way it does:
 
-* One boto3 client per store, shared by every thread.  botocore clients are
+* One S3 client per store, shared by every thread.  botocore clients are
   thread-safe once created; *creating* them from the shared default session
-  is not, so each store makes its own ``boto3.session.Session``.  The
-  connection pool is sized for the fetcher's thread count.
+  is not, so each store makes its own session.  The connection pool is sized
+  for the fetcher's thread count.
+* The client is botocore's, made by a ``botocore.session.Session`` (the
+  session boto3 wraps; boto3 stays the declared dependency that pins it):
+  boto3's session adds nothing to a client's calls but, for S3, the
+  managed-transfer methods (``upload_file``...), and injecting them imports
+  s3transfer.  With a cold page cache behind other work on the box, boto3
+  and s3transfer were half of a mount's imports (docs/benchmarks.md, "A
+  mount's start on a busy box").  Credentials, region and configuration
+  files resolve exactly as with boto3: they are botocore's.
 * botocore's own retries are switched off (``max_attempts=1``):
   ``RetryingStore`` is the only place that retries, so an outage costs one
   predictable backoff schedule instead of two multiplied together.
@@ -25,7 +33,7 @@ Why it looks the way it does:
   start (docs/benchmarks.md, "Where a busy box's time goes").
 
 Locking: none of our own.  ``_client`` is created in ``__init__`` and only
-read afterwards; boto3 guards its connection pool itself.
+read afterwards; botocore guards its connection pool itself.
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ import re
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-import boto3
 import botocore.exceptions as bx
 import botocore.loaders
 import botocore.session
@@ -121,13 +128,13 @@ class _S3OnlyLoader(botocore.loaders.Loader):
         return [self.SERVICE]
 
 
-def _s3_session() -> boto3.session.Session:
-    """A fresh boto3 session whose data loader is :class:`_S3OnlyLoader` (as botocore makes its own)."""
+def _s3_session() -> botocore.session.Session:
+    """A fresh botocore session whose data loader is :class:`_S3OnlyLoader` (as botocore makes its own)."""
     core = botocore.session.Session()
     search = core.get_config_variable("data_path")
     extra = [os.path.expanduser(os.path.expandvars(p)) for p in search.split(os.pathsep)] if search else None
     core.register_component("data_loader", _S3OnlyLoader(extra_search_paths=extra))
-    return boto3.session.Session(botocore_session=core)
+    return core
 
 
 class S3Store(Store):
@@ -159,10 +166,10 @@ class S3Store(Store):
         kwargs: dict[str, Any] = {"config": config}
         if endpoint_url:
             kwargs["endpoint_url"] = endpoint_url
-        if session.region_name is None:
+        if session.get_config_variable("region") is None:
             # Signing needs a region; S3-compatible servers accept us-east-1.
             kwargs["region_name"] = "us-east-1"
-        return session.client("s3", **kwargs)
+        return session.create_client("s3", **kwargs)
 
     # -- helpers ----------------------------------------------------------
 
