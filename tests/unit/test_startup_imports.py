@@ -15,9 +15,10 @@ import sys
 
 MOUNT_PATH = ("ogrefs.cli.app", "ogrefs.cli.mount", "ogrefs.mount.client", "ogrefs.mount.launch",
               "ogrefs.mount.fuse_ops", "ogrefs.inspect.compat", "ogrefs.inspect.here", "ogrefs.inspect.compare",
-              "ogrefs.snapshot.selection")
+              "ogrefs.snapshot.selection", "ogrefs.store.s3")
 NOT_ON_IT = ("sqlite_utils", "ogrefs.inspect.probe", "ogrefs.inspect.pyenv", "ogrefs.inspect.gitrepo",
-             "ogrefs.inspect.checkpoints", "ogrefs.snapshot.pipeline")
+             "ogrefs.inspect.checkpoints", "ogrefs.snapshot.pipeline",
+             "boto3", "s3transfer")  # the S3 client is botocore's (store/s3.py): boto3's session imported s3transfer
 
 
 def _modules_after_importing(names: tuple[str, ...]) -> set[str]:
