@@ -1,3 +1,3 @@
-from ogrefs.cli.app import main
+from ogrefs.cli.entry import main
 
 main()

@@ -1,0 +1,143 @@
+"""The command line's read-ahead of its own code (ogrefs/cli/preload.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ogrefs.cli import preload
+from tests.unit.test_startup_imports import MOUNT_PATH
+
+TAG = sys.implementation.cache_tag
+
+
+def _fake_package(root: Path) -> dict[str, Path]:
+    pkg = root / "fakepkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    (pkg / "tests").mkdir()
+    (pkg / "data").mkdir()
+    files = {
+        "init": pkg / "__init__.py", "mod": pkg / "mod.py",
+        "init_pyc": pkg / "__pycache__" / f"__init__.{TAG}.pyc", "mod_pyc": pkg / "__pycache__" / f"mod.{TAG}.pyc",
+        "other_pyc": pkg / "__pycache__" / "mod.other-99.pyc",
+        "sub_pyc": pkg / "sub" / "__pycache__" / f"x.{TAG}.pyc", "sub_py": pkg / "sub" / "x.py",
+        "ext": pkg / "ext.cpython-311-x86_64-linux-gnu.so", "cffi": pkg / "_cffi.cpython-311-x86_64-linux-gnu.so",
+        "test": pkg / "tests" / "test_mod.py", "data": pkg / "data" / "big.json",
+        "single": root / "fakemod.py", "single_pyc": root / "__pycache__" / f"fakemod.{TAG}.pyc",
+    }
+    files["single_pyc"].parent.mkdir()
+    for path in files.values():
+        path.write_bytes(b"# x\n")
+    return files
+
+
+@pytest.fixture
+def advised(monkeypatch) -> list[str]:
+    """The paths posix_fadvise(WILLNEED) was called on, by any thread."""
+    seen: list[str] = []
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        assert (offset, length, advice) == (0, 0, os.POSIX_FADV_WILLNEED)
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    return seen
+
+
+def _run(packages: tuple[str, ...], modules: tuple[str, ...]) -> list:
+    threads = preload.start(packages, modules, threads=3)
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    return threads
+
+
+def test_packages_are_read_ahead_whole_but_their_tests_data_and_other_interpreters_files(
+        tmp_path, monkeypatch, advised):
+    f = _fake_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _run(("fakepkg",), ("fakemod",))
+    assert sorted(advised) == sorted(str(f[k]) for k in ("init_pyc", "mod_pyc", "sub_pyc", "ext", "single_pyc"))
+    assert "fakepkg" not in sys.modules and "fakemod" not in sys.modules  # found, never imported
+
+
+def test_a_package_without_compiled_files_is_read_as_source(tmp_path, monkeypatch, advised):
+    f = _fake_package(tmp_path)
+    for key in ("init_pyc", "mod_pyc", "other_pyc"):
+        f[key].unlink()
+    (tmp_path / "fakepkg" / "__pycache__").rmdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _run(("fakepkg",), ())
+    assert sorted(advised) == sorted(str(f[k]) for k in ("init", "mod", "sub_pyc", "ext"))
+
+
+def test_names_that_do_not_exist_and_files_that_vanish_or_fail_are_passed_over(tmp_path, monkeypatch):
+    f = _fake_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls: list[int] = []
+
+    def failing(fd: int, *_args) -> None:
+        calls.append(fd)
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", failing)
+    f["mod_pyc"].unlink()  # a module without its compiled twin: nothing to read ahead for it
+    threads = _run(("no_such_package_xyz", "fakepkg"), ("no_such_module_xyz", "fakemod"))
+    assert len(threads) == 4
+    assert len(calls) == 4  # init_pyc, sub_pyc, ext, single_pyc: each tried, each failure ignored
+
+
+def test_off_switch(tmp_path, monkeypatch, advised):
+    _fake_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("OGREFS_PRELOAD", "0")
+    assert preload.start(("fakepkg",), ()) == []
+    assert advised == []
+
+
+def test_every_module_a_mount_loads_after_the_interpreters_start_is_read_ahead():
+    """The lists stay complete: each file a mount's imports read (and the S3 client's data) is named."""
+    code = (
+        "import sys\n"
+        "at_start = set(sys.modules)\n"
+        "import importlib, json\n"
+        f"for n in {list(MOUNT_PATH)!r}: importlib.import_module(n)\n"
+        "from ogrefs.store.s3 import S3Store\n"
+        "S3Store('b', endpoint_url='http://127.0.0.1:9')\n"
+        "from ogrefs.cli import preload\n"
+        "listed = set(preload.files())\n"
+        "missing = []\n"
+        "for name, m in list(sys.modules.items()):\n"
+        "    path = getattr(m, '__file__', None)\n"
+        "    frozen = getattr(getattr(m, '__spec__', None), 'origin', None) == 'frozen'  # not read from disk\n"
+        "    if name in at_start or not path or frozen:\n"
+        "        continue\n"
+        "    twins = {path, getattr(m, '__cached__', None) or path}\n"
+        "    if not twins & listed:\n"
+        "        missing.append(name)\n"
+        "print(json.dumps(sorted(missing)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert json.loads(out.stdout) == [], out.stdout
+
+
+def test_the_command_starts_the_read_ahead_before_it_imports_the_command_line(monkeypatch):
+    code = ("import sys\n"
+            "from ogrefs.cli import preload\n"
+            "started = []\n"
+            "preload.start = lambda: started.append(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('click', 'botocore', 'trio', 'pyfuse3'))) or []\n"
+            "from ogrefs.cli import entry\n"
+            "try:\n"
+            "    entry.main(['--version'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(started)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "[[]]"
