@@ -77,6 +77,25 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytes
 # ===========================================================================
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the lab's cached Debian roots before the first test runs, outside every test's time limit.
+
+    A fresh machine (a CI run) builds them once: debootstrap from the Debian
+    mirror, then pip, several minutes, each step under its own timeout in
+    tests/lab/roots.py.  Built by the first lab test's fixture, those minutes
+    counted against that test's 300 s (pytest-timeout counts a test's fixture
+    setup): on a fresh machine the first lab test timed out with the build
+    done.  A prerequisite that is missing or a build that fails is reported by
+    the lab fixture itself, as before (tests/lab/fixtures.py).
+    """
+    if session.config.option.collectonly:
+        return
+    if any("lab" in getattr(item, "fixturenames", ()) for item in session.items):
+        from tests.lab import fixtures
+
+        fixtures.prebuild_lab_roots()
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """``make(size)`` mounts a tmpfs of ``size`` bytes and returns its path; all are unmounted afterwards."""
