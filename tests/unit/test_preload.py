@@ -101,13 +101,20 @@ def test_off_switch(tmp_path, monkeypatch, advised):
     assert advised == []
 
 
-def test_every_module_a_mount_loads_after_the_interpreters_start_is_read_ahead():
-    """The lists stay complete: each file a mount's imports read (and the S3 client's data) is named."""
+#: What a snapshot (the notice's command), a restore and the agent import besides the mount path.
+SNAPSHOT_PATH = ("ogrefs.cli.app", "ogrefs.snapshot.pipeline", "ogrefs.snapshot.setup", "ogrefs.inspect.probe",
+                 "ogrefs.inspect.pyenv", "ogrefs.inspect.gitrepo", "ogrefs.inspect.checkpoints",
+                 "ogrefs.repo.catalog", "sqlite_utils", "ogrefs.restore", "ogrefs.agent.loop")
+
+
+@pytest.mark.parametrize("path", [MOUNT_PATH, SNAPSHOT_PATH], ids=["mount", "snapshot"])
+def test_every_module_a_command_loads_after_the_interpreters_start_is_read_ahead(path):
+    """The lists stay complete: each file a command's imports read (and the S3 client's data) is named."""
     code = (
         "import sys\n"
         "at_start = set(sys.modules)\n"
         "import importlib, json\n"
-        f"for n in {list(MOUNT_PATH)!r}: importlib.import_module(n)\n"
+        f"for n in {list(path)!r}: importlib.import_module(n)\n"
         "from ogrefs.store.s3 import S3Store\n"
         "S3Store('b', endpoint_url='http://127.0.0.1:9')\n"
         "from ogrefs.cli import preload\n"
