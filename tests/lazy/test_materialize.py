@@ -1050,3 +1050,17 @@ def _crawl_a_real_mount(box: Box, state: Path, mp: Path, *, push: bool) -> dict[
     assert "requests 0 " in out and f"local opens {seen + first}" in out, out
     reads, pushed = (int(x) for x in re.search(r"reads (\d+) pushed (\d+)", out).groups())
     return {"reads": reads, "pushed": pushed, "first": first, "small": small}
+
+
+@pytest.mark.expect_log(r"stopped: preparing the local tree failed", level=logging.ERROR)
+def test_a_preparation_that_stops_leaves_the_materializer_stopped_with_its_reason(box, tmp_path):
+    """What the tree build raises reaches the materializer as itself (not wrapped by the gate's nursery)."""
+    from ogrefs.lazy.materialize import space
+
+    def failing(*_args):
+        raise space.Stop(OSError(errno.EIO, "Input/output error"), "preparing the local tree")
+
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", preparer=failing, idle_for=lambda: 0.0)
+    run_trio(fetcher, m.run)
+    assert m.state == "stopped" and "Input/output error" in m.reason and not m.complete

@@ -1,4 +1,5 @@
-"""Materialization yields to an active application: the pacer's pauses (trio's mock clock), then a real pass."""
+"""Materialization yields to an active application: the pacer's pauses (trio's mock clock), then a real pass;
+the tree build's gate, alone and in a real build."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import trio.testing
 
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize.materializer import Materializer
-from ogrefs.lazy.materialize.pacing import Pacer
+from ogrefs.lazy.materialize import build
+from ogrefs.lazy.materialize.pacing import BuildGate, Pacer
 from ogrefs.lazy.materialize.writer import TreeWriter
 
 from tests.resume_box import Box, make_box, run_trio
@@ -97,3 +99,65 @@ def test_a_pass_pauses_after_each_batch_while_the_application_is_active(box, tmp
     for (s0, e0), (s1, _e1) in zip(spans, spans[1:]):
         assert s1 - e0 >= 3 * (e0 - s0) * 0.999, (s0, e0, s1)
     assert m.pacer.pauses >= len(spans) - 1 and m.stats()["yielded_s"] > 0
+
+
+def gate_waits(idle: list[float], worked: float, flip_after: float | None = None, **kw) -> float:
+    """Seconds a worker thread's ``gate.pause(worked)`` waited, with the gate watched on a real loop;
+    ``idle[0]`` is the application's idle time, set to 1e9 (quiet) ``flip_after`` seconds into the pause."""
+    gate = BuildGate(lambda: idle[0], poll=0.005, **kw)
+    out: list[float] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gate.watch)
+            await trio.sleep(0.02)  # the watcher has looked once
+            if flip_after is not None:
+                async def quiet_later() -> None:
+                    await trio.sleep(flip_after)
+                    idle[0] = 1e9
+                nursery.start_soon(quiet_later)
+            out.append(await trio.to_thread.run_sync(gate.pause, worked))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return out[0]
+
+
+def test_the_build_gate_holds_a_piece_three_times_its_work_while_the_application_is_active():
+    assert 0.27 <= gate_waits([0.0], 0.1) < 0.6  # 0.1 s of work, a quarter of the time: 0.3 s
+    assert 0.45 <= gate_waits([0.0], 10.0, max_pause=0.5) < 0.9  # never longer than max_pause
+
+
+def test_the_build_gate_never_holds_an_idle_application_or_a_gate_nobody_watches():
+    assert gate_waits([1e9], 0.1) < 0.05
+    assert BuildGate(lambda: 0.0).pause(10.0) == 0.0  # no watcher: never waits (a build without a loop)
+    assert BuildGate(None).pause(10.0) == 0.0
+
+
+def test_the_build_gate_opens_when_the_application_goes_quiet():
+    assert 0.15 <= gate_waits([0.0], 10.0, flip_after=0.2) < 0.5  # would be 2 s (max_pause) had it stayed active
+
+
+@pytest.mark.parametrize("application", ["active", "idle"])
+def test_the_tree_build_waits_at_the_gate_while_the_application_is_active(box, tmp_path, monkeypatch, application):
+    monkeypatch.setattr(build, "_TICK", 1)  # a look at the gate after every entry of the small box
+    monkeypatch.setattr(build, "_PIECE_S", 0.0)
+    pauses: list[float] = []
+    real_pause = BuildGate.pause
+
+    def pause(self, worked: float) -> float:
+        waited = real_pause(self, worked)
+        pauses.append(waited)
+        return waited
+
+    monkeypatch.setattr(BuildGate, "pause", pause)
+    idle_for = (lambda: 0.0) if application == "active" else (lambda: 1e9)
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", idle_for=idle_for)
+    run_trio(fetcher, m.run)
+    assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
+    assert len(pauses) > 10  # the gate was asked between pieces of the build
+    if application == "idle":
+        assert sum(pauses) < 0.05 and m.stats()["yielded_s"] < 0.1
+    else:
+        assert m.stats()["yielded_s"] >= sum(pauses) - 0.05 > 0

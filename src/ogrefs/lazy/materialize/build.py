@@ -9,7 +9,9 @@ reopened as it is.  Either way this run's trace chunks go first.
 Who owns what: :func:`prepare` runs in one worker thread before any writer
 starts.  It gets immutable inputs and returns a new, frozen :class:`Prepared`
 (or the reason it refused); the loop assigns what it needs from that.  It
-never touches the loop's state.
+never touches the loop's state.  Between pieces of the build it waits at the
+:class:`~.pacing.BuildGate` while the application is active (the loop sets
+and clears the gate; the thread only waits on it and counts its own pauses).
 
 The materializer calls the preparation as a :data:`Preparer`: :func:`prepare`
 unless it is given another (a test wraps :func:`prepare` to see when the tree
@@ -27,6 +29,7 @@ from typing import Callable, Iterable
 
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.lazy.materialize import space
+from ogrefs.lazy.materialize.pacing import BuildGate
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory, syncfs
 from ogrefs.lazy.resolve import EntryResolver
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 
 #: Rows inserted per executemany while the plan is built.
 _ROWS = 1000
+#: Entries (or extents) between two looks at the clock, and the work between two looks at the gate.
+_TICK = 64
+_PIECE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,18 +58,42 @@ class Prepared:
     files_total: int
     complete: frozenset[int]  # files recorded complete
     done: frozenset[bytes]  # chunks recorded done
+    yielded_s: float = 0.0  # the build waited this long for an active application (pacing.BuildGate)
+
+
+class _Pieces:
+    """The build's work in pieces of about ``_PIECE_S``, each followed by the gate's pause (one thread)."""
+
+    def __init__(self, gate: BuildGate | None) -> None:
+        self.gate = gate
+        self.paused = 0.0
+        self._count = 0
+        self._since = time.monotonic()
+
+    def tick(self) -> None:
+        if self.gate is None:
+            return
+        self._count += 1
+        if self._count % _TICK:
+            return
+        now = time.monotonic()
+        if now - self._since >= _PIECE_S:
+            self.paused += self.gate.pause(now - self._since)
+            self._since = time.monotonic()
 
 
 def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
-            refusal: Callable[[int], str | None], make_writer: WriterFactory = TreeWriter) -> Prepared | str:
+            refusal: Callable[[int], str | None], make_writer: WriterFactory = TreeWriter,
+            gate: BuildGate | None = None) -> Prepared | str:
     """Worker thread: the tree and the plan ready for passes, or why materialization is refused.
 
     ``refusal(needed bytes)``: the disk-space policy (:func:`space.refusal`).
     ``make_writer``: makes the tree's writer (the one :attr:`Prepared.writer` hands the passes).
+    ``gate``: where a fresh build waits while the application is active (none: it never waits).
     Raises :class:`space.Stop` when the disk or the plan fails meanwhile.
     """
     try:
-        return _prepare(plan, catalog, tree_root, trace, refusal, make_writer)
+        return _prepare(plan, catalog, tree_root, trace, refusal, make_writer, _Pieces(gate))
     except (OSError, sqlite3.Error, OgrefsError) as exc:
         plan.rollback()
         raise space.Stop(exc, "preparing the local tree") from None
@@ -73,26 +103,27 @@ def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
 
 
 def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
-             refusal: Callable[[int], str | None], make_writer: WriterFactory) -> Prepared | str:
+             refusal: Callable[[int], str | None], make_writer: WriterFactory, pieces: _Pieces) -> Prepared | str:
     fresh = plan.meta("built") != "1"
     reason = refusal(catalog.file_data_total() if fresh else plan.bytes_needed())
     if reason is not None:
         return reason
     writer = make_writer(catalog, LocalTree(tree_root, create=fresh), plan)
     if fresh:
-        build(writer, tree_root)
+        build(writer, tree_root, pieces)
     _classify_trace(plan, catalog, trace)
     writer.complete_files(plan.ready_files())
     total, done = [0, 0, 0], [0, 0, 0]
     for cls, t, d in plan.class_bytes():
         total[cls], done[cls] = t, d
     return Prepared(writer, fresh, (total[0], total[1], total[2]), (done[0], done[1], done[2]),
-                    plan.count_files(), plan.complete_inos(), plan.done_chunks())
+                    plan.count_files(), plan.complete_inos(), plan.done_chunks(), pieces.paused)
 
 
 #: The preparation as the materializer calls it, in a worker thread: ``(plan, catalog, tree_root, trace,
-#: refusal, make_writer) -> Prepared | refusal reason``; :func:`prepare` unless the Materializer is given another.
-Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory], Prepared | str]
+#: refusal, make_writer, gate) -> Prepared | refusal reason``; :func:`prepare` unless the Materializer is given another.
+Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory, BuildGate | None],
+                    Prepared | str]
 
 
 def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> bool:
@@ -107,8 +138,9 @@ def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> 
     return tree.create_special(path, node)
 
 
-def build(writer: TreeWriter, tree_root: bytes) -> None:
+def build(writer: TreeWriter, tree_root: bytes, pieces: _Pieces | None = None) -> None:
     """Create the tree and the plan (from scratch: an interrupted build is redone)."""
+    pieces = pieces if pieces is not None else _Pieces(None)
     t0 = time.monotonic()
     plan, catalog = writer.plan, writer.catalog
     db = plan.db()
@@ -118,8 +150,8 @@ def build(writer: TreeWriter, tree_root: bytes) -> None:
     db.execute("DELETE FROM meta WHERE key IN ('built', 'finished')")
     if catalog.get(ROOT_INO) is None:
         raise CorruptObject("catalog has no root directory")
-    _build_entries(writer.tree, catalog, db)
-    _plan_chunks(catalog, db)
+    _build_entries(writer.tree, catalog, db, pieces)
+    _plan_chunks(catalog, db, pieces)
     # special files are complete now; regular files without data too (later, via pending = 0)
     for ino, path in plan.specials():
         node = catalog.get(ino)
@@ -129,16 +161,17 @@ def build(writer: TreeWriter, tree_root: bytes) -> None:
     plan.set_meta("built", "1")
     db.execute("COMMIT")
     n = db.execute("SELECT count(*), coalesce(sum(rlen), 0) FROM chunks").fetchone()
-    log.info("materialization: local tree built in %.1f s (%d files, %d chunks, %s to fetch)",
-             time.monotonic() - t0, plan.count_files(), n[0], human(n[1]))
+    log.info("materialization: local tree built in %.1f s (%d files, %d chunks, %s to fetch; %.1f s of it "
+             "waiting for the application)", time.monotonic() - t0, plan.count_files(), n[0], human(n[1]), pieces.paused)
 
 
-def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) -> None:
+def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection, pieces: _Pieces) -> None:
     """Every entry of the snapshot in the tree, and its row in ``files`` or ``others``."""
     others: list[tuple[int, bytes, int]] = [(ROOT_INO, b"", 1)]
     files: list[tuple[int, bytes]] = []
     first: dict[int, bytes] = {}  # hardlinked inode -> its first path
     for path, node in catalog.walk():
+        pieces.tick()
         if node.is_dir:
             tree.make_dir(path)
             others.append((node.ino, path, 1))
@@ -167,11 +200,12 @@ def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) ->
     db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
 
 
-def _plan_chunks(catalog: Catalog, db: sqlite3.Connection) -> None:
+def _plan_chunks(catalog: Catalog, db: sqlite3.Connection, pieces: _Pieces) -> None:
     """The plan: every extent of every file in the tree, each distinct chunk once; the hints' classes."""
     rows: list[tuple] = []
     bad: set[int] = set()  # files whose data the catalog locates wrongly: never local, read lazily (EIO)
     for ino, off, length, chunk, pack, poff, slen in catalog.all_extents(on_malformed=lambda ino, _why: bad.add(ino)):
+        pieces.tick()
         if pack is None:
             bad.add(ino)
             continue
@@ -190,6 +224,7 @@ def _plan_chunks(catalog: Catalog, db: sqlite3.Connection) -> None:
     # hints, in rank order: their files' chunks come before everything else but the trace
     for seq, (_klass, ino, _rank) in enumerate(catalog.hints()):
         for fino in _hint_files(catalog, ino):
+            pieces.tick()
             db.execute("UPDATE chunks SET base_cls=?, base_seq=? WHERE base_cls=? AND chunk IN "
                        "(SELECT chunk FROM targets WHERE ino=?)", (HINT, seq, BACKGROUND, fino))
     db.execute("UPDATE chunks SET cls=base_cls, seq=base_seq")

@@ -42,7 +42,7 @@ from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize import space
 from ogrefs.lazy.materialize.build import Prepared, Preparer, prepare
-from ogrefs.lazy.materialize.pacing import Pacer
+from ogrefs.lazy.materialize.pacing import BuildGate, Pacer
 from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
 from ogrefs.lazy.materialize.plan import CLASSES, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory
@@ -83,6 +83,8 @@ class Materializer:
         self._make_writer = make_writer
         # seconds since the application's last request to the mount (the vfs's): passes yield to it (pacing.py)
         self.pacer = Pacer(idle_for)
+        self.gate = BuildGate(idle_for)  # ... and so does the tree build (pacing.py)
+        self._build_yielded_s = 0.0
         self._settings = dict(window_bytes=window_bytes, group_bytes=group_bytes, batch_bytes=batch_bytes,
                               batch_chunks=batch_chunks, flush_after=flush_after, adopt_bytes=adopt_bytes)
         self.adopted_chunks = 0
@@ -169,7 +171,8 @@ class Materializer:
             "bytes_done": done, "bytes_total": total, "rate_bps": round(rate), "eta_s": None if eta is None else round(eta, 1),
             "files_complete": self.residency.files_complete, "files_total": self.files_total,
             "failed_chunks": self.failed_chunks, "adopted_chunks": self.adopted_chunks,
-            "yielded_s": round(self.pacer.paused_s, 1),  # paused for an active application (pacing.py)
+            # paused for an active application (pacing.py): the passes and the tree build
+            "yielded_s": round(self.pacer.paused_s + self._build_yielded_s, 1),
         }
 
     # -- running --------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ class Materializer:
         self.state = "preparing"
         try:
             try:
-                prepared = await trio.to_thread.run_sync(self._prepare, trace or [])
+                prepared = await self._prepare_gated(trace or [])
             finally:
                 if on_prepared is not None:
                     on_prepared()
@@ -215,16 +218,32 @@ class Materializer:
             self.reason = f"{self.failed_chunks} chunk(s) could not be fetched; their files are served lazily"
             log.error("materialization incomplete: %s", self.reason)
 
+    async def _prepare_gated(self, trace: list[Entry]) -> Prepared | str:
+        """The preparation in a worker thread while the loop keeps its build gate up to date."""
+        result: list[Prepared | str] = []
+        failure: list[Exception] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.gate.watch)
+            try:
+                result.append(await trio.to_thread.run_sync(self._prepare, trace))
+            except Exception as exc:  # raised below, outside the nursery (which would wrap it in a group)
+                failure.append(exc)
+            nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        return result[0]
+
     def _prepare(self, trace: list[Entry]) -> Prepared | str:
         """Worker thread: the tree and the plan (:func:`~.build.prepare`); assigns nothing."""
         refusal = lambda needed: space.refusal(needed, self.state_dir, self.reserve_bytes,  # noqa: E731
                                                self._free_bytes)
-        return self._preparer(self._plan, self.catalog, self._tree_b, trace, refusal, self._make_writer)
+        return self._preparer(self._plan, self.catalog, self._tree_b, trace, refusal, self._make_writer, self.gate)
 
     def _adopt_prepared(self, p: Prepared) -> None:
         """On the loop: take over what the preparation found."""
         self._writer = p.writer
         self._fresh = p.fresh
+        self._build_yielded_s = p.yielded_s
         self._class_total = list(p.class_total)
         self._class_done = list(p.class_done)
         self.files_total = p.files_total

@@ -23,13 +23,25 @@ anything (a training loop with its data in the page cache) does not slow the
 pass down at all, and a pass never stops: under an application that never
 goes quiet it still writes at ``share`` of its speed.
 
+The tree build that comes before the first pass (:mod:`.build`: a directory,
+a sparse file and a plan row per entry, 2-6 s of a worker thread on the
+benchmark boxes, holding the GIL for most of it) yields the same way
+through a :class:`BuildGate`: between pieces of its work, while the
+application is active, it waits until its work is ``share`` of the time.
+
 Who owns what: a :class:`Pacer` belongs to the trio loop; the pass's writer
 task calls :meth:`Pacer.after` and nothing else touches it.  ``idle_for`` is
-the vfs's (seconds since the application's last request), read on the loop.
+the vfs's (seconds since the application's last request), read on the loop
+only.  A :class:`BuildGate`'s event is set and cleared by its
+:meth:`BuildGate.watch` task on the loop alone; the build's worker thread
+only waits on it (:meth:`BuildGate.pause`, a ``threading.Event``) and
+counts its own pauses, which it returns with its result.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable
 
 import trio
@@ -73,3 +85,41 @@ class Pacer:
                 await trio.sleep(min(self.poll, deadline - now))
         finally:
             self.paused_s += trio.current_time() - start
+
+
+class BuildGate:
+    """The tree build's pause between pieces of its work while the application is active (module docstring)."""
+
+    def __init__(self, idle_for: Callable[[], float] | None, share: float = ACTIVE_SHARE,
+                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05) -> None:
+        if not 0 < share <= 1:
+            raise ValueError("share must be in (0, 1]")
+        self.idle_for = idle_for
+        self.share = share
+        self.active_s = active_s
+        self.max_pause = max_pause
+        self.poll = poll
+        self._quiet = threading.Event()
+        self._quiet.set()  # until watch() says otherwise: a build without a watcher never waits
+
+    async def watch(self) -> None:
+        """On the loop, for as long as the build runs (cancelled after it): tell the build whether to wait."""
+        if self.idle_for is None:
+            return
+        try:
+            while True:
+                if self.idle_for() < self.active_s:
+                    self._quiet.clear()
+                else:
+                    self._quiet.set()
+                await trio.sleep(self.poll)
+        finally:
+            self._quiet.set()  # nothing waits on a gate nobody watches
+
+    def pause(self, worked: float) -> float:
+        """Worker thread, after ``worked`` seconds of work: wait while the application is active; seconds waited."""
+        if worked <= 0 or self._quiet.is_set():
+            return 0.0
+        start = time.monotonic()
+        self._quiet.wait(min(self.max_pause, worked * (1 - self.share) / self.share))
+        return time.monotonic() - start
