@@ -38,8 +38,14 @@ def _fake_package(root: Path) -> dict[str, Path]:
 
 
 @pytest.fixture
-def advised(monkeypatch) -> list[str]:
-    """The paths posix_fadvise(WILLNEED) was called on, by any thread."""
+def cold(monkeypatch) -> None:
+    """Every file counts as not in the page cache (the tests' files were just written: they are)."""
+    monkeypatch.setattr(preload, "_resident", lambda path: False)
+
+
+@pytest.fixture
+def advised(monkeypatch, cold) -> list[str]:
+    """The paths posix_fadvise(WILLNEED) was called on, by any thread (with a cold page cache)."""
     seen: list[str] = []
 
     def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
@@ -77,7 +83,7 @@ def test_a_package_without_compiled_files_is_read_as_source(tmp_path, monkeypatc
     assert sorted(advised) == sorted(str(f[k]) for k in ("init", "mod", "sub_pyc", "ext"))
 
 
-def test_names_that_do_not_exist_and_files_that_vanish_or_fail_are_passed_over(tmp_path, monkeypatch):
+def test_names_that_do_not_exist_and_files_that_vanish_or_fail_are_passed_over(tmp_path, monkeypatch, cold):
     f = _fake_package(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     calls: list[int] = []
@@ -91,6 +97,39 @@ def test_names_that_do_not_exist_and_files_that_vanish_or_fail_are_passed_over(t
     threads = _run(("no_such_package_xyz", "fakepkg"), ("no_such_module_xyz", "fakemod"))
     assert len(threads) == 4
     assert len(calls) == 4  # init_pyc, sub_pyc, ext, single_pyc: each tried, each failure ignored
+
+
+def test_a_warm_page_cache_is_probed_and_nothing_read_ahead(tmp_path, monkeypatch, advised):
+    f = _fake_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probed: list[str] = []
+    monkeypatch.setattr(preload, "_resident", lambda path: probed.append(path) or True)
+    _run(("fakepkg",), ("fakemod",))
+    assert advised == [] and sorted(probed) == sorted([str(f["init_pyc"]), str(f["single_pyc"])])
+
+
+@pytest.mark.parametrize("cold_one", ["init_pyc", "single_pyc"])
+def test_one_probe_not_in_memory_starts_the_read_ahead_of_everything(tmp_path, monkeypatch, advised, cold_one):
+    f = _fake_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(preload, "_resident", lambda path: path != str(f[cold_one]))
+    _run(("fakepkg",), ("fakemod",))
+    assert sorted(advised) == sorted(preload.files(("fakepkg",), ("fakemod",)))
+
+
+def test_residency_is_what_the_page_cache_holds(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    assert preload._resident(str(path))  # just written
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages dropped
+    finally:
+        os.close(fd)
+    assert not preload._resident(str(path))
+    path.read_bytes()
+    assert preload._resident(str(path))
 
 
 def test_off_switch(tmp_path, monkeypatch, advised):

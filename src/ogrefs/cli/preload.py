@@ -15,7 +15,11 @@ files of the modules listed here (:data:`PACKAGES`, walked whole but for
 their tests and data; :data:`MODULES`, one file each; both without importing
 anything) and ask the kernel to read each ahead (``posix_fadvise``
 ``WILLNEED``, which also brings in the inode and directory on the way),
-while the main thread goes on importing.  Whatever the list misses is read
+while the main thread goes on importing.  It first probes a sample (each
+package's ``__init__`` and every fourth module, found without walking a
+directory; a one-byte read that may not wait, ``RWF_NOWAIT``): when all of
+them are in the page cache it stops there, since on a warm cache the walk
+and the reads ahead would only take the GIL from the imports.  Whatever the list misses is read
 by the import as before; whatever it names needlessly costs a read ahead,
 never a behaviour.  Nothing here can fail a command: every error is
 ignored, and the threads are daemons that never hold anything the command
@@ -85,26 +89,51 @@ def start(packages: tuple[str, ...] = PACKAGES, modules: tuple[str, ...] = MODUL
 
 
 def files(packages: tuple[str, ...] = PACKAGES, modules: tuple[str, ...] = MODULES) -> list[str]:
-    """Every file :func:`start` reads ahead, in its order (tests check what it covers)."""
-    found: list[str] = []
-    for name in packages:
-        found.extend(_package_files(name))
-    for name in modules:
-        found.extend(_module_files(name))
-    return found
+    """Every file :func:`start` reads ahead with a cold page cache, in its order (tests check what it covers)."""
+    return list(_all_files(packages, modules))
 
 
 def _find_all(packages: tuple[str, ...], modules: tuple[str, ...], paths: queue.SimpleQueue, threads: int) -> None:
+    """The finder thread: if the probes are all in the page cache, stop; else queue every file."""
     try:
-        for name in packages:
-            for path in _package_files(name):
-                paths.put(path)
-        for name in modules:
-            for path in _module_files(name):
-                paths.put(path)
+        if all(_resident(path) for path in _probes(packages, modules)):
+            return
+        for path in _all_files(packages, modules):
+            paths.put(path)
     finally:
         for _ in range(threads):
             paths.put(None)
+
+
+def _probes(packages: tuple[str, ...], modules: tuple[str, ...]):
+    """A sample found without walking any directory: each package's ``__init__``, every fourth module."""
+    for name in packages:
+        for location in _locations(name):
+            yield from _cached(os.path.join(location, "__init__.py"))
+    for name in modules[::4]:
+        yield from _module_files(name)
+
+
+def _all_files(packages: tuple[str, ...], modules: tuple[str, ...]):
+    for name in packages:
+        yield from _package_files(name)
+    for name in modules:
+        yield from _module_files(name)
+
+
+def _resident(path: str) -> bool:
+    """Whether the file's first byte is in the page cache (a read that may not wait, ``RWF_NOWAIT``);
+    False where that cannot be told."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return True  # nothing to read ahead there either
+    try:
+        return os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT) >= 0
+    except (OSError, AttributeError):  # EAGAIN: not in memory; EOPNOTSUPP: cannot tell
+        return False
+    finally:
+        os.close(fd)
 
 
 def _advise_each(paths: queue.SimpleQueue) -> None:
