@@ -161,3 +161,41 @@ def test_the_tree_build_waits_at_the_gate_while_the_application_is_active(box, t
         assert sum(pauses) < 0.05 and m.stats()["yielded_s"] < 0.1
     else:
         assert m.stats()["yielded_s"] >= sum(pauses) - 0.05 > 0
+
+
+def test_a_cancelled_materializer_stops_its_tree_build_at_once_and_the_next_run_builds_it_whole(
+        box, tmp_path, monkeypatch):
+    """A worker thread cannot be cancelled: the gate stops the build, so a daemon whose mount went away
+    does not wait for the whole tree (it did: a remount of the same state was refused meanwhile)."""
+    monkeypatch.setattr(build, "_TICK", 1)
+    made: list[float] = []
+
+    def slow_writer(catalog, tree, plan):
+        real = tree.make_dir
+
+        def make_dir(path):
+            time.sleep(0.1)  # 0.1 s a directory: the whole build takes seconds
+            made.append(time.monotonic())
+            return real(path)
+
+        tree.make_dir = make_dir
+        return TreeWriter(catalog, tree, plan)
+
+    dirs = sum(1 for _p, node in box.catalog.walk() if node.is_dir)
+    assert dirs * 0.1 > 1.5  # the build alone would outlast the cancellation by far
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", make_writer=slow_writer, idle_for=lambda: 1e9)
+    ended: list[float] = []
+
+    async def cancelled_run() -> None:
+        with trio.move_on_after(0.4) as scope:
+            await m.run()
+        ended.append(time.monotonic())
+        assert scope.cancelled_caught
+
+    run_trio(fetcher, cancelled_run)
+    assert 0 < len(made) < dirs and ended[0] - made[-1] < 0.5  # stopped at the next directory, not at the end
+    assert not m.complete and not m.is_built()
+    m2 = Materializer(box.catalog, Fetcher(box.repo.read_pack_range), tmp_path / "state")
+    run_trio(m2.fetcher, m2.run)  # redone from scratch: everything, exactly
+    assert m2.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []

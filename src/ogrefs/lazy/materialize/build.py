@@ -61,8 +61,13 @@ class Prepared:
     yielded_s: float = 0.0  # the build waited this long for an active application (pacing.BuildGate)
 
 
+class BuildStopped(Exception):
+    """The materializer was cancelled while the tree was built (the gate says so); the build is undone."""
+
+
 class _Pieces:
-    """The build's work in pieces of about ``_PIECE_S``, each followed by the gate's pause (one thread)."""
+    """The build's work in pieces of about ``_PIECE_S``, each followed by the gate's pause (one thread);
+    a gate that was stopped ends the build (:class:`BuildStopped`) at the next tick."""
 
     def __init__(self, gate: BuildGate | None) -> None:
         self.gate = gate
@@ -70,12 +75,18 @@ class _Pieces:
         self._count = 0
         self._since = time.monotonic()
 
+    def check(self) -> None:
+        """Raise :class:`BuildStopped` if the gate was stopped."""
+        if self.gate is not None and self.gate.stopped():
+            raise BuildStopped("the materializer was cancelled during the tree build")
+
     def tick(self) -> None:
         if self.gate is None:
             return
         self._count += 1
         if self._count % _TICK:
             return
+        self.check()
         now = time.monotonic()
         if now - self._since >= _PIECE_S:
             self.paused += self.gate.pause(now - self._since)
@@ -157,6 +168,7 @@ def build(writer: TreeWriter, tree_root: bytes, pieces: _Pieces | None = None) -
         node = catalog.get(ino)
         if node is not None:
             writer.apply_metadata(path, node)
+    pieces.check()
     syncfs(tree_root)
     plan.set_meta("built", "1")
     db.execute("COMMIT")
@@ -214,13 +226,16 @@ def _plan_chunks(catalog: Catalog, db: sqlite3.Connection, pieces: _Pieces) -> N
             _add_extents(db, rows)
             rows.clear()
     _add_extents(db, rows)
+    pieces.check()  # (the statements below are one each, over every row)
     if bad:
         log.error("materialization: %d file(s) have malformed data locations in the catalog; they are "
                   "not materialized (reading them fails)", len(bad))
         db.executemany("DELETE FROM files WHERE ino=?", [(ino,) for ino in bad])
     db.execute("DELETE FROM targets WHERE ino NOT IN (SELECT ino FROM files)")
     db.execute("DELETE FROM chunks WHERE chunk NOT IN (SELECT chunk FROM targets)")
+    pieces.check()
     db.execute("UPDATE files SET pending = (SELECT count(*) FROM targets t WHERE t.ino = files.ino)")
+    pieces.check()
     # hints, in rank order: their files' chunks come before everything else but the trace
     for seq, (_klass, ino, _rank) in enumerate(catalog.hints()):
         for fino in _hint_files(catalog, ino):

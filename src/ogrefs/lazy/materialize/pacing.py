@@ -28,6 +28,8 @@ a sparse file and a plan row per entry, 2-6 s of a worker thread on the
 benchmark boxes, holding the GIL for most of it) yields the same way
 through a :class:`BuildGate`: between pieces of its work, while the
 application is active, it waits until its work is ``share`` of the time.
+The same gate stops the build when the materializer is cancelled (a worker
+thread cannot be): the daemon of a mount that went away exits at once.
 
 Who owns what: a :class:`Pacer` belongs to the trio loop; the pass's writer
 task calls :meth:`Pacer.after` and nothing else touches it.  ``idle_for`` is
@@ -101,12 +103,20 @@ class BuildGate:
         self.poll = poll
         self._quiet = threading.Event()
         self._quiet.set()  # until watch() says otherwise: a build without a watcher never waits
+        self._stop = threading.Event()  # set when the watch ends: the build stops at its next piece
 
     async def watch(self) -> None:
-        """On the loop, for as long as the build runs (cancelled after it): tell the build whether to wait."""
-        if self.idle_for is None:
-            return
+        """On the loop, for as long as the build runs: tell the build whether to wait, and when it ends
+        (cancelled: the materializer's run is cancelled, or the build returned) that it must stop.
+
+        A worker thread cannot be cancelled; without this, a daemon whose mount
+        went away (a lazy unmount's last user gone, SIGTERM) waited for the
+        whole tree build of a box before it could exit, and a remount of the
+        same state directory was refused meanwhile."""
+        self._stop.clear()
         try:
+            if self.idle_for is None:
+                await trio.sleep_forever()
             while True:
                 if self.idle_for() < self.active_s:
                     self._quiet.clear()
@@ -114,7 +124,12 @@ class BuildGate:
                     self._quiet.set()
                 await trio.sleep(self.poll)
         finally:
+            self._stop.set()
             self._quiet.set()  # nothing waits on a gate nobody watches
+
+    def stopped(self) -> bool:
+        """Worker thread: whether the build must stop now (its watch ended)."""
+        return self._stop.is_set()
 
     def pause(self, worked: float) -> float:
         """Worker thread, after ``worked`` seconds of work: wait while the application is active; seconds waited."""
