@@ -227,7 +227,12 @@ def install_ogrefs(root: Path, src: Path | None = None) -> None:
     site = next((root / VENV.lstrip("/") / "lib").glob("python3*/site-packages"))
     (site / "ogrefs-lab.pth").write_text("/opt/ogrefs/src\n")
     exe = root / "usr/local/bin/ogrefs"
-    exe.write_text(f"#!{VENV}/bin/python\nimport sys\nfrom ogrefs.cli.app import main\nsys.exit(main())\n")
+    exe.write_text(f"#!{VENV}/bin/python\nimport sys\n"  # what pip's console script runs (pyproject.toml)
+                   "try:\n    from ogrefs.cli.entry import main\n"
+                   "except ModuleNotFoundError as exc:  # an older tree under test ($OGREFS_LAB_SRC)\n"
+                   "    if exc.name != 'ogrefs.cli.entry':\n        raise\n"
+                   "    from ogrefs.cli.app import main\n"
+                   "sys.exit(main())\n")
     exe.chmod(0o755)
 
 
