@@ -407,6 +407,30 @@ def test_faulty_store_write_faults() -> None:
     assert f.inner.get("x") == b"written anyway"
 
 
+def test_faulty_store_streak_limit_ends_a_run_of_faults_on_one_key() -> None:
+    f = FaultyStore(MemoryStore(), error_rate=1.0, streak_limit=2)
+    outcomes = []
+    for _ in range(6):
+        try:
+            f.put("k", b"v")
+            outcomes.append("ok")
+        except TransientError:
+            outcomes.append("fail")
+    assert outcomes == ["fail", "fail", "ok", "fail", "fail", "ok"]
+    with pytest.raises(TransientError):
+        f.put("other", b"v")  # each key has its own streak
+    f = FaultyStore(MemoryStore(), error_rate=0.5, lost_ack_rate=1.0, streak_limit=3, seed=5)
+    outcomes = []
+    for _ in range(12):  # errors and lost acknowledgements count in one streak
+        try:
+            f.put("k", b"v")
+            outcomes.append("ok")
+        except TransientError:
+            outcomes.append("fail")
+    assert outcomes == (["fail"] * 3 + ["ok"]) * 3
+    assert f.injected["put"] > 0 and f.injected["lost_ack"] > 0
+
+
 def test_faulty_store_latency() -> None:
     sleeps = Sleeps()
     f = FaultyStore(MemoryStore(), latency=(0.01, 0.02), sleep=sleeps)

@@ -217,8 +217,10 @@ def test_lost_ack_without_retries_leaves_only_complete_snapshots(prefix, tree, t
 def test_transient_errors_and_lost_acks_with_retries_are_invisible(store_url, tree, tmp_path):
     """25 % of calls fail and 25 % of puts lose their acknowledgement: the snapshot and a restore succeed."""
     Repository.init(store_url, cache_root=tmp_path / "c0", pack_target_size=PACK)
+    # at most 4 faults of the rates in a row on one key, 12 attempts: no run of draws can make it give up
+    # (without the limit a put failed 12 times in a row about once in a few hundred runs: 0.44 ** 12 a put)
     faulty = FaultyStore(open_store(store_url, retry=False), seed=11, error_rate=0.25, lost_ack_rate=0.25,
-                         latency=(0.0, 0.002))
+                         latency=(0.0, 0.002), streak_limit=4)
     retrying = RetryingStore(faulty, attempts=12, sleep=lambda s: None)
     repo = Repository.open(store_url, store=retrying, cache_root=tmp_path / "c1")
     m = _snap(repo, tree)

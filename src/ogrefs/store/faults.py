@@ -10,6 +10,10 @@ them.  This wrapper reproduces them on demand, on top of any store:
   cannot tell whether the write happened).
 * ``latency``         -- seconds added to every call (a number, or a
   ``(low, high)`` range drawn uniformly).
+* ``streak_limit``    -- the two rates above hit one key at most this many
+  calls in a row (a real store's transient faults end): a test whose
+  caller retries more often than that cannot lose by a run of bad draws,
+  whatever order the threads draw in.
 * ``truncate_rate``   -- a get/get_range returns fewer bytes than it should,
   *silently*.  Real backends never do this (they raise ShortRead); a
   buggy proxy or disk might, and the layers above must notice by length
@@ -37,8 +41,8 @@ single calling thread the same seed gives the same faults; with many
 threads the interleaving (and therefore which call gets which draw) is up
 to the scheduler.
 
-Locking: ``_lock`` guards ``_rng``, ``_script``, ``_list_breaks``, ``_range_breaks``, ``_puts`` and the
-``calls``/``injected`` counters.  It is never held while sleeping or while
+Locking: ``_lock`` guards ``_rng``, ``_script``, ``_list_breaks``, ``_range_breaks``, ``_puts``, ``_streaks``
+and the ``calls``/``injected`` counters.  It is never held while sleeping or while
 calling the inner store.
 """
 
@@ -62,7 +66,7 @@ class FaultyStore(Store):
 
     def __init__(self, inner: Store, *, seed: int = 0, error_rate: float = 0.0, lost_ack_rate: float = 0.0,
                  latency: float | tuple[float, float] = 0.0, truncate_rate: float = 0.0,
-                 corrupt_rate: float = 0.0, fail_puts: Collection[int] = (),
+                 corrupt_rate: float = 0.0, fail_puts: Collection[int] = (), streak_limit: int | None = None,
                  ops: Collection[str] = ALL_OPS, sleep: Callable[[float], None] = time.sleep) -> None:
         unknown = set(ops) - ALL_OPS
         if unknown:
@@ -75,6 +79,8 @@ class FaultyStore(Store):
         self.truncate_rate = truncate_rate
         self.corrupt_rate = corrupt_rate
         self.fail_puts = frozenset(fail_puts)
+        self.streak_limit = streak_limit
+        self._streaks: Counter[str] = Counter()  # key -> calls failed in a row by the rates
         self.ops = frozenset(ops)
         self.down = False
         self.calls: Counter[str] = Counter()
@@ -128,7 +134,24 @@ class FaultyStore(Store):
         # caller holds _lock
         return rate > 0 and self._rng.random() < rate
 
-    def _before(self, op: str) -> None:
+    def _rate_fault(self, rate: float, key: str | None) -> bool:
+        """A fault by ``rate`` for a call on ``key``, within the streak limit (caller holds _lock).
+
+        A call on a key that failed ``streak_limit`` calls in a row gets none: the streak
+        counts calls failed by the rates, and ends with a call that passes (:meth:`_passed`)."""
+        if key is not None and self.streak_limit is not None and self._streaks[key] >= self.streak_limit:
+            return False
+        hit = self._chance(rate)
+        if hit and key is not None:
+            self._streaks[key] += 1
+        return hit
+
+    def _passed(self, key: str | None) -> None:
+        """A call on ``key`` got through without a fault of the rates (caller holds _lock)."""
+        if key is not None:
+            self._streaks.pop(key, None)
+
+    def _before(self, op: str, key: str | None = None) -> None:
         """Count the call, add latency, and raise whatever is due before the inner call."""
         error: StoreError | None = None
         with self._lock:
@@ -148,10 +171,12 @@ class FaultyStore(Store):
                 error = TransientError(f"{self.url}: store is down (injected) in {op}")
             if error is None and op == "put" and self._puts in self.fail_puts:
                 error = TransientError(f"{self.url}: injected failure of put #{self._puts}")
-            if error is None and op in self.ops and self._chance(self.error_rate):
+            if error is None and op in self.ops and self._rate_fault(self.error_rate, key):
                 error = TransientError(f"{self.url}: injected transient error in {op}")
             if error is not None:
                 self.injected[op] += 1
+            elif op != "put":  # (a put may still lose its acknowledgement)
+                self._passed(key)
         if wait > 0:
             self._sleep(wait)
         if error is not None:
@@ -177,11 +202,11 @@ class FaultyStore(Store):
     # -- the interface ----------------------------------------------------
 
     def get(self, key: str) -> bytes:
-        self._before("get")
+        self._before("get", key)
         return self._mangle("get", self.inner.get(key))
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        self._before("get_range")
+        self._before("get_range", key)
         return self._mangle("get_range", self.inner.get_range(key, offset, length))
 
     def open_range(self, key: str, offset: int, length: int) -> RangeReader:
@@ -191,17 +216,19 @@ class FaultyStore(Store):
         return BytesRange(data) if after is None else _BrokenRange(data, after, self)
 
     def put(self, key: str, data: bytes) -> None:
-        self._before("put")
+        self._before("put", key)
         self.inner.put(key, data)
         with self._lock:
-            lost = "put" in self.ops and self._chance(self.lost_ack_rate)
+            lost = "put" in self.ops and self._rate_fault(self.lost_ack_rate, key)
             if lost:
                 self.injected["lost_ack"] += 1
+            else:
+                self._passed(key)
         if lost:
             raise TransientError(f"{self.url}: injected lost acknowledgement of put {key}")
 
     def exists(self, key: str) -> bool:
-        self._before("exists")
+        self._before("exists", key)
         return self.inner.exists(key)
 
     def list(self, prefix: str = "") -> Iterator[str]:
@@ -220,7 +247,7 @@ class FaultyStore(Store):
             yield key
 
     def delete(self, key: str) -> None:
-        self._before("delete")
+        self._before("delete", key)
         self.inner.delete(key)
 
     def close(self) -> None:
