@@ -73,6 +73,14 @@ def test_packages_are_read_ahead_whole_but_their_tests_data_and_other_interprete
     assert "fakepkg" not in sys.modules and "fakemod" not in sys.modules  # found, never imported
 
 
+def test_a_module_without_its_compiled_twin_is_read_as_source(tmp_path, monkeypatch, advised):
+    f = _fake_package(tmp_path)
+    f["mod_pyc"].unlink()  # a module imported with PYTHONDONTWRITEBYTECODE, or added since the last compile
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _run(("fakepkg",), ())
+    assert sorted(advised) == sorted(str(f[k]) for k in ("init_pyc", "mod", "sub_pyc", "ext"))
+
+
 def test_a_package_without_compiled_files_is_read_as_source(tmp_path, monkeypatch, advised):
     f = _fake_package(tmp_path)
     for key in ("init_pyc", "mod_pyc", "other_pyc"):
@@ -93,10 +101,9 @@ def test_names_that_do_not_exist_and_files_that_vanish_or_fail_are_passed_over(t
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(os, "posix_fadvise", failing)
-    f["mod_pyc"].unlink()  # a module without its compiled twin: nothing to read ahead for it
     threads = _run(("no_such_package_xyz", "fakepkg"), ("no_such_module_xyz", "fakemod"))
     assert len(threads) == 4
-    assert len(calls) == 4  # init_pyc, sub_pyc, ext, single_pyc: each tried, each failure ignored
+    assert len(calls) == 5  # init_pyc, mod_pyc, sub_pyc, ext, single_pyc: each tried, each failure ignored
 
 
 def test_a_warm_page_cache_is_probed_and_nothing_read_ahead(tmp_path, monkeypatch, advised):

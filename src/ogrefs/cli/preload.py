@@ -201,8 +201,8 @@ def _package_files(name: str) -> list[str]:
 
 
 def _walk(top: str, tag: str, skip: bool) -> list[str]:
-    """Compiled modules and extension modules under ``top`` (``.py`` where there is no cache dir), or the
-    file ``top`` itself; data files too where ``skip`` is False."""
+    """Compiled modules and extension modules under ``top`` (a ``.py`` itself where it has no compiled
+    twin for this interpreter), or the file ``top`` itself; data files too where ``skip`` is False."""
     if os.path.isfile(top):
         return [top]
     found: list[str] = []
@@ -210,7 +210,8 @@ def _walk(top: str, tag: str, skip: bool) -> list[str]:
         entries = list(os.scandir(top))
     except OSError:
         return found
-    has_cache = any(e.name == "__pycache__" for e in entries)
+    compiled = {e.name.split(".", 1)[0] for entry in entries if entry.name == "__pycache__"
+                for e in _scan(entry.path) if e.name.endswith(f".{tag}.pyc")}
     for entry in entries:
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
@@ -219,12 +220,12 @@ def _walk(top: str, tag: str, skip: bool) -> list[str]:
         name = entry.name
         if is_dir:
             if name == "__pycache__":
-                found.extend(e.path for e in _scan(entry.path) if tag in e.name and e.name.endswith(".pyc"))
+                found.extend(e.path for e in _scan(entry.path) if e.name.endswith(f".{tag}.pyc"))
             elif not (skip and name in _SKIP_DIRS):
                 found.extend(_walk(entry.path, tag, skip))
         elif name.startswith(_SKIP_FILES):
             continue
-        elif name.endswith(".so") or (name.endswith(".py") and not has_cache) or not skip:
+        elif name.endswith(".so") or (name.endswith(".py") and name[:-3] not in compiled) or not skip:
             found.append(entry.path)
     return found
 
