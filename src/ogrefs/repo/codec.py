@@ -97,6 +97,9 @@ def chunk_id(data: bytes | memoryview) -> bytes:
     return blake3.blake3(data).digest()
 
 
+_RAW_PREFIX = bytes([CODEC_RAW])
+
+
 def encode_blob(data: bytes | memoryview, level: int = 3) -> bytes:
     """Compress ``data`` when it pays, and prefix the codec byte."""
     if level > 0 and len(data) >= 64:
@@ -104,11 +107,11 @@ def encode_blob(data: bytes | memoryview, level: int = 3) -> bytes:
         if len(data) > 2 * _PROBE_BYTES:
             probe = comp.compress(data[:_PROBE_BYTES])
             if len(probe) > _PROBE_RATIO * _PROBE_BYTES:
-                return bytes([CODEC_RAW]) + bytes(data)
+                return b"".join((_RAW_PREFIX, data))  # one copy, also of a memoryview
         packed = comp.compress(data)
         if len(packed) < len(data):
             return bytes([CODEC_ZSTD]) + packed
-    return bytes([CODEC_RAW]) + bytes(data)
+    return b"".join((_RAW_PREFIX, data))
 
 
 def decode_blob(blob: bytes | memoryview, raw_len: int, expected_id: bytes | None = None) -> bytes:

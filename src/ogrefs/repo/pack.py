@@ -56,7 +56,7 @@ class PackBuilder:
 
     def __init__(self, sealer: HeaderSealer | None = None) -> None:
         self._sealer = sealer
-        self._body = bytearray()
+        self._blobs: list[bytes] = []  # joined once at finish: one copy of the pack, not a growing buffer
         self._entries: list[tuple[bytes, int, int, int]] = []
         self.size = 0
 
@@ -66,7 +66,7 @@ class PackBuilder:
     def add(self, cid: bytes, blob: bytes, raw_len: int) -> int:
         """Append a blob; returns its offset within the pack."""
         offset = self.size
-        self._body += blob
+        self._blobs.append(blob)
         self._entries.append((cid, offset, len(blob), raw_len))
         self.size += len(blob)
         return offset
@@ -83,10 +83,9 @@ class PackBuilder:
         magic = TRAILER_MAGIC
         if self._sealer is not None:
             header, magic = self._sealer.seal_pack_header(name, header), SEALED_TRAILER_MAGIC
-        self._body += header
-        self._body += _TAIL.pack(len(header), magic)
-        body = bytes(self._body)
-        self._body = bytearray()
+        self._blobs += (header, _TAIL.pack(len(header), magic))
+        body = b"".join(self._blobs)
+        self._blobs = []
         return name, body, list(self._entries)
 
 

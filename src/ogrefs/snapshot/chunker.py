@@ -56,8 +56,17 @@ class Chunker:
         self.max_size = params.max_size
         self.min_size = params.min_size
 
-    def chunks(self, fd: int, extents: list[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
-        """Yield (file offset, bytes) for every chunk of the given extents, in order."""
+    def chunks(self, fd: int, extents: list[tuple[int, int]]) -> Iterator[tuple[int, bytes | memoryview]]:
+        """Yield (file offset, data) for every chunk of the given extents, in order.
+
+        ``data`` is a read-only view into an immutable ``bytes`` read (or
+        that ``bytes`` itself): safe to hand to another thread, never
+        copied here.  Each byte of the file is copied from the page cache
+        once, plus the uncut tail of a window (below ``max_size``), which
+        is read again at the front of the next window instead of being
+        concatenated with it: on a 250 MB checkpoint each extra pass over
+        fresh memory costs ~0.3 s of CPU on the notice's critical path.
+        """
         for start, end in extents:
             if end - start <= self.min_size:
                 # Below the minimum chunk size there is nothing to cut: one read, no copies.
@@ -65,42 +74,23 @@ class Chunker:
                 if data:
                     yield start, data
                 continue
-            if end - start <= WINDOW:
-                data = os.pread(fd, end - start, start)
-                view = memoryview(data)
-                for c in self._cdc.cut_buf(data):
-                    yield start + c.offset, bytes(view[c.offset:c.offset + c.length])
-                continue
-            pos = start
-            carry = b""
-            carry_off = start
-            while pos < end or carry:
-                want = min(WINDOW, end - pos)
-                data = os.pread(fd, want, pos) if want > 0 else b""
-                if want > 0 and len(data) == 0:
-                    end = pos  # file shrank under us; the caller's stat check notices
-                pos += len(data)
-                buf = carry + data if carry else data
-                base = carry_off
-                at_end = pos >= end
+            base = start  # file offset of the next window: where the last window's uncut tail began
+            while base < end:
+                want = min(WINDOW, end - base)
+                buf = os.pread(fd, want, base)
                 if not buf:
-                    break
+                    break  # file shrank under us; the caller's stat check notices
+                at_end = base + len(buf) >= end or len(buf) < want
                 pieces = list(self._cdc.cut_buf(buf))
-                if not at_end and len(pieces) > 1:
-                    last = pieces[-1]
-                    for c in pieces[:-1]:
-                        yield base + c.offset, bytes(c.data)
-                    carry = buf[last.offset:]
-                    carry_off = base + last.offset
-                elif not at_end:
-                    carry = buf
-                    carry_off = base
-                    if len(carry) > self.max_size * 4:  # cannot happen with FastCDC, but never grow unbounded
-                        yield base, bytes(buf)
-                        carry = b""
-                        carry_off = pos
-                else:
+                if at_end:
                     for c in pieces:
-                        yield base + c.offset, bytes(c.data)
-                    carry = b""
+                        yield base + c.offset, c.data
                     break
+                if len(pieces) > 1:
+                    # the last piece is cut only by the window's end: it starts the next window
+                    for c in pieces[:-1]:
+                        yield base + c.offset, c.data
+                    base += pieces[-1].offset
+                else:  # cannot happen with FastCDC and WINDOW > max_size, but never loop in place
+                    yield base, buf
+                    base += len(buf)

@@ -6,7 +6,8 @@ Ownership (snapshot/pipeline.py's picture, steps 2-4):
   the open pack, the ``_pending`` queue of chunks in flight, the upload queue
   and the local chunk index's write side, and it records a file's inode and
   extents in the catalog writer once all of its chunks are back.
-* *Hash workers* get one immutable ``bytes`` chunk each: they hash it, ask
+* *Hash workers* get one chunk each, an immutable ``bytes`` or a read-only
+  view into one (snapshot/chunker.py): they hash it, ask
   :meth:`Packer._claim` whether this run must store it (the claim set and the
   index lookup are guarded by ``_claim_lock``) and compress it if so.
 * Results are consumed strictly in submission order, so blobs land in packs
