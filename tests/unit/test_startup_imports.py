@@ -51,3 +51,31 @@ def test_a_catalog_writer_still_gets_its_schema_from_sqlite_utils(tmp_path):
     loaded = _modules_after_importing(("ogrefs.repo.catalog",))
     assert "sqlite_utils" not in loaded
     assert "sqlite_utils" in sys.modules
+
+
+def test_a_catalog_writer_never_imports_the_pandas_and_numpy_of_a_training_venv(tmp_path):
+    """sqlite_utils imports pandas and numpy whenever they are installed; a snapshot at a notice must not pay for them.
+
+    Stand-ins that record their import sit first on the path, as the real
+    ones would in a training venv; a process that imported numpy itself
+    keeps its numpy.
+    """
+    for name in ("numpy", "pandas"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"import os\nopen(os.path.join({str(tmp_path)!r}, 'imported-{name}'), 'w').close()\n")
+    code = ("import sys\n"
+            "from ogrefs.repo.catalog import _sqlite_utils\n"
+            "db = _sqlite_utils().Database(memory=True)\n"
+            "print(sorted(n for n in ('numpy', 'pandas') if n in sys.modules))\n"
+            "import numpy  # the process's own import still works\n")
+    env = {"PYTHONPATH": str(tmp_path) + ":" + ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    assert not (tmp_path / "imported-pandas").exists()
+    assert (tmp_path / "imported-numpy").exists()  # the stand-in is importable: the test can fail
+
+    code_first = "import numpy, sys\nfrom ogrefs.repo.catalog import _sqlite_utils\n_sqlite_utils()\nprint(sys.modules['numpy'] is numpy)\n"
+    out = subprocess.run([sys.executable, "-c", code_first], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr

@@ -29,6 +29,7 @@ import logging
 import re
 import sqlite3
 import stat
+import sys
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -105,12 +106,33 @@ class Extent:
         return self.offset + self.length
 
 
-def create_schema(path: Path) -> None:
-    # Imported here, not at the top: only writers create a schema, and
-    # sqlite_utils (70-odd modules) is a third of a read-only mount's start-up.
-    import sqlite_utils
+def _sqlite_utils():  # type: ignore[no-untyped-def]
+    """sqlite_utils, imported without the pandas and numpy it imports whenever they are installed.
 
-    db = sqlite_utils.Database(path)
+    Imported here, not at the top: only writers create a schema, and
+    sqlite_utils (70-odd modules) is a third of a read-only mount's start-up.
+    Its numpy and pandas column types are never used by a catalog, but with
+    ogrefs installed in a training venv they would be imported by every
+    snapshot: ~50 ms and 80 modules for numpy, several hundred ms for pandas,
+    at a preemption notice, and hundreds of files read on a cold box.  Either
+    one already imported by the process stays as it is.
+    """
+    if "sqlite_utils" in sys.modules:
+        return sys.modules["sqlite_utils"]
+    blocked = [name for name in ("pandas", "numpy") if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
+    try:
+        import sqlite_utils
+    finally:
+        for name in blocked:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+    return sqlite_utils
+
+
+def create_schema(path: Path) -> None:
+    db = _sqlite_utils().Database(path)
     db["inodes"].create(
         {"ino": int, "mode": int, "uid": int, "gid": int, "user": str, "grp": str, "size": int,
          "atime_ns": int, "mtime_ns": int, "ctime_ns": int, "nlink": int, "rdev": int, "target": bytes,
