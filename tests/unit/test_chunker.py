@@ -27,7 +27,7 @@ def _reference(data: bytes, params: ChunkerParams) -> list[tuple[int, bytes]]:
     return [(c.offset, bytes(c.data)) for c in cdc.cut_buf(data)]
 
 
-@pytest.mark.parametrize("window", [1 << 20, (1 << 20) + 4097, 4 << 20])
+@pytest.mark.parametrize("window", [SMALL.max_size, 1 << 20, (1 << 20) + 4097, 4 << 20])  # one no larger than a chunk
 @pytest.mark.parametrize("size", [0, 1000, 16 << 10, 1 << 20, (3 << 20) + 7, 9 << 20])
 def test_windows_cut_where_the_whole_file_cuts(tmp_path, monkeypatch, window, size):
     monkeypatch.setattr(chunker_mod, "WINDOW", window)
@@ -64,3 +64,20 @@ def test_a_file_that_shrinks_while_read_ends_its_chunks_at_its_new_end(tmp_path,
     joined = b"".join(d for _, d in out)
     assert joined == data[:2 << 20]
     assert [off for off, _ in out] == sorted(off for off, _ in out)
+
+
+@pytest.mark.timeout(20)  # a window with no real cut looped in place before it was sized
+@pytest.mark.parametrize("window", [SMALL.max_size, SMALL.max_size + 1, 1 << 20])
+def test_data_without_a_content_cut_is_cut_at_max_size_whatever_the_window(tmp_path, monkeypatch, window):
+    """Zeros give FastCDC no cut: every chunk is max_size, and a window no larger than that holds no real cut."""
+    monkeypatch.setattr(chunker_mod, "WINDOW", window)
+    data = bytes(3 << 20) + random.Random(3).randbytes(100_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = [(off, bytes(d)) for off, d in Chunker(SMALL).chunks(fd, [(0, len(data))])]
+    finally:
+        os.close(fd)
+    assert got == _reference(data, SMALL)
+    assert got[0] == (0, bytes(SMALL.max_size))

@@ -34,6 +34,7 @@ import threading
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 
@@ -106,7 +107,7 @@ class Extent:
         return self.offset + self.length
 
 
-def _sqlite_utils():  # type: ignore[no-untyped-def]
+def _sqlite_utils() -> ModuleType:
     """sqlite_utils, imported without the pandas and numpy it imports whenever they are installed.
 
     Imported here, not at the top: only writers create a schema, and
@@ -126,7 +127,7 @@ def _sqlite_utils():  # type: ignore[no-untyped-def]
         import sqlite_utils
     finally:
         for name in blocked:
-            if name in sys.modules and sys.modules[name] is None:
+            if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
     return sqlite_utils
 

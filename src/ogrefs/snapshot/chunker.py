@@ -74,23 +74,19 @@ class Chunker:
                 if data:
                     yield start, data
                 continue
+            # Twice the largest chunk: a full window always holds a real cut before its end.
+            window = max(WINDOW, 2 * self.max_size)
             base = start  # file offset of the next window: where the last window's uncut tail began
             while base < end:
-                want = min(WINDOW, end - base)
+                want = min(window, end - base)
                 buf = os.pread(fd, want, base)
                 if not buf:
                     break  # file shrank under us; the caller's stat check notices
                 at_end = base + len(buf) >= end or len(buf) < want
                 pieces = list(self._cdc.cut_buf(buf))
+                # the last piece of a window short of the extent's end is cut only by the window: it starts the next
+                for c in pieces if at_end else pieces[:-1]:
+                    yield base + c.offset, c.data
                 if at_end:
-                    for c in pieces:
-                        yield base + c.offset, c.data
                     break
-                if len(pieces) > 1:
-                    # the last piece is cut only by the window's end: it starts the next window
-                    for c in pieces[:-1]:
-                        yield base + c.offset, c.data
-                    base += pieces[-1].offset
-                else:  # cannot happen with FastCDC and WINDOW > max_size, but never loop in place
-                    yield base, buf
-                    base += len(buf)
+                base += pieces[-1].offset
