@@ -29,6 +29,7 @@ from ogrefs.lazy.materialize.writer import Disk, TreeWriter
 from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.vfs import SnapshotFS
 
+from tests.lazy import resident_bytes
 from tests.resume_box import Box, CallLog, make_box, run_trio
 from tests.treegen import compare_trees
 
@@ -723,9 +724,7 @@ def test_written_chunks_leave_the_page_cache(box, tmp_path):
     assert m.complete
     big = box.tree_of(state) / "data" / "shard0.bin"
     assert big.stat().st_size > MiB
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(big)],
-                         capture_output=True, text=True, check=True).stdout
-    assert int(out.split()[0]) < big.stat().st_size // 8, out  # (metadata reads may bring a page or two back)
+    assert resident_bytes(big) < big.stat().st_size // 8  # (metadata reads may bring a page or two back)
 
 
 def test_the_traces_chunks_stay_in_the_page_cache(box, tmp_path):
@@ -737,14 +736,9 @@ def test_the_traces_chunks_stay_in_the_page_cache(box, tmp_path):
     assert m.complete
     tree = box.tree_of(state) / "data"
 
-    def resident(path: Path, length: int) -> int:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                             capture_output=True, text=True, check=True).stdout
-        return int(out.split()[0])
-
-    assert resident(tree / "shard2.bin", traced.raw_len) >= traced.raw_len
+    assert resident_bytes(tree / "shard2.bin") >= traced.raw_len
     big = tree / "shard0.bin"  # neither traced nor a hint: it left the page cache
-    assert resident(big, big.stat().st_size) < big.stat().st_size // 8
+    assert resident_bytes(big) < big.stat().st_size // 8
 
 
 def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path):

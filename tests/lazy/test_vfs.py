@@ -23,6 +23,7 @@ from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.vfs import FsError, SnapshotFS
 
+from tests.lazy import resident_bytes
 from tests.treegen import make_fidelity_tree
 
 MiB = 1024 * 1024
@@ -472,29 +473,6 @@ def test_a_snapshot_without_extended_attributes_answers_enosys(tmp_path):
     run_fs(repo, cat, body)
 
 
-def _resident_pages(fd: int, offset: int, length: int) -> list[bool]:
-    """mincore(2) of a file range: which of its pages the page cache holds (mapping them faults nothing in)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert offset % mmap.PAGESIZE == 0
-    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap")
-    try:
-        vec = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
-        if libc.mincore(addr, length, vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore")
-        return [bool(v & 1) for v in vec]
-    finally:
-        libc.munmap(addr, length)
-
-
 def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
     """pread_if_cached answers from the page cache only: a read that would go to the disk is left to a thread."""
     path = tmp_path / "local-copy"
@@ -508,16 +486,22 @@ def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
         except OSError as exc:
             if exc.errno == errno.EOPNOTSUPP:
                 pytest.skip("the test directory's file system has no RWF_NOWAIT (tmpfs)")
-        # DONTNEED is advice: a page the kernel still holds (a per-CPU LRU batch, writeback on a busy box)
-        # stays. The precondition is checked with mincore(2), which does not use the code under test.
-        for _ in range(20):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if not any(_resident_pages(fd, 65536, 65536)):
-                break
-        else:
-            pytest.skip("the kernel kept the file's pages after 20 POSIX_FADV_DONTNEED calls")
-        probe = localread.pread_if_cached(fd, 65536, 65536)
-        assert probe is None, "dropped pages were read inline"
+        # RWF_NOWAIT is not "no I/O": a miss starts readahead (the kernel's IOCB_NOWAIT, not IOCB_NOIO), and on a
+        # fast disk that can finish before the page is checked, so one probe may be answered with the right
+        # bytes although nothing was cached (seen here about 1 in 8 with fincore showing 0 bytes resident).
+        # Each probe starts from pages proven gone (fincore: mincore(2), not the code under test); a read
+        # that always goes to the disk answers every one of them, a page-cache-only one refuses some.
+        probes = []
+        for _ in range(5):
+            for _ in range(20):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if resident_bytes(path) == 0:
+                    break
+            else:
+                pytest.skip("the kernel kept the file's pages after 20 POSIX_FADV_DONTNEED calls")
+            probes.append(localread.pread_if_cached(fd, 65536, 65536))
+        assert all(p in (None, data[65536:131072]) for p in probes)  # never wrong bytes
+        assert None in probes, "dropped pages were read inline in every probe"
         assert os.pread(fd, len(data), 0) == data  # a plain read brings them back ...
         assert localread.pread_if_cached(fd, 65536, 65536) == data[65536:131072]  # ... and then it answers
         assert localread.pread_if_cached(fd, 65536, len(data) - 100) is None  # short (end of file): the thread's job
