@@ -174,13 +174,16 @@ class CatalogWriter:
     def __init__(self, path: Path) -> None:
         create_schema(path)
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None)
+        # a URI, so that ATTACH (add_copied) takes one too: the catalogs it reads are opened read-only
+        self._db = sqlite3.connect(f"file:{urllib.parse.quote(str(Path(path).absolute()))}", uri=True,
+                                   isolation_level=None)
         self._db.execute("PRAGMA journal_mode=OFF")
         self._db.execute("PRAGMA synchronous=OFF")
         self._db.execute("BEGIN")
         self._next_ino = ROOT_INO
         self._blob_ids: dict[bytes, int] = {}
         self._pack_ids: dict[str, int] = {}
+        self._attached: dict[Path, str] = {}  # catalogs add_copied reads, by the schema name they have here
 
     def new_ino(self) -> int:
         ino = self._next_ino
@@ -225,15 +228,58 @@ class CatalogWriter:
         """Like add_extents, for chunks whose location is already known (reused from a parent)."""
         self._insert_located([(ino, extents)])
 
-    def add_copied(self, dirents: list[tuple[int, bytes, int]], inodes: list[tuple[int, Inode]],
-                   xattrs: list[tuple[int, bytes, bytes]],
-                   extents: list[tuple[int, list[tuple[int, int, bytes, BlobLocation]]]]) -> None:
-        """Many entries copied from another catalog at once: what :meth:`add_dirent`, :meth:`copy_inode`,
-        :meth:`add_xattrs` and :meth:`add_located_extents` do one by one, in one statement per table."""
-        self._db.executemany("INSERT OR REPLACE INTO dirents VALUES (?,?,?)", dirents)
-        self._db.executemany(_COPY_INODE_SQL, [_copied_inode(ino, old) for ino, old in inodes])
-        self._db.executemany("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", xattrs)
-        self._insert_located(extents)
+    def add_copied(self, tree: "Subtree", new_top: int, inodes: list[tuple[int, int]],
+                   xattrs: list[tuple[int, bytes, bytes]]) -> None:
+        """Entries of ``tree`` copied in SQL from its catalog: ``inodes`` maps each one's inode there to its
+        new number here (the top directory, ``new_top``, is the caller's); what :meth:`add_dirent`,
+        :meth:`copy_inode`, :meth:`add_xattrs` and :meth:`add_located_extents` do one by one, in one
+        statement per table, the rows never passing through Python.
+
+        Every chunk must be located in one of ``tree.packs`` (treecopy.py refuses the copy otherwise); a
+        chunk new to this catalog gets its blob row, location included, one it already has keeps its own (it
+        may be this run's, located at commit).  The number of extents written is checked against what
+        :func:`subtree` counted: a copy that would leave a hole raises instead.
+        """
+        db, src = self._db, self._attach(tree.source)
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS copied (old INTEGER PRIMARY KEY, new INTEGER NOT NULL)")
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS copied_packs (name TEXT PRIMARY KEY, id INTEGER NOT NULL)")
+        db.execute("DELETE FROM temp.copied")
+        db.execute("DELETE FROM temp.copied_packs")
+        db.executemany("INSERT INTO temp.copied VALUES (?,?)", inodes)
+        db.executemany("INSERT INTO temp.copied_packs VALUES (?,?)", [(p, self._pack_id(p)) for p in tree.packs])
+        db.execute(f"INSERT OR REPLACE INTO main.inodes ({_INODE_COLS}) SELECT c.new, i.mode, i.uid, i.gid, i.user, "
+                   "i.grp, i.size, i.atime_ns, i.mtime_ns, i.ctime_ns, 0, i.rdev, i.target, i.src_dev, i.src_ino, "
+                   f"i.flags FROM temp.copied c JOIN {src}.inodes i ON i.ino = c.old")
+        db.execute("INSERT OR REPLACE INTO main.dirents SELECT coalesce(p.new, :top), d.name, c.new FROM temp.copied c "
+                   f"JOIN {src}.dirents d ON d.ino = c.old LEFT JOIN temp.copied p ON p.old = d.parent "
+                   "WHERE p.new IS NOT NULL OR d.parent = :old_top", {"top": new_top, "old_top": tree.top})
+        extents = (f"FROM temp.copied c JOIN {src}.inodes i ON i.ino = c.old JOIN {src}.extents e ON e.ino = c.old "
+                   f"JOIN {src}.blobs b ON b.id = e.blob WHERE {_S_IFREG_SQL}")
+        known = len(self._blob_ids)
+        db.execute("INSERT OR IGNORE INTO main.blobs (chunk, raw_len, pack, offset, stored_len) "
+                   f"SELECT b.chunk, b.raw_len, cp.id, b.offset, b.stored_len FROM (SELECT b.* {extents}) b "
+                   f"JOIN {src}.packs p ON p.id = b.pack JOIN temp.copied_packs cp ON cp.name = p.name")
+        for bid, chunk in db.execute("SELECT id, chunk FROM main.blobs WHERE id > ? ORDER BY id", (known,)).fetchall():
+            if bid != len(self._blob_ids) + 1:
+                raise RuntimeError(f"catalog writer: blob numbers are not dense ({bid} after {len(self._blob_ids)})")
+            self._blob_ids[chunk] = bid
+        n = db.execute("INSERT INTO main.extents SELECT c.new, e.offset, e.length, mb.id "
+                       f"FROM temp.copied c JOIN {src}.inodes i ON i.ino = c.old JOIN {src}.extents e ON e.ino = c.old "
+                       f"JOIN {src}.blobs b ON b.id = e.blob JOIN main.blobs mb ON mb.chunk = b.chunk "
+                       f"WHERE {_S_IFREG_SQL}").rowcount
+        want = sum(tree.chunks.get(old, 0) for old, _ in inodes)
+        if n != want:
+            raise RuntimeError(f"catalog writer: a copied subtree has {n} extents where its catalog counted {want}")
+        db.executemany("INSERT OR REPLACE INTO main.xattrs VALUES (?,?,?)", xattrs)
+
+    def _attach(self, source: Path) -> str:
+        """The schema name under which catalog ``source`` is attached (read-only, once per file)."""
+        name = self._attached.get(source)
+        if name is None:
+            name = self._attached[source] = f"copysrc{len(self._attached)}"
+            uri = f"file:{urllib.parse.quote(str(Path(source).absolute()))}?mode=ro&immutable=1"
+            self._db.execute(f"ATTACH DATABASE ? AS {name}", (uri,))
+        return name
 
     def _insert_located(self, extents: list[tuple[int, list[tuple[int, int, bytes, BlobLocation]]]]) -> None:
         """Extent rows of files whose chunks are located; a chunk new to this catalog gets its blob row,
@@ -427,6 +473,24 @@ class Catalog:
             while rows := cur.fetchmany(1024):
                 yield from rows
         except _DB_ERRORS as exc:
+            raise CorruptObject(f"catalog {self.path.name} is damaged ({_one_line(exc)})") from None
+
+    def _scratch_subtree(self, top: int, limit: int) -> int:
+        """Fill this thread's temporary table ``subtree_rows`` with the dirents below ``top`` (at most
+        ``limit + 1``), for :func:`subtree`'s queries to join instead of each running the recursive query;
+        returns how many it holds.  The table is the connection's own (SQLite's temp schema): the file
+        stays read-only."""
+        db = self._db()
+        try:
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS subtree_rows (parent INTEGER, name BLOB, ino INTEGER)")
+            db.execute("CREATE INDEX IF NOT EXISTS temp.subtree_rows_ino ON subtree_rows (ino)")
+            db.execute("DELETE FROM temp.subtree_rows")
+            n = db.execute("INSERT INTO temp.subtree_rows " + _subtree_sql("SELECT parent, name, ino FROM t LIMIT :limit"),
+                           {"top": top, "limit": limit + 1}).rowcount
+            db.commit()
+            return n
+        except _DB_ERRORS as exc:
+            db.rollback()
             raise CorruptObject(f"catalog {self.path.name} is damaged ({_one_line(exc)})") from None
 
     def _reject(self, parent: int, name: object, reason: str) -> None:
@@ -808,78 +872,141 @@ def listing(cat: Catalog, parent: int) -> list[Listed]:
             for name, node in kids]
 
 
+class SubtreeEntry(NamedTuple):
+    """What the copy of an untouched subtree decides on for one entry; the rest of its row is copied in SQL."""
+
+    ino: int
+    mode: int
+    nlink: int
+    size: int
+    flags: int
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+
 @dataclass(frozen=True)
 class Subtree:
-    """Everything below one directory of a catalog, as :func:`subtree` read it in three queries.
+    """Everything below one directory of a catalog, as :func:`subtree` read and checked it.
 
     ``children``: directory inode -> its entries in name order (the top
-    directory's included); ``xattrs`` and ``extents`` by inode, checked as
-    :func:`listing` checks them.
+    directory's included); ``xattrs`` by inode, checked as :func:`listing`
+    checks them; ``chunks``: a regular file's number of extents; ``packs``:
+    every pack its files' chunks are located in, ``unlocated``: whether some
+    chunk has no location.  The rows themselves stay in ``source``, from
+    which :meth:`CatalogWriter.add_copied` copies them in SQL.
     """
 
+    source: Path
     top: int
-    children: dict[int, list[tuple[bytes, Inode]]]
+    children: dict[int, list[tuple[bytes, SubtreeEntry]]]
     xattrs: dict[int, list[tuple[bytes, bytes]]]
-    extents: dict[int, list[tuple[int, int, bytes, BlobLocation | None]]]
+    chunks: dict[int, int]
+    packs: frozenset[str]
+    unlocated: bool
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.children.values())
 
 
 def _subtree_sql(top_select: str) -> str:
-    # UNION, not UNION ALL: a damaged catalog with a directory loop still yields each row once, and ends
+    """The dirents below ``:top`` as ``t``, for ``top_select``, which must have a LIMIT: UNION ALL (a third
+    faster than UNION's de-duplication) goes round a directory loop of a damaged catalog until the outer
+    LIMIT stops it, and the caller finds the inode reached twice."""
     return ("WITH RECURSIVE t(parent, name, ino) AS (SELECT parent, name, ino FROM dirents WHERE parent=:top "
-            "UNION SELECT d.parent, d.name, d.ino FROM dirents d JOIN t ON d.parent = t.ino) " + top_select)
+            "UNION ALL SELECT d.parent, d.name, d.ino FROM dirents d JOIN t ON d.parent = t.ino) " + top_select)
+
+
+def _sql_int(col: str, lo: int | None = None, hi: int | None = None) -> str:
+    """SQL for :func:`_int_in`: an INTEGER (SQLite's are 64-bit, so within the I64 bounds) in [lo, hi)."""
+    return " AND ".join([f"typeof({col}) = 'integer'"] + ([f"{col} >= {lo}"] if lo is not None else [])
+                        + ([f"{col} < {hi}"] if hi is not None else []))
+
+
+#: :func:`valid_name` of ``t.name`` in SQL.
+_NAME_OK_SQL = (f"(typeof(t.name) = 'blob' AND length(t.name) BETWEEN 1 AND {NAME_MAX} "
+                "AND t.name NOT IN (x'2e', x'2e2e') AND instr(t.name, x'2f') = 0 AND instr(t.name, x'00') = 0)")
+#: :func:`_check_inode` of inode row ``i`` in SQL.
+_INODE_OK_SQL = "(" + " AND ".join([
+    _sql_int("i.ino", 1), *(_sql_int(f"i.{c}", 0, _U32) for c in ("mode", "uid", "gid")),
+    *(f"(i.{c} IS NULL OR typeof(i.{c}) = 'text')" for c in ("user", "grp")),
+    *(_sql_int(f"i.{c}", 0) for c in ("size", "nlink", "rdev")),
+    *(_sql_int(f"i.{c}") for c in ("atime_ns", "mtime_ns", "ctime_ns", "src_dev", "src_ino", "flags")),
+    "(i.target IS NULL OR (typeof(i.target) = 'blob' AND instr(i.target, x'00') = 0))",
+]) + ")"
+#: :meth:`Catalog._located` of extent ``e`` (blob ``b``, pack ``p``) of file ``i`` in SQL; ``prev_end``: the
+#: end of the file's previous extent (0 for its first).  The pack's name is checked once per pack, in Python
+#: (a GLOB per extent was half the cost).
+_EXTENT_OK_SQL = "(" + " AND ".join([
+    _sql_int("e.offset", 0), _sql_int("e.length", 0, _U32), _sql_int("b.raw_len", 1, MAX_CHUNK + 1),
+    "e.length = b.raw_len", _sql_int("i.size", 0), "e.offset >= prev_end", "e.offset + e.length <= i.size",
+    "typeof(b.chunk) = 'blob'", "length(b.chunk) = 32",
+    "(p.name IS NULL OR (" + _sql_int("b.offset", 0) + " AND " + _sql_int("b.stored_len", 1, _U32) + "))",
+]) + ")"
+_S_IFREG_SQL = f"(i.mode & {0o170000}) = {stat.S_IFREG}"
 
 
 def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
-    """Every entry below directory ``top`` with its xattrs and located extents, in three queries.
+    """Every entry below directory ``top``, checked in SQL, for a copy in SQL.
 
     What a snapshot of a box running from a mount takes for a directory that
-    nothing below has changed (snapshot/treecopy.py),
-    instead of :func:`listing` directory by directory.  None, for the caller
-    to go directory by directory (where each oddity is reported as it is
-    there), when the subtree has more than ``limit`` entries or is not a
-    plain tree of valid names: an inode reached twice (a hard link, a loop),
-    an entry below a non-directory, a name :func:`valid_name` refuses.
+    nothing below has changed (snapshot/treecopy.py), instead of
+    :func:`listing` directory by directory.  Each row gets the checks
+    :func:`listing` makes, as SQL expressions over the whole subtree, so only
+    the few columns the copy decides on reach Python.  None, for the caller
+    to go directory by directory (where each oddity is reported or refused as
+    it is there), when the subtree has more than ``limit`` entries or is not
+    a plain tree of valid rows: an inode reached twice (a hard link, a loop),
+    an entry below a non-directory, a name :func:`valid_name` refuses, a
+    malformed inode, xattr or extent.
     """
-    rows = cat._rows(_subtree_sql(f"SELECT t.parent, t.name, {_I_COLS} FROM t JOIN inodes i ON i.ino = t.ino "
-                                  "LIMIT :limit"), {"top": top, "limit": limit + 1})
-    if len(rows) > limit:
+    if cat._scratch_subtree(top, limit) > limit:
         return None
-    children: dict[int, list[tuple[bytes, Inode]]] = {top: []}
+    children: dict[int, list[tuple[bytes, SubtreeEntry]]] = {top: []}
+    chunks: dict[int, int] = {}
     seen = {top}
-    for r in rows:
-        parent, name = r[0], r[1]
-        node = _check_inode(r[2:], cat.path.name)
-        if not valid_name(name) or node.ino in seen:
+    for parent, name, ino, mode, nlink, size, flags, ok, n_chunks in cat._rows(
+            f"SELECT t.parent, t.name, i.ino, i.mode, i.nlink, i.size, i.flags, {_INODE_OK_SQL} AND {_NAME_OK_SQL}, "
+            f"CASE WHEN {_S_IFREG_SQL} THEN (SELECT count(*) FROM extents e JOIN blobs b ON b.id = e.blob "
+            "WHERE e.ino = i.ino) END FROM temp.subtree_rows t JOIN inodes i ON i.ino = t.ino"):
+        if not ok or ino in seen:
             return None
-        seen.add(node.ino)
+        seen.add(ino)
+        node = SubtreeEntry(ino, mode, nlink, size, flags)
         children.setdefault(parent, []).append((name, node))
         if node.is_dir:
-            children.setdefault(node.ino, [])
+            children.setdefault(ino, [])
+        elif n_chunks is not None:
+            chunks[ino] = n_chunks
     kinds = {n.ino: n for kids in children.values() for _, n in kids}
     if any(p != top and (p not in kinds or not kinds[p].is_dir) for p in children):
         return None  # entries below a non-directory, or below an inode that is not in the tree
     for kids in children.values():
         kids.sort(key=lambda e: e[0])
     xattrs: dict[int, list[tuple[bytes, bytes]]] = {}
-    for ino, name, value in cat._rows(_subtree_sql(
-            "SELECT x.ino, x.name, x.value FROM xattrs x WHERE x.ino IN (SELECT ino FROM t) ORDER BY x.ino, x.name"),
-            {"top": top}):
-        if _valid_xattr(name, value):
-            xattrs.setdefault(ino, []).append((name, value))
-        else:
+    for ino, name, value in cat._rows(
+            "SELECT x.ino, x.name, x.value FROM xattrs x WHERE x.ino IN (SELECT ino FROM temp.subtree_rows) "
+            "ORDER BY x.ino, x.name"):
+        if not _valid_xattr(name, value):
             return None  # listing() reports it, directory by directory
-    rows_by_ino: dict[int, list[tuple]] = {}
-    for r in cat._rows(_subtree_sql(
-            "SELECT e.ino, e.offset, e.length, b.chunk, p.name, b.offset, b.stored_len, b.raw_len, i.size "
-            "FROM extents e JOIN blobs b ON b.id = e.blob JOIN inodes i ON i.ino = e.ino "
-            "LEFT JOIN packs p ON p.id = b.pack WHERE e.ino IN (SELECT ino FROM t) ORDER BY e.ino, e.offset"),
-            {"top": top}):
-        rows_by_ino.setdefault(r[0], []).append(r[1:])
-    extents = {ino: cat._located(ino, rows_by_ino.get(ino, ())) for ino, n in kinds.items() if n.is_reg}
-    return Subtree(top, children, xattrs, extents)
+        xattrs.setdefault(ino, []).append((name, value))
+    bad, unlocated = cat._rows(
+        "SELECT coalesce(sum(ok IS NOT 1), 0), coalesce(sum(pack IS NULL), 0) FROM ("
+        f"SELECT {_EXTENT_OK_SQL} AS ok, p.name AS pack FROM (SELECT e.*, coalesce(lag(e.offset + e.length) "
+        "OVER (PARTITION BY e.ino ORDER BY e.offset), 0) AS prev_end FROM extents e "
+        "WHERE e.ino IN (SELECT ino FROM temp.subtree_rows)) e JOIN blobs b ON b.id = e.blob "
+        f"JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack WHERE {_S_IFREG_SQL})")[0]
+    packs = [r[0] for r in cat._rows(
+        "SELECT DISTINCT p.name FROM temp.subtree_rows t JOIN inodes i ON i.ino = t.ino JOIN extents e "
+        f"ON e.ino = t.ino JOIN blobs b ON b.id = e.blob JOIN packs p ON p.id = b.pack WHERE {_S_IFREG_SQL}")]
+    if bad or not all(type(p) is str and _PACK_NAME.fullmatch(p) for p in packs):
+        return None
+    return Subtree(cat.path, top, children, xattrs, chunks, frozenset(packs), bool(unlocated))
 
 
 # -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------

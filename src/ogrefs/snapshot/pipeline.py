@@ -448,7 +448,7 @@ class Snapshotter:
         cat_path = Path(tmpdir.name) / "catalog.sqlite"
         self.cat = CatalogWriter(cat_path)
         self._trees = UntouchedTrees(self.rules, self._skip_entirely, self.cat, self.stats, self.opts.observers,
-                                     self._mounted.unchanged_paths, lambda e: live_extents(self.repo, self._live_packs, e))
+                                     self._mounted.unchanged_paths, lambda packs: packs <= self._live_packs)
         self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
                               self.opts.upload_workers, self._unreadable, self._tick)
         try:

@@ -13,9 +13,18 @@ counterpart in upper has the lower's children, so every directory below it
 has none either (a change anywhere below would have made overlayfs create the
 whole path in upper).  Where the catalog is that directory's lowest layer (no
 own directory of the box below it), everything below it *is* the catalog's
-subtree.  :func:`~ogrefs.repo.catalog.subtree` reads it in three queries and
-:meth:`~ogrefs.repo.catalog.CatalogWriter.add_copied` writes it in one
-statement a table.
+subtree.  :func:`~ogrefs.repo.catalog.subtree` checks its rows in SQL and
+gives Python only what the rules decide on (names, modes, link counts,
+flags); :meth:`~ogrefs.repo.catalog.CatalogWriter.add_copied` then copies the
+rows from the attached catalog in one ``INSERT ... SELECT`` a table.  The
+first version built every row in Python (an ``Inode`` and its checks, every
+extent's location): 2.1-2.3 s for the 27,048-file venv of the loop bench,
+against 1.15-1.2 s now (subtree, plan and copy timed alone on an
+idle 2-core VM; docs/benchmarks.md has the snapshot it shortens).
+
+A chunk must still be where the catalog says: a subtree with a chunk in a
+pack that is not live for this run (forgotten, repacked) is refused whole,
+and the walk finds those chunks again file by file (live_extents).
 
 Nothing the per-entry walk decides is skipped: :func:`plan_copy` applies the
 same rules to every entry (excludes and ``--exclude-if-present`` markers,
@@ -39,8 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ogrefs.repo.catalog import FLAG_CHANGED, CatalogWriter, Inode, Subtree, subtree
-from ogrefs.repo.pack import BlobLocation
+from ogrefs.repo.catalog import FLAG_CHANGED, CatalogWriter, Subtree, subtree
 from ogrefs.snapshot.untouched import KnownDir, visible_xattrs
 from ogrefs.snapshot.walk import WalkRules
 
@@ -54,10 +62,8 @@ SUBTREE_MAX = 200_000
 class CopyPlan:
     """What copying one subtree writes, counts and reports; nothing is applied until the whole plan holds."""
 
-    dirents: list[tuple[int, bytes, int]] = field(default_factory=list)
-    inodes: list[tuple[int, Inode]] = field(default_factory=list)
+    inodes: list[tuple[int, int]] = field(default_factory=list)  # (inode in the catalog, new inode), walk order
     xattrs: list[tuple[int, bytes, bytes]] = field(default_factory=list)
-    extents: list[tuple[int, list[tuple[int, int, bytes, BlobLocation]]]] = field(default_factory=list)
     observed: list[tuple[bytes, list[bytes]]] = field(default_factory=list)  # (directory, names), walk order
     unchanged: list[bytes] = field(default_factory=list)  # regular files taken unchanged
     dirs: int = 0
@@ -90,25 +96,28 @@ class PathSet:
         return i < len(self._sorted) and self._sorted[i].startswith(prefix)
 
 
-def plan_copy(tree: Subtree, path: bytes, new_top: int, *, rules: WalkRules, never: set[bytes], dev: int,
+def plan_copy(tree: Subtree, path: bytes, *, rules: WalkRules, never: set[bytes], dev: int,
               root_dev: int, new_ino: Callable[[], int],
-              locate: Callable[[list], list | None],
+              packs_live: Callable[[frozenset[str]], bool],
               visible_xattrs: Callable[[list[tuple[bytes, bytes]]], list[tuple[bytes, bytes]]]) -> CopyPlan | Refused:
-    """The rows and counts of copying ``tree`` (the catalog's entries below ``path``) under ``new_top``.
+    """The inode numbers, xattrs and counts of copying ``tree`` (the catalog's entries below ``path``).
 
     Entries are visited as the walk visits them (depth first, names sorted,
     a directory's entries right after it), so inode numbers and observer
     calls come in the same order.  ``never``: paths the snapshot never
-    records (its own state, --skip); ``locate``: live_extents for this run's
-    packs; ``new_ino`` hands out the new catalog's inode numbers (only a plan
+    records (its own state, --skip); ``packs_live``: whether packs are all
+    live for this run (a chunk elsewhere, gone or repacked, is the walk's to
+    find again, file by file); ``new_ino`` hands out the new catalog's inode numbers (only a plan
     that holds is applied, so numbers taken by a refused one are a gap).
     """
     plan = CopyPlan()
+    if tree.unlocated or not packs_live(tree.packs):
+        return Refused((tree.top,), "some chunks are not in this run's live packs")
     markers = bool(rules.exclude_if_present)
-    # (catalog directory, its new inode, its path, iterator over its entries)
-    stack = [(tree.top, new_top, path.rstrip(b"/"), iter(tree.children[tree.top]))]
+    # (catalog directory, its path, iterator over its entries)
+    stack = [(tree.top, path.rstrip(b"/"), iter(tree.children[tree.top]))]
     while stack:
-        dino, dnew, dpath, kids = stack[-1]
+        dino, dpath, kids = stack[-1]
         entry = next(kids, None)
         if entry is None:
             stack.pop()
@@ -127,27 +136,22 @@ def plan_copy(tree: Subtree, path: bytes, new_top: int, *, rules: WalkRules, nev
             why = "a hard link"
         elif node.is_dir and rules.not_descended(cpath, is_root=False, dev=dev, root_dev=root_dev) is not None:
             why = "not descended into"
-        located = None
-        if why is None and node.is_reg:
-            located = None if node.flags & FLAG_CHANGED else locate(tree.extents.get(node.ino, []))
-            if located is None:
-                why = "a file to read again"
+        elif node.is_reg and node.flags & FLAG_CHANGED:
+            why = "a file to read again"
         if why is not None:
             return Refused(tuple(d for d, *_ in stack), f"{os.fsdecode(cpath)}: {why}")
         ino = new_ino()
-        plan.dirents.append((dnew, name, ino))
-        plan.inodes.append((ino, node))
+        plan.inodes.append((node.ino, ino))
         plan.xattrs.extend((ino, n, v) for n, v in visible_xattrs(tree.xattrs.get(node.ino, [])))
         if node.is_dir:
             plan.dirs += 1
             kids_of = tree.children[node.ino]
             plan.observed.append((cpath, [n for n, _ in kids_of]))
-            stack.append((node.ino, ino, cpath, iter(kids_of)))
+            stack.append((node.ino, cpath, iter(kids_of)))
         elif node.is_reg:
             plan.files += 1
             plan.bytes += node.size
-            plan.chunks += len(located)
-            plan.extents.append((ino, located))
+            plan.chunks += tree.chunks.get(node.ino, 0)
             plan.unchanged.append(cpath)
         else:
             plan.others += 1
@@ -157,16 +161,16 @@ def plan_copy(tree: Subtree, path: bytes, new_top: int, *, rules: WalkRules, nev
 class UntouchedTrees:
     """Copies untouched subtrees whole into one snapshot's catalog, where the walk's rules allow it.
 
-    ``never``: paths the snapshot never records; ``locate``: live_extents for
-    the run's packs; ``unchanged``: the set of files taken unchanged that the
+    ``never``: paths the snapshot never records; ``packs_live``: whether
+    packs are all live for the run; ``unchanged``: the set of files taken unchanged that the
     checkpoint probe asks (frommount.py).  Directories a plan refused are
     remembered, so the walk below them tries each subdirectory once.
     """
 
     def __init__(self, rules: WalkRules, never: set[bytes], cat: CatalogWriter, stats: Any, observers: list,
-                 unchanged: set[str], locate: Callable[[list], list | None]) -> None:
+                 unchanged: set[str], packs_live: Callable[[frozenset[str]], bool]) -> None:
         self.rules, self.never, self.cat, self.stats = rules, never, cat, stats
-        self.observers, self.unchanged, self.locate = observers, unchanged, locate
+        self.observers, self.unchanged, self.packs_live = observers, unchanged, packs_live
         self._refused: set[int] = set()  # catalog directories: walked entry by entry
         self._mount_points = PathSet(rules.table)
         self._never = PathSet(rules.skip_paths | never)
@@ -183,13 +187,13 @@ class UntouchedTrees:
             return False
         tree = subtree(known.cat, known.ino, SUBTREE_MAX)
         plan = Refused((known.ino,), "not a plain tree of valid names, or too large") if tree is None else plan_copy(
-            tree, path, new_top, rules=self.rules, never=self.never, dev=dev, root_dev=root_dev,
-            new_ino=self.cat.new_ino, locate=self.locate, visible_xattrs=visible_xattrs)
+            tree, path, rules=self.rules, never=self.never, dev=dev, root_dev=root_dev,
+            new_ino=self.cat.new_ino, packs_live=self.packs_live, visible_xattrs=visible_xattrs)
         if isinstance(plan, Refused):
             log.debug("untouched %s walked entry by entry: %s", os.fsdecode(path), plan.why)
             self._refused.update(plan.dirs)
             return False
-        self.cat.add_copied(plan.dirents, plan.inodes, plan.xattrs, plan.extents)
+        self.cat.add_copied(tree, new_top, plan.inodes, plan.xattrs)
         for where, names in plan.observed:
             for obs in self.observers:
                 obs.observe_dir(where, names)
