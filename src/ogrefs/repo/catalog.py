@@ -20,7 +20,11 @@ they are stable across mounts.  A reader needs only this file and the packs.
 
 Concurrency: a CatalogWriter belongs to the snapshotting thread.  A Catalog
 (reader) opens one read-only SQLite connection per thread that uses it; its
-``rejected`` record is guarded by ``_rejected_lock``.
+``rejected`` record is guarded by ``_rejected_lock``.  The scratch table
+:func:`subtree` fills (``temp.subtree_rows``) lives in that connection's own
+temp schema, so each thread has its own.  A CatalogWriter attaches the
+catalogs :meth:`~CatalogWriter.add_copied` reads to its own connection,
+read-only and immutable.
 """
 
 from __future__ import annotations
