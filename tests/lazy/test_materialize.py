@@ -29,7 +29,7 @@ from ogrefs.lazy.materialize.writer import Disk, TreeWriter
 from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.vfs import SnapshotFS
 
-from tests.lazy import resident_bytes
+from tests.pagecache import resident_bytes
 from tests.resume_box import Box, CallLog, make_box, run_trio
 from tests.treegen import compare_trees
 

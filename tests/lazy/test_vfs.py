@@ -23,7 +23,7 @@ from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.vfs import FsError, SnapshotFS
 
-from tests.lazy import resident_bytes
+from tests.pagecache import drop_pages, resident_bytes
 from tests.treegen import make_fidelity_tree
 
 MiB = 1024 * 1024
@@ -473,6 +473,23 @@ def test_a_snapshot_without_extended_attributes_answers_enosys(tmp_path):
     run_fs(repo, cat, body)
 
 
+def test_without_cachestat_the_inline_read_still_answers(tmp_path, monkeypatch):
+    """A kernel before 6.5 (or a seccomp filter) answers ENOSYS: the read falls back to RWF_NOWAIT alone."""
+    path = tmp_path / "local-copy"
+    data = os.urandom(256 * 1024)
+    path.write_bytes(data)
+    monkeypatch.setattr(localread, "_SYS_CACHESTAT", 1 << 20)  # no such system call
+    monkeypatch.setattr(localread, "_cachestat", True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, len(data), 0)
+        assert localread._cached_pages(fd, 65536, 65536) is None and localread._cachestat is False
+        assert localread.pread_if_cached(fd, 65536, 65536) in (None, data[65536:131072])
+        assert trio.run(localread.pread, fd, 65536, 65536) == data[65536:131072]
+    finally:
+        os.close(fd)
+
+
 def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
     """pread_if_cached answers from the page cache only: a read that would go to the disk is left to a thread."""
     path = tmp_path / "local-copy"
@@ -486,22 +503,20 @@ def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
         except OSError as exc:
             if exc.errno == errno.EOPNOTSUPP:
                 pytest.skip("the test directory's file system has no RWF_NOWAIT (tmpfs)")
-        # RWF_NOWAIT is not "no I/O": a miss starts readahead (the kernel's IOCB_NOWAIT, not IOCB_NOIO), and on a
-        # fast disk that can finish before the page is checked, so one probe may be answered with the right
-        # bytes although nothing was cached (seen here about 1 in 8 with fincore showing 0 bytes resident).
-        # Each probe starts from pages proven gone (fincore: mincore(2), not the code under test); a read
-        # that always goes to the disk answers every one of them, a page-cache-only one refuses some.
-        probes = []
+        # Five probes of dropped pages. With cachestat(2) each is refused without starting any I/O: the cache
+        # stays empty. Where the kernel lacks it, RWF_NOWAIT alone may answer one, since the readahead it
+        # starts can finish inside the call (tests/pagecache.py).
+        probes, started = [], []
         for _ in range(5):
-            for _ in range(20):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                if resident_bytes(path) == 0:
-                    break
-            else:
-                pytest.skip("the kernel kept the file's pages after 20 POSIX_FADV_DONTNEED calls")
+            drop_pages(path)
             probes.append(localread.pread_if_cached(fd, 65536, 65536))
+            started.append(resident_bytes(path))
         assert all(p in (None, data[65536:131072]) for p in probes)  # never wrong bytes
-        assert None in probes, "dropped pages were read inline in every probe"
+        if localread._cachestat:
+            assert probes == [None] * 5, "dropped pages were read inline"
+            assert started == [0] * 5, "asking whether pages are cached read them in"
+        else:
+            assert None in probes, "dropped pages were read inline in every probe"
         assert os.pread(fd, len(data), 0) == data  # a plain read brings them back ...
         assert localread.pread_if_cached(fd, 65536, 65536) == data[65536:131072]  # ... and then it answers
         assert localread.pread_if_cached(fd, 65536, len(data) - 100) is None  # short (end of file): the thread's job

@@ -123,7 +123,8 @@ def _all_files(packages: tuple[str, ...], modules: tuple[str, ...]):
 
 def _resident(path: str) -> bool:
     """Whether the file's first byte is in the page cache (a read that may not wait, ``RWF_NOWAIT``);
-    False where that cannot be told."""
+    False where that cannot be told.  On a miss the probe itself starts readahead, which a fast disk can
+    finish inside the call: then the answer is True, and the file is being read in anyway."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:

@@ -6,20 +6,24 @@ and read there, never from the store; each chunk a handle reads is named
 it was written is never served: the handle then reads through the store for
 good.  A read of up to ``LOCAL_INLINE_READ`` bytes is one ``pread`` inline (a
 thread hop costs more than the read when a crawl opens thousands of small
-files) when the page cache holds it (``RWF_NOWAIT``: :func:`pread_if_cached`);
-a read that would wait for the disk, and every larger read, goes to a worker
-thread (:func:`pread`).
+files) when the page cache holds it (:func:`pread_if_cached`: cachestat(2),
+then ``RWF_NOWAIT``); a read that would wait for the disk, and every larger
+read, goes to a worker thread (:func:`pread`).
 
 Who owns what: a LocalReads belongs to its SnapshotFS and so to the trio
 loop, as do the handles it is given (their fd and the set of chunks found
 right).  Worker threads get an fd, a size and an offset, or bytes to name,
-and return new objects.
+and return new objects.  ``_cachestat`` (whether the kernel has cachestat)
+is set once, by whichever caller first finds it missing; every call builds
+its own ctypes buffers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
+import mmap
 import os
 import stat
 from bisect import bisect_right
@@ -168,16 +172,52 @@ class LocalReads:
         return data
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64)
+                for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # the same number on every architecture (Linux 6.5)
+_libc = ctypes.CDLL(None, use_errno=True)
+_cachestat = True  # until the kernel (or a seccomp filter) says otherwise
+
+
+def _cached_pages(fd: int, size: int, offset: int) -> bool | None:
+    """Whether every page of the range is in the page cache, by cachestat(2), which starts no I/O;
+    None where the kernel cannot tell (before 6.5, or the call is filtered)."""
+    global _cachestat
+    if not _cachestat:
+        return None
+    rng, st = _CachestatRange(offset, size), _Cachestat()
+    if _libc.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st), ctypes.c_uint(0)) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+            _cachestat = False
+            return None
+        return False  # EBADF and the like: the thread's plain read reports it
+    pages = (offset + size - 1) // mmap.PAGESIZE - offset // mmap.PAGESIZE + 1
+    return st.nr_cache >= pages
+
+
 def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
     """``size`` bytes at ``offset`` if the page cache holds them all; None if the read would wait for the disk.
 
-    ``preadv2(RWF_NOWAIT)``: on a busy box (another job writing with fsync)
-    a page-cache miss queues behind that writer's I/O for hundreds of
-    milliseconds, and an inline read would stop the whole loop meanwhile.
-    A file system without RWF_NOWAIT (tmpfs: memory anyway) is read plainly.
-    A short answer (part cached, or the end of the file) is None too: the
-    caller's thread read sorts it out.
+    On a busy box (another job writing with fsync) a page-cache miss queues
+    behind that writer's I/O for hundreds of milliseconds, and an inline
+    read would stop the whole loop meanwhile.  cachestat(2) asks the cache
+    first: ``preadv2(RWF_NOWAIT)`` alone is the kernel's IOCB_NOWAIT, not
+    IOCB_NOIO, so a miss starts readahead, which a fast disk can finish
+    inside the call (the read was then done inline after all).  The read
+    itself stays ``RWF_NOWAIT``, for pages evicted in between and for
+    kernels without cachestat.  A file system without RWF_NOWAIT (tmpfs:
+    memory anyway) is read plainly.  A short answer (part cached, or the end
+    of the file) is None too: the caller's thread read sorts it out.
     """
+    if size <= 0 or _cached_pages(fd, size, offset) is False:
+        return None
     buf = bytearray(size)
     try:
         n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)

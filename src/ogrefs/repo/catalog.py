@@ -479,24 +479,6 @@ class Catalog:
         except _DB_ERRORS as exc:
             raise CorruptObject(f"catalog {self.path.name} is damaged ({_one_line(exc)})") from None
 
-    def _scratch_subtree(self, top: int, limit: int) -> int:
-        """Fill this thread's temporary table ``subtree_rows`` with the dirents below ``top`` (at most
-        ``limit + 1``), for :func:`subtree`'s queries to join instead of each running the recursive query;
-        returns how many it holds.  The table is the connection's own (SQLite's temp schema): the file
-        stays read-only."""
-        db = self._db()
-        try:
-            db.execute("CREATE TEMP TABLE IF NOT EXISTS subtree_rows (parent INTEGER, name BLOB, ino INTEGER)")
-            db.execute("CREATE INDEX IF NOT EXISTS temp.subtree_rows_ino ON subtree_rows (ino)")
-            db.execute("DELETE FROM temp.subtree_rows")
-            n = db.execute("INSERT INTO temp.subtree_rows " + _subtree_sql("SELECT parent, name, ino FROM t LIMIT :limit"),
-                           {"top": top, "limit": limit + 1}).rowcount
-            db.commit()
-            return n
-        except _DB_ERRORS as exc:
-            db.rollback()
-            raise CorruptObject(f"catalog {self.path.name} is damaged ({_one_line(exc)})") from None
-
     def _reject(self, parent: int, name: object, reason: str) -> None:
         key = (parent, name if isinstance(name, bytes) else repr(name).encode())
         with self._rejected_lock:
@@ -955,6 +937,25 @@ _EXTENT_OK_SQL = "(" + " AND ".join([
 _S_IFREG_SQL = f"(i.mode & {0o170000}) = {stat.S_IFREG}"
 
 
+def _fill_subtree_rows(cat: Catalog, top: int, limit: int) -> int:
+    """Fill the thread's temporary table ``subtree_rows`` with the dirents below ``top`` (at most
+    ``limit + 1``), for :func:`subtree`'s queries to join instead of each running the recursive query;
+    returns how many it holds.  The table is the connection's own (SQLite's temp schema): the file
+    stays read-only."""
+    db = cat._db()
+    try:
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS subtree_rows (parent INTEGER, name BLOB, ino INTEGER)")
+        db.execute("CREATE INDEX IF NOT EXISTS temp.subtree_rows_ino ON subtree_rows (ino)")
+        db.execute("DELETE FROM temp.subtree_rows")
+        n = db.execute("INSERT INTO temp.subtree_rows " + _subtree_sql("SELECT parent, name, ino FROM t LIMIT :limit"),
+                       {"top": top, "limit": limit + 1}).rowcount
+        db.commit()
+        return n
+    except _DB_ERRORS as exc:
+        db.rollback()
+        raise CorruptObject(f"catalog {cat.path.name} is damaged ({_one_line(exc)})") from None
+
+
 def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
     """Every entry below directory ``top``, checked in SQL, for a copy in SQL.
 
@@ -969,7 +970,7 @@ def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
     an entry below a non-directory, a name :func:`valid_name` refuses, a
     malformed inode, xattr or extent.
     """
-    if cat._scratch_subtree(top, limit) > limit:
+    if _fill_subtree_rows(cat, top, limit) > limit:
         return None
     children: dict[int, list[tuple[bytes, SubtreeEntry]]] = {top: []}
     chunks: dict[int, int] = {}
