@@ -216,7 +216,7 @@ def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
     memory anyway) is read plainly.  A short answer (part cached, or the end
     of the file) is None too: the caller's thread read sorts it out.
     """
-    if size <= 0 or _cached_pages(fd, size, offset) is False:
+    if _cached_pages(fd, size, offset) is False:
         return None
     buf = bytearray(size)
     try:

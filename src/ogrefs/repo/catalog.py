@@ -257,20 +257,20 @@ class CatalogWriter:
         db.execute("INSERT OR REPLACE INTO main.dirents SELECT coalesce(p.new, :top), d.name, c.new FROM temp.copied c "
                    f"JOIN {src}.dirents d ON d.ino = c.old LEFT JOIN temp.copied p ON p.old = d.parent "
                    "WHERE p.new IS NOT NULL OR d.parent = :old_top", {"top": new_top, "old_top": tree.top})
-        extents = (f"FROM temp.copied c JOIN {src}.inodes i ON i.ino = c.old JOIN {src}.extents e ON e.ino = c.old "
-                   f"JOIN {src}.blobs b ON b.id = e.blob WHERE {_S_IFREG_SQL}")
+        # the copied regular files' extents (e) with their blobs (b) in the source
+        extents = (f"temp.copied c JOIN {src}.inodes i ON i.ino = c.old JOIN {src}.extents e ON e.ino = c.old "
+                   f"JOIN {src}.blobs b ON b.id = e.blob")
         known = len(self._blob_ids)
         db.execute("INSERT OR IGNORE INTO main.blobs (chunk, raw_len, pack, offset, stored_len) "
-                   f"SELECT b.chunk, b.raw_len, cp.id, b.offset, b.stored_len FROM (SELECT b.* {extents}) b "
-                   f"JOIN {src}.packs p ON p.id = b.pack JOIN temp.copied_packs cp ON cp.name = p.name")
+                   f"SELECT b.chunk, b.raw_len, cp.id, b.offset, b.stored_len FROM {extents} "
+                   f"JOIN {src}.packs p ON p.id = b.pack JOIN temp.copied_packs cp ON cp.name = p.name "
+                   f"WHERE {_S_IFREG_SQL}")
         for bid, chunk in db.execute("SELECT id, chunk FROM main.blobs WHERE id > ? ORDER BY id", (known,)).fetchall():
             if bid != len(self._blob_ids) + 1:
                 raise RuntimeError(f"catalog writer: blob numbers are not dense ({bid} after {len(self._blob_ids)})")
             self._blob_ids[chunk] = bid
-        n = db.execute("INSERT INTO main.extents SELECT c.new, e.offset, e.length, mb.id "
-                       f"FROM temp.copied c JOIN {src}.inodes i ON i.ino = c.old JOIN {src}.extents e ON e.ino = c.old "
-                       f"JOIN {src}.blobs b ON b.id = e.blob JOIN main.blobs mb ON mb.chunk = b.chunk "
-                       f"WHERE {_S_IFREG_SQL}").rowcount
+        n = db.execute(f"INSERT INTO main.extents SELECT c.new, e.offset, e.length, mb.id FROM {extents} "
+                       f"JOIN main.blobs mb ON mb.chunk = b.chunk WHERE {_S_IFREG_SQL}").rowcount
         want = sum(tree.chunks.get(old, 0) for old, _ in inodes)
         if n != want:
             raise RuntimeError(f"catalog writer: a copied subtree has {n} extents where its catalog counted {want}")
@@ -1000,18 +1000,17 @@ def subtree(cat: Catalog, top: int, limit: int) -> Subtree | None:
         if not _valid_xattr(name, value):
             return None  # listing() reports it, directory by directory
         xattrs.setdefault(ino, []).append((name, value))
-    bad, unlocated = cat._rows(
-        "SELECT coalesce(sum(ok IS NOT 1), 0), coalesce(sum(pack IS NULL), 0) FROM ("
+    # per pack (NULL: no location) the extents that fail their checks
+    by_pack = cat._rows(
+        "SELECT pack, sum(ok IS NOT 1) FROM ("
         f"SELECT {_EXTENT_OK_SQL} AS ok, p.name AS pack FROM (SELECT e.*, coalesce(lag(e.offset + e.length) "
         "OVER (PARTITION BY e.ino ORDER BY e.offset), 0) AS prev_end FROM extents e "
         "WHERE e.ino IN (SELECT ino FROM temp.subtree_rows)) e JOIN blobs b ON b.id = e.blob "
-        f"JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack WHERE {_S_IFREG_SQL})")[0]
-    packs = [r[0] for r in cat._rows(
-        "SELECT DISTINCT p.name FROM temp.subtree_rows t JOIN inodes i ON i.ino = t.ino JOIN extents e "
-        f"ON e.ino = t.ino JOIN blobs b ON b.id = e.blob JOIN packs p ON p.id = b.pack WHERE {_S_IFREG_SQL}")]
-    if bad or not all(type(p) is str and _PACK_NAME.fullmatch(p) for p in packs):
+        f"JOIN inodes i ON i.ino = e.ino LEFT JOIN packs p ON p.id = b.pack WHERE {_S_IFREG_SQL}) GROUP BY pack")
+    packs = frozenset(p for p, _ in by_pack if p is not None)
+    if any(bad for _, bad in by_pack) or not all(type(p) is str and _PACK_NAME.fullmatch(p) for p in packs):
         return None
-    return Subtree(cat.path, top, children, xattrs, chunks, frozenset(packs), bool(unlocated))
+    return Subtree(cat.path, top, children, xattrs, chunks, packs, any(p is None for p, _ in by_pack))
 
 
 # -- queries of the browse commands (ls, dump, stats, copy) ------------------------------------------
