@@ -110,3 +110,8 @@ class ShapedStore:
     def new_bucket(self) -> str:
         assert self.server is not None
         return self.server.new_bucket()
+
+    def store_pid(self) -> int:
+        """The weed process (``ip netns exec`` execs it), whose CPU a benchmark may count beside the client's."""
+        assert self.server is not None and self.server._proc is not None
+        return self.server._proc.pid
