@@ -7,7 +7,10 @@ keeper completes the registration once, ``unmount``/``finalize`` update overlays
 ``snapshot/`` (a box running from a mount), ``agent/`` and ``ogrefs mounts`` only read
 them, with one exception: a snapshot of a box running from a writable mount leaves
 ``<state>/snapshot-started`` (:func:`mark_snapshot_started`), which the daemon's access-trace
-recorder reads (``lazy/recorder.py``: a snapshot marks the end of the resume). So the records' format lives here, below every layer that reads it, and reading
+recorder reads (``lazy/recorder.py``: a snapshot marks the end of the resume), and
+``<state>/snapshot-running.<pid>`` for as long as it runs (:func:`mark_snapshot_running`),
+which makes the daemon's background fetches wait (``lazy/snapshotgate.py``). So the records'
+format lives here, below every layer that reads it, and reading
 them needs nothing of the mount machinery. No locks: every write is an atomic rename.
 """
 
@@ -262,3 +265,63 @@ def clear_snapshot_started(state_dir: Path) -> None:
 def state_base() -> Path:
     """Where writable mounts keep their state directories by default (``ogrefs mounts`` lists them)."""
     return Path(os.environ.get("OGREFS_STATE_DIR") or "/var/lib/ogrefs/mounts")
+
+
+SNAPSHOT_RUNNING = "snapshot-running."
+
+
+def _start_ticks(pid: int) -> int | None:
+    """A process's start time (clock ticks after boot, ``/proc/PID/stat`` field 22), or None if it is gone.
+
+    A pid alone could be a new process's after the snapshot's died; the pair cannot."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(stat.rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def mark_snapshot_running(state_dir: Path) -> Path:
+    """Say in a writable mount's state directory that this process snapshots the box now; returns the mark.
+
+    The caller removes it when the snapshot ends (:func:`clear_snapshot_running`); a mark left by a
+    process that died is ignored (its pid and start time no longer match). OSError is the caller's to
+    ignore: the mark only lets the mount's background work give the snapshot the box's CPU and disk.
+    """
+    pid = os.getpid()
+    mark = state_dir / f"{SNAPSHOT_RUNNING}{pid}"
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(str(_start_ticks(pid)))
+        os.replace(tmp, mark)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return mark
+
+
+def clear_snapshot_running(mark: Path) -> None:
+    """The snapshot that wrote ``mark`` ended (saved or not). Best effort: a mark left behind is a dead process's."""
+    with contextlib.suppress(OSError):
+        mark.unlink()
+
+
+def snapshot_running(state_dir: Path) -> bool:
+    """Whether a live process is snapshotting the box that runs from this state directory. Blocking (a listing)."""
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return False
+    for name in names:
+        if not name.startswith(SNAPSHOT_RUNNING):
+            continue
+        try:
+            pid = int(name[len(SNAPSHOT_RUNNING):])
+            ticks = int((state_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if _start_ticks(pid) == ticks:
+            return True
+    return False

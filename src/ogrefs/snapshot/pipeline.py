@@ -163,6 +163,7 @@ class Snapshotter:
         self.skipped_mounts: list[dict[str, str]] = []
         self._own = None  # mounted.OwnMounts, set in run()
         self._from: Any = None  # the own mount the box runs from (mounted.OwnMount), if any
+        self._running_mark: Path | None = None  # <state>/snapshot-running.<pid> of that mount, while this runs
         self._mounted = MountedSnapshots(repo)
         self._roots: set[bytes] = set()
         self._root_dev = 0
@@ -399,6 +400,7 @@ class Snapshotter:
         self._from = self._own.covering(roots) if self._own is not None else None
         if self._from is not None:
             _mark_snapshot_started(self._from.state_dir)
+            self._running_mark = _mark_snapshot_running(self._from.state_dir)
         if self._from is not None and self._mounted.catalog(self._from.snapshot) is not None:
             self._mounted.from_manifest = self.repo.load_manifest(self._from.snapshot)
         from ogrefs.snapshot.selection import box_of
@@ -571,12 +573,18 @@ def finish_observers(observers: list[Any], cat: CatalogWriter) -> dict[str, Any]
 
 def take_snapshot(repo: Repository, opts: SnapshotOptions,
                   progress: Callable[[Stats], None] | None = None) -> dict[str, Any]:
+    snap = Snapshotter(repo, opts, progress)
     try:
-        return Snapshotter(repo, opts, progress).run()
+        return snap.run()
     except sqlite3.Error as exc:
         # the catalog being built and the index cache live in the local cache directory
         raise OgrefsError(f"local cache {repo.cache_dir}: {exc} (is the disk full?); "
                           "nothing was saved as a snapshot") from None
+    finally:
+        if snap._running_mark is not None:  # the mount the box runs from takes up its background work again
+            from ogrefs.boxmounts import clear_snapshot_running
+
+            clear_snapshot_running(snap._running_mark)
 
 
 def _mark_snapshot_started(state_dir: bytes) -> None:
@@ -587,3 +595,15 @@ def _mark_snapshot_started(state_dir: bytes) -> None:
         mark_snapshot_started(Path(os.fsdecode(state_dir)))
     except OSError as exc:  # the trace then records on (to its quiet period): nothing of the snapshot is lost
         log.info("could not mark the snapshot's start in %s: %s", os.fsdecode(state_dir), exc)
+
+
+def _mark_snapshot_running(state_dir: bytes) -> Path | None:
+    """Tell the mount this box runs from that a snapshot runs: its prefetch and materialization wait
+    (lazy/snapshotgate.py) and leave the CPU, the disk and the store to it; the mark, or None."""
+    from ogrefs.boxmounts import mark_snapshot_running
+
+    try:
+        return mark_snapshot_running(Path(os.fsdecode(state_dir)))
+    except OSError as exc:  # the mount's background work then goes on beside the snapshot: nothing is lost
+        log.info("could not mark the running snapshot in %s: %s", os.fsdecode(state_dir), exc)
+        return None
