@@ -51,7 +51,11 @@ Where each chunk is (memory, held, in hand, coming, in the local tree) is the
 with the materializer; the fetcher only calls its mutators on the loop.  A
 chunk just fetched from the store for a caller that keeps it is offered to it
 (:meth:`Residency.adopt`); when the local tree takes the chunk, the chunk
-cache does without it.
+cache does without it.  While a snapshot of the box runs
+(:meth:`Fetcher.yield_to_snapshot`, called on the loop by the daemon's
+:class:`~ogrefs.lazy.snapshotgate.SnapshotGate`), hint and background requests
+and every write to the disk cache wait on the loop-owned ``_not_yielding``
+event; reads and the trace are served as ever.
 """
 
 from __future__ import annotations
@@ -201,6 +205,9 @@ class Fetcher:
         self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
         self._cache_limiter = trio.CapacityLimiter(4)  # cache loads: a reader may be waiting
         self._cache_write_limiter = trio.CapacityLimiter(2)  # writes with fsync, bookkeeping: nobody waits
+        self._not_yielding = trio.Event()  # set unless a snapshot of the box runs (yield_to_snapshot)
+        self._not_yielding.set()
+        self._stopping = False  # run() is being cancelled: nothing waits for a snapshot's end any more
 
     # -- lifetime ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -224,6 +231,7 @@ class Fetcher:
         try:
             await trio.sleep_forever()
         finally:
+            self._stopping = True  # cache writes waiting out a snapshot of the box go ahead (_store)
             if self._stop is not None:
                 self._stop.set()
 
@@ -301,6 +309,26 @@ class Fetcher:
     def queued(self) -> int:
         """Chunks waiting for a free store request slot."""
         return self._queue.queued
+
+    def yield_to_snapshot(self, on: bool) -> None:
+        """On the loop: while ``on`` (a snapshot of the box runs), hint and background requests wait, and so do
+        writes to the disk cache (a hint replay leaves thousands queued, seconds of CPU and disk)."""
+        if on == self._queue.yielding:
+            return
+        self._queue.yield_to_snapshot(on)
+        if on:
+            self._not_yielding = trio.Event()
+        else:
+            self._not_yielding.set()
+
+    async def until_not_yielding(self) -> None:
+        """On the loop: return once no snapshot of the box runs (at once when none does)."""
+        await self._not_yielding.wait()
+
+    @property
+    def yielding(self) -> bool:
+        """Whether hint and background requests wait for a snapshot of the box (read anywhere: a bool)."""
+        return self._queue.yielding
 
     def snapshot_stats(self) -> dict[str, int]:
         if self._retries is not None:
@@ -513,7 +541,12 @@ class Fetcher:
         try:
             # shielded: an unmount waits for chunks already fetched to reach the cache, so a remount reuses them
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.cache.store, chunk, data, limiter=self._cache_write_limiter)
+                async with self._cache_write_limiter:
+                    # a write's turn comes while a snapshot of the box runs: it waits for the end (or the unmount)
+                    while self._queue.yielding and not self._stopping:
+                        with trio.move_on_after(0.1):
+                            await self._not_yielding.wait()
+                    await trio.to_thread.run_sync(self.cache.store, chunk, data)
         except _CACHE_ERRORS as exc:
             self.stats.cache_write_errors += 1
             log.warning("chunk cache write failed (%s); serving without caching", exc)

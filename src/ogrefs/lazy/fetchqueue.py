@@ -8,7 +8,10 @@ waits behind prefetch or materialization.  Prefetch also yields the link to
 readers (:meth:`RequestQueue.may_start`).  A request takes every queued chunk
 near the first in the same pack into one ranged GET
 (:meth:`RequestQueue.take_run`): packs keep the files of a directory
-together, so read-ahead and prefetch cost few requests.
+together, so read-ahead and prefetch cost few requests.  While a snapshot of
+the box runs (:attr:`RequestQueue.yielding`, set by the daemon's
+:class:`~ogrefs.lazy.snapshotgate.SnapshotGate`), hints and background
+requests do not start at all; reads and the trace go on.
 
 Who owns what: a RequestQueue belongs to its Fetcher and so to the trio loop;
 only trio tasks call it, so it needs no locks.  It holds the fetcher's
@@ -76,6 +79,7 @@ class RequestQueue:
         self._reads_active = 0  # of which started for an application's read
         self._read_bytes = 0  # bytes those read requests have still to deliver
         self._last_read_want = -math.inf  # trio time of the last chunk an application had to wait for
+        self.yielding = False  # a snapshot of the box runs: hints and background wait (yield_to_snapshot)
         self._changed = trio.Event()
 
     # -- the queue -----------------------------------------------------------------------------------
@@ -168,10 +172,18 @@ class RequestQueue:
         """An application is reading from the store right now (or was, a moment ago)."""
         return self._reads_active > 0 or trio.current_time() - self._last_read_want < READ_QUIET_S
 
+    def yield_to_snapshot(self, on: bool) -> None:
+        """A snapshot of the box started (``on``) or ended: hints and background wait until it ends."""
+        if on != self.yielding:
+            self.yielding = on
+            self._changed.set()
+
     def may_start(self, priority: Priority) -> bool:
         """Whether a request of ``priority`` may start now."""
         if priority == Priority.READ:
             return self.active < self.max_requests
+        if self.yielding and priority >= Priority.HINT:
+            return False
         if self.active >= self.max_requests - self.reserved_for_read:
             return False
         # Prefetch yields the link to readers.  While an application's requests have enough bytes

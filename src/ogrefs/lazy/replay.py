@@ -112,6 +112,8 @@ class Replayer:
                 await self._finish(outstanding.popleft(), window)
             if self.pace is not None:
                 await self.pace()
+            if self.priority >= Priority.HINT:  # hints and background wait out a snapshot of the box
+                await self.fetcher.until_not_yielding()  # (not even probing the disk cache meanwhile)
             window.take(size)
             outstanding.extend(self.fetcher.request(group, self.priority, keep=self.keep, bridge=self.bridge,
                                                     hold=self.hold))

@@ -39,13 +39,15 @@ from typing import Any, Callable
 
 import trio
 
-from ogrefs.boxmounts import MountError, Registration, atomic_json, clear_snapshot_started, snapshot_started
+from ogrefs.boxmounts import (MountError, Registration, atomic_json, clear_snapshot_started, snapshot_running,
+                              snapshot_started)
 from ogrefs.lazy.chunkcache import CacheCipher, ChunkCache
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.fetchio import PackReads
 from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.recorder import Recorder, quiet_from_env, save_trace, save_when_recorded
+from ogrefs.lazy.snapshotgate import SnapshotGate
 from ogrefs.lazy.vfs import SnapshotFS
 from ogrefs.mount import fuse_ops, keeper, mountsys
 from ogrefs.mount.hostpaths import HostView
@@ -153,6 +155,10 @@ class Daemon:
                              page_cache=fuse_ops.store_in_page_cache if materializer is not None else None)
         self.prefetch = Prefetch(catalog, self.fetcher, trace_entries=plan.trace_entries, materializer=materializer,
                                  idle_for=self.fs.idle_for)
+        # a snapshot of the box this writable mount runs goes first: background fetches wait (snapshotgate.py)
+        state_dir = plan.state_dir
+        self.snapshot_gate = (SnapshotGate(self.fetcher, lambda: snapshot_running(state_dir))
+                              if state_dir is not None else None)
 
     def _mount(self, stack: contextlib.AsyncExitStack) -> None:
         """The FUSE mount, this process's own namespace (with a keeper), the lock's heartbeat, the registration."""
@@ -205,6 +211,8 @@ class Daemon:
             self.prefetch.reason = "a read-only mount fetches only what is read (--prefetch warms it)"
         if self.recorder is not None:
             self.nursery.start_soon(self._save_when_recorded)
+        if self.snapshot_gate is not None:
+            self.nursery.start_soon(self.snapshot_gate.watch)
 
     async def _prefetch_then_report(self) -> None:
         await self.prefetch.run()
@@ -269,6 +277,7 @@ class Daemon:
                 "cache_write_errors": st["cache_write_errors"], "local_opens": getattr(vs, "local_opens", 0),
                 "page_cache_pushed": vs.page_cache_pushed,
                 "materialize": self.prefetch.stats(), "trace_replayed": len(self.plan.trace_entries or []),
+                "snapshot_yield": self.snapshot_gate.stats() if self.snapshot_gate is not None else None,
                 "trace_recording": bool(self.recorder and self.recorder.active)}
 
     # -- teardown (registered on the exit stack) ------------------------------------------------------

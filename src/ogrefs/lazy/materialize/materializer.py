@@ -82,8 +82,9 @@ class Materializer:
         self._preparer = preparer  # (worker-thread stages: see the module docstring's seams)
         self._make_writer = make_writer
         # seconds since the application's last request to the mount (the vfs's): passes yield to it (pacing.py)
-        self.pacer = Pacer(idle_for)
-        self.gate = BuildGate(idle_for)  # ... and so does the tree build (pacing.py)
+        # (both also wait while a snapshot of the box runs: the fetcher's flag, lazy/snapshotgate.py)
+        self.pacer = Pacer(idle_for, hold=lambda: fetcher.yielding)
+        self.gate = BuildGate(idle_for, hold=lambda: fetcher.yielding)  # ... and so does the tree build (pacing.py)
         self._build_yielded_s = 0.0
         self._settings = dict(window_bytes=window_bytes, group_bytes=group_bytes, batch_bytes=batch_bytes,
                               batch_chunks=batch_chunks, flush_after=flush_after, adopt_bytes=adopt_bytes)

@@ -31,6 +31,12 @@ application is active, it waits until its work is ``share`` of the time.
 The same gate stops the build when the materializer is cancelled (a worker
 thread cannot be): the daemon of a mount that went away exits at once.
 
+Both also stop while a snapshot of the box runs (``hold``: the fetcher's
+:attr:`~ogrefs.lazy.fetcher.Fetcher.yielding`, set by
+:class:`~ogrefs.lazy.snapshotgate.SnapshotGate`): a pass waits after its
+batch until the snapshot ends, however long, and the build pauses as it does
+for an active application.
+
 Who owns what: a :class:`Pacer` belongs to the trio loop; the pass's writer
 task calls :meth:`Pacer.after` and nothing else touches it.  ``idle_for`` is
 the vfs's (seconds since the application's last request), read on the loop
@@ -60,7 +66,8 @@ class Pacer:
     """The pause after each batch of a pass; see the module docstring."""
 
     def __init__(self, idle_for: Callable[[], float] | None, share: float = ACTIVE_SHARE,
-                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05) -> None:
+                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05,
+                 hold: Callable[[], bool] | None = None) -> None:
         if not 0 < share <= 1:
             raise ValueError("share must be in (0, 1]")
         self.idle_for = idle_for
@@ -68,6 +75,7 @@ class Pacer:
         self.active_s = active_s
         self.max_pause = max_pause
         self.poll = poll
+        self.hold = hold  # True while a snapshot of the box runs: wait for its end
         self.paused_s = 0.0  # seconds paused so far (status, tests)
         self.pauses = 0
 
@@ -76,7 +84,16 @@ class Pacer:
         return self.idle_for is not None and self.idle_for() < self.active_s
 
     async def after(self, took: float) -> None:
-        """Called after a batch that took ``took`` seconds: pause while the application is active."""
+        """Called after a batch that took ``took`` seconds: pause while the application is active
+        (and, with ``hold``, for as long as a snapshot of the box runs)."""
+        if self.hold is not None and self.hold():
+            start = trio.current_time()
+            self.pauses += 1
+            try:
+                while self.hold():
+                    await trio.sleep(self.poll)
+            finally:
+                self.paused_s += trio.current_time() - start
         if took <= 0 or not self.active():
             return
         start = trio.current_time()
@@ -93,7 +110,8 @@ class BuildGate:
     """The tree build's pause between pieces of its work while the application is active (module docstring)."""
 
     def __init__(self, idle_for: Callable[[], float] | None, share: float = ACTIVE_SHARE,
-                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05) -> None:
+                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05,
+                 hold: Callable[[], bool] | None = None) -> None:
         if not 0 < share <= 1:
             raise ValueError("share must be in (0, 1]")
         self.idle_for = idle_for
@@ -101,6 +119,7 @@ class BuildGate:
         self.active_s = active_s
         self.max_pause = max_pause
         self.poll = poll
+        self.hold = hold  # True while a snapshot of the box runs: pause as for an active application
         self._quiet = threading.Event()
         self._quiet.set()  # until watch() says otherwise: a build without a watcher never waits
         self._stop = threading.Event()  # set when the watch ends: the build stops at its next piece
@@ -115,10 +134,11 @@ class BuildGate:
         same state directory was refused meanwhile."""
         self._stop.clear()
         try:
-            if self.idle_for is None:
+            if self.idle_for is None and self.hold is None:
                 await trio.sleep_forever()
             while True:
-                if self.idle_for() < self.active_s:
+                if ((self.idle_for is not None and self.idle_for() < self.active_s)
+                        or (self.hold is not None and self.hold())):
                     self._quiet.clear()
                 else:
                     self._quiet.set()
