@@ -176,10 +176,15 @@ def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def atomic_json(path: Path, obj: Any) -> None:
+    _atomic_text(path, json.dumps(obj, sort_keys=True))
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, sort_keys=True)
+            fh.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -234,15 +239,7 @@ def mark_snapshot_started(state_dir: Path) -> None:
     An OSError (a state directory this process may not write) is the caller's to ignore: the mark only
     helps the mount's access trace.
     """
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(repr(time.monotonic()))
-        os.replace(tmp, state_dir / SNAPSHOT_STARTED)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    _atomic_text(state_dir / SNAPSHOT_STARTED, repr(time.monotonic()))
 
 
 def snapshot_started(state_dir: Path) -> float | None:
@@ -270,35 +267,17 @@ def state_base() -> Path:
 SNAPSHOT_RUNNING = "snapshot-running."
 
 
-def _start_ticks(pid: int) -> int | None:
-    """A process's start time (clock ticks after boot, ``/proc/PID/stat`` field 22), or None if it is gone.
-
-    A pid alone could be a new process's after the snapshot's died; the pair cannot."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-        return int(stat.rpartition(b")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def mark_snapshot_running(state_dir: Path) -> Path:
     """Say in a writable mount's state directory that this process snapshots the box now; returns the mark.
 
     The caller removes it when the snapshot ends (:func:`clear_snapshot_running`); a mark left by a
     process that died is ignored (its pid and start time no longer match). OSError is the caller's to
     ignore: the mark only lets the mount's background work give the snapshot the box's CPU and disk.
+    A pid alone could be a new process's after the snapshot's died; with its start time it cannot.
     """
     pid = os.getpid()
     mark = state_dir / f"{SNAPSHOT_RUNNING}{pid}"
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(str(_start_ticks(pid)))
-        os.replace(tmp, mark)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    _atomic_text(mark, str(process_start(pid)))
     return mark
 
 
@@ -322,6 +301,6 @@ def snapshot_running(state_dir: Path) -> bool:
             ticks = int((state_dir / name).read_text())
         except (OSError, ValueError):
             continue
-        if _start_ticks(pid) == ticks:
+        if process_start(pid) == ticks:
             return True
     return False
