@@ -202,3 +202,19 @@ def test_while_yielding_a_hint_replay_asks_the_fetcher_nothing():
 
     run_with_fetcher(f, body)
     assert sum(asked) == len(refs) and replay.stats.bytes_done == sum(r.raw_len for r in refs)
+
+
+def test_ogrefs_status_says_when_the_mount_steps_aside(capsys):
+    from ogrefs.cli.mount import _report
+
+    st = {"time": 10.0, "started": 0.0, "snapshot": "ab" * 32, "mountpoint": "/", "pid": 1, "bytes_read": 0,
+          "reads": 0, "open_files": 0, "bytes_fetched": 0, "requests": 0, "chunks_fetched": 0, "cache_hits": 0,
+          "cache_hits_memory": 0, "cache_hits_disk": 0, "cache_misses": 0, "chunks_in_flight": 0,
+          "chunks_queued": 0, "errors": 0, "read_errors": 0, "corrupt": 0, "retries": 0,
+          "snapshot_yield": {"yielding": True, "snapshots": 1, "yielded_s": 0.5}}
+    _report(st, as_json=False)
+    assert "a snapshot of the box is running: prefetch, cache writes and materialization wait" in capsys.readouterr().out
+    _report(dict(st, snapshot_yield={"yielding": False, "snapshots": 2, "yielded_s": 3.31}), as_json=False)
+    assert "stepped aside for 2 snapshot(s) of the box, 3.3 s in all" in capsys.readouterr().out
+    _report(dict(st, snapshot_yield=None), as_json=False)
+    assert "snapshot of the box" not in capsys.readouterr().out

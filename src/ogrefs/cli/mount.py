@@ -214,6 +214,11 @@ def _report(st: dict, as_json: bool) -> None:
     ]
     lines.extend(f"  {note}" for note in st.get("trace_notes") or [])
     lines.extend(_prefetch_lines(st.get("materialize") or {}, sys.stdout.isatty()))
+    y = st.get("snapshot_yield") or {}
+    if y.get("yielding"):
+        lines.append("  a snapshot of the box is running: prefetch, cache writes and materialization wait for it")
+    elif y.get("snapshots"):
+        lines.append(f"  stepped aside for {y['snapshots']} snapshot(s) of the box, {y.get('yielded_s', 0):.1f} s in all")
     click.echo("\n".join(lines))
 
 
