@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import trio
 
 from ogrefs.boxmounts import clear_snapshot_running, mark_snapshot_running, snapshot_running
@@ -218,3 +219,22 @@ def test_ogrefs_status_says_when_the_mount_steps_aside(capsys):
     assert "stepped aside for 2 snapshot(s) of the box, 3.3 s in all" in capsys.readouterr().out
     _report(dict(st, snapshot_yield=None), as_json=False)
     assert "snapshot of the box" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)  # without the release at the fetcher's end, the shielded write waits forever
+def test_an_unmount_during_a_snapshot_still_writes_what_was_fetched_to_the_cache(tmp_path):
+    from ogrefs.lazy.chunkcache import ChunkCache
+
+    fake = FakePacks()
+    read = fake.add("read", payloads(1))[0]
+    cache = ChunkCache(tmp_path / "chunks", 64 << 20)
+    f = Fetcher(fake.read_range, cache)
+
+    async def body(nursery):
+        f.yield_to_snapshot(True)
+        await f.get(read)
+        await trio.sleep(0.1)
+        assert cache.load(read.chunk, read.raw_len) is None  # held back by the snapshot ...
+
+    run_with_fetcher(f, body)  # ... and the fetcher's end (an unmount) writes it, without waiting for the snapshot
+    assert cache.load(read.chunk, read.raw_len) is not None

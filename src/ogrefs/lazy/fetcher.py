@@ -231,7 +231,8 @@ class Fetcher:
         try:
             await trio.sleep_forever()
         finally:
-            self._stopping = True  # cache writes waiting out a snapshot of the box go ahead (_store)
+            self._stopping = True  # cache writes waiting out a snapshot of the box go ahead (_store) ...
+            self._not_yielding.set()  # ... at once
             if self._stop is not None:
                 self._stop.set()
 
@@ -316,7 +317,7 @@ class Fetcher:
         if on == self._queue.yielding:
             return
         self._queue.yield_to_snapshot(on)
-        if on:
+        if on and not self._stopping:  # (a fetcher that stops waits for nothing)
             self._not_yielding = trio.Event()
         else:
             self._not_yielding.set()
@@ -544,8 +545,7 @@ class Fetcher:
                 async with self._cache_write_limiter:
                     # a write's turn comes while a snapshot of the box runs: it waits for the end (or the unmount)
                     while self._queue.yielding and not self._stopping:
-                        with trio.move_on_after(0.1):
-                            await self._not_yielding.wait()
+                        await self._not_yielding.wait()
                     await trio.to_thread.run_sync(self.cache.store, chunk, data)
         except _CACHE_ERRORS as exc:
             self.stats.cache_write_errors += 1
