@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.cli_run import run_in  # noqa: F401
+from tests.cli_run import assert_one_line_error, run_in  # noqa: F401
 from tests.nsbox import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
 
 pytestmark = [
@@ -111,3 +111,35 @@ def test_status_lines_on_a_terminal_have_no_full_bar_for_an_empty_class_and_keep
     assert "#" not in trace and "[" not in trace
     hint = [line for line in lines if line.strip().startswith("hint")][0]
     assert "[############............]" in hint
+
+
+def test_a_broken_pyfuse3_is_one_line_for_mount_and_run(box):
+    """A pyfuse3 that imports but has nothing in it (a directory left without its compiled module, here one
+    that shadows the real install) was an AttributeError traceback from `mount` and no word at all from
+    `run`, whose child ended with os._exit (seen on a GPU box whose pyfuse3 had failed to link)."""
+    tmp = box["tmp"]
+    shadow = tmp / "shadow" / "pyfuse3"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    env = dict(box["env"], PYTHONPATH=os.pathsep.join(filter(None, [str(shadow.parent), os.environ.get("PYTHONPATH")])))
+    mp = tmp / "ro"
+    mp.mkdir()
+    for args in (["mount", "--read-only", box["snap"], str(mp)], ["run", box["snap"], "--", "true"]):
+        proc = subprocess.run([sys.executable, "-m", "ogrefs", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert_one_line_error(proc, f"FUSE support is broken: pyfuse3 in {shadow}")
+        assert "AttributeError" in proc.stderr
+    assert os.listdir(mp) == []
+
+
+def test_an_unexpected_error_in_the_child_of_run_is_reported(capfd):
+    """The child that enters the box ends with os._exit: an exception no handler names must still be said."""
+    from ogrefs.mount.run import run
+
+    def open_repo():
+        raise RuntimeError("boom in the child")
+
+    code = run(lambda root: None, open_repo, lambda repo: "x", ["true"])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "internal error in the child that enters the box" in err and "RuntimeError: boom in the child" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 from ogrefs.boxmounts import Registration, pid_alive
@@ -30,6 +31,11 @@ def fuse_problem() -> str | None:
         from ogrefs.mount import fuse_ops  # noqa: F401
     except ImportError as exc:
         return f"FUSE support is not installed: pyfuse3 cannot be loaded ({exc})"
+    except Exception as exc:  # noqa: BLE001 - a broken install: a pyfuse3 directory without its compiled module
+        # (then a namespace package, which imports and has nothing in it), one built for another libfuse
+        where = getattr(sys.modules.get("pyfuse3"), "__path__", None)
+        return (f"FUSE support is broken: pyfuse3{f' in {list(where)[0]}' if where else ''} loads but is not "
+                f"usable ({type(exc).__name__}: {exc}); reinstall it (pip install --force-reinstall pyfuse3)")
     return None
 
 

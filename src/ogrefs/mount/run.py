@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from ogrefs.mount.client import mount, unmount
 from ogrefs.mount.mountsys import mounted_fstype
 from ogrefs.mount.overlay import mounts_below, outermost
 from ogrefs.errors import OgrefsError, UsageError
+from ogrefs.store.base import StoreError
 
 #: This box's file systems every program expects, bound into the root (recursively: /dev/pts, /dev/shm ...).
 HOST_BINDS = ("proc", "sys", "dev", "run")
@@ -58,10 +60,15 @@ def run(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snapsho
         except OgrefsError as exc:
             print(f"ogrefs: {exc}", file=sys.stderr)
             code = exc.exit_code
+        except StoreError as exc:
+            print(f"ogrefs: {exc}", file=sys.stderr)
         except OSError as exc:
             print(f"ogrefs: {exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr)
         except KeyboardInterrupt:
             code = 130
+        except BaseException:  # noqa: BLE001 - a bug: os._exit below would end the child without a word
+            print("ogrefs: internal error in the child that enters the box:", file=sys.stderr)
+            traceback.print_exc()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
