@@ -159,6 +159,22 @@ def test_cuda_toolkits_and_headers(tmp_path):
     assert str(local / "cuda-12.1" / "lib64" / "libcudart.so.12.1.105") in env["hints"]["cuda"]
 
 
+def test_cudnn9_headers_side_by_side_are_one_cudnn(tmp_path):
+    """The nvidia-cudnn-cu13 wheel ships cudnn_version.h and cudnn_version_v9.h with the same version (seen on
+    an H200 box's torch 2.11+cu130 venv, where `show` listed cuDNN 9.19.0 twice); another version beside them,
+    or the same version in another directory, is still listed."""
+    nine = "#define CUDNN_MAJOR 9\n#define CUDNN_MINOR 19\n#define CUDNN_PATCHLEVEL 0\n"
+    inc = tmp_path / "venv" / "lib" / "python3.12" / "site-packages" / "nvidia" / "cudnn" / "include"
+    write(inc / "cudnn_version.h", nine)
+    write(inc / "cudnn_version_v9.h", nine)
+    write(inc / "cudnn_version_v8.h", "#define CUDNN_MAJOR 8\n#define CUDNN_MINOR 9\n#define CUDNN_PATCHLEVEL 7\n")
+    write(tmp_path / "other" / "include" / "cudnn_version.h", nine)
+    c = capture_environment([str(tmp_path)], deadline_s=20)["cuda"]
+    assert sorted((x["path"], x["version"]) for x in c["cudnn"]) == sorted([
+        (str(inc / "cudnn_version.h"), "9.19.0"), (str(inc / "cudnn_version_v8.h"), "8.9.7"),
+        (str(tmp_path / "other" / "include" / "cudnn_version.h"), "9.19.0")])
+
+
 def test_toolkit_version_fallbacks(tmp_path):
     write(tmp_path / "a" / "dist-info" / "nvidia_cuda_nvcc-13.0.88.dist-info" / "METADATA")
     write(tmp_path / "a" / "dist-info" / "nvidia_cuda_runtime-13.0.96.dist-info" / "METADATA")

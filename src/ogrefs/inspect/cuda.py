@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Callable, Iterable
 
 __all__ = [
     "read_toolkit",
     "read_header_version",
+    "header_versions",
     "cuda_library_name",
     "local_toolkits",
     "HEADER_NAMES",
@@ -73,6 +75,24 @@ def read_header_version(path: str, prefix: str) -> str | None:
             break
         parts.append(value)
     return ".".join(parts) if parts else None
+
+
+def header_versions(headers: Iterable[tuple[str, str, str]],
+                    expired: Callable[[], bool] = lambda: False) -> dict[str, list[dict]]:
+    """``{"cudnn": [...], "nccl": [...]}`` from ``(path, what, macro)`` of version headers, one entry per
+    directory and version: cuDNN 9 ships ``cudnn_version.h`` and ``cudnn_version_v9.h`` side by side
+    (seen in the nvidia-cudnn-cu13 wheel), which is one cuDNN, not two."""
+    found: dict[str, list[dict]] = {"cudnn": [], "nccl": []}
+    seen: set[tuple[str, str, str]] = set()
+    for path, what, macro in headers:
+        if expired():
+            break
+        v = read_header_version(path, macro)
+        key = (what, os.path.dirname(path), v or "")
+        if v and key not in seen:
+            seen.add(key)
+            found[what].append({"path": path, "version": v})
+    return found
 
 
 def read_toolkit(path: str) -> dict:

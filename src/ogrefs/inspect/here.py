@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from ogrefs.inspect.cuda import HEADER_NAMES, local_toolkits, read_header_version
+from ogrefs.inspect.cuda import HEADER_NAMES, header_versions, local_toolkits
 from ogrefs.inspect.gpu import GpuProbe, import_pynvml
 from ogrefs.inspect.machine import machine_info
 
@@ -22,18 +22,13 @@ def probe_local_machine(gpu_timeout_s: float = GPU_TIMEOUT_S, load_nvml: Callabl
     """Machine, GPUs and CUDA of the running box (for restore-time checks)."""
     gpu_probe = GpuProbe(load_nvml)
     machine = machine_info()
-    cudnn, nccl = [], []
-    for d in ("/usr/include", "/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu",
-              "/usr/local/cuda/include"):
-        for header, (what, macro) in HEADER_NAMES.items():
-            p = os.path.join(d, header.decode())
-            if os.path.isfile(p):
-                v = read_header_version(p, macro)
-                if v:
-                    (cudnn if what == "cudnn" else nccl).append({"path": p, "version": v})
+    found = header_versions((os.path.join(d, header.decode()), what, macro)
+                            for d in ("/usr/include", "/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu",
+                                      "/usr/local/cuda/include")
+                            for header, (what, macro) in HEADER_NAMES.items())
     return {
         "version": MANIFEST_VERSION,
         "machine": machine,
         "gpus": gpu_probe.result(gpu_timeout_s),
-        "cuda": {"toolkits": local_toolkits(), "cudnn": cudnn, "nccl": nccl},
+        "cuda": {"toolkits": local_toolkits(), "cudnn": found["cudnn"], "nccl": found["nccl"]},
     }

@@ -28,8 +28,8 @@ from ogrefs.inspect.checkpoints import analyze_checkpoints, is_candidate_name
 from ogrefs.inspect.cuda import (
     HEADER_NAMES,
     cuda_library_name,
+    header_versions,
     local_toolkits,
-    read_header_version,
     read_toolkit,
     so_version,
 )
@@ -201,13 +201,7 @@ class EnvironmentProbe:
 
     def _read_cuda(self, deadline: Deadline) -> dict:
         toolkits = [read_toolkit(os.fsdecode(p)) for p in sorted(self._toolkits)]
-        found: dict[str, list[dict]] = {"cudnn": [], "nccl": []}
-        for path, what, macro in self._headers:
-            if deadline.expired():
-                break
-            v = read_header_version(os.fsdecode(path), macro)
-            if v:
-                found[what].append({"path": os.fsdecode(path), "version": v})
+        found = header_versions(((os.fsdecode(p), what, macro) for p, what, macro in self._headers), deadline.expired)
         libs = []
         for lib, p in self._cuda_libs[:_MAX_LIBS_LISTED]:
             name = os.fsdecode(p)
