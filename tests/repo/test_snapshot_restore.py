@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import SnapshotNotFound
 from ogrefs.repo import Repository
+from ogrefs.store import FaultyStore, open_store
 from ogrefs.restore import Restorer
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 
@@ -268,3 +270,34 @@ def test_check_reports_a_missing_pack_once(repo, tmp_path):
     for read_data in (False, True):
         problems = check_repository(repo, read_data=read_data).problems
         assert len([p for p in problems if pack[:16] in p]) == 1, problems
+
+
+def test_the_environment_probe_reads_while_the_last_packs_upload(tmp_path):
+    """At a preemption notice the probe's reads (through a lazy mount, NVML, git) must not wait for the upload
+    tail: here every pack's upload waits until the probe has started, so a probe run after the uploads fails."""
+    url = str(tmp_path / "repo")
+    Repository.init(url, cache_root=tmp_path / "cache", pack_target_size=4 * MiB)
+    probe_started = threading.Event()
+
+    class PacksWaitForTheProbe(FaultyStore):
+        def put(self, key: str, data: bytes) -> None:
+            if key.startswith("packs/") and not probe_started.wait(20):
+                raise RuntimeError("the pack upload waited 20 s: the probe did not run beside it")
+            super().put(key, data)
+
+    class Probe:
+        def observe_dir(self, path: bytes, names: list) -> None:
+            pass
+
+        def finish(self) -> dict:
+            probe_started.set()
+            return {"notes": ["probed"], "hints": {}}
+
+    repo = Repository.open(url, cache_root=tmp_path / "cache", store=PacksWaitForTheProbe(open_store(url)))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(2 * MiB))  # one pack, sealed and uploaded at the walk's end
+    m = _snap(repo, src, observers=[Probe()])
+    assert m["environment"]["notes"] == ["probed"] and m["totals"]["packs"] == 1
+    _restore(repo, m, tmp_path / "out")
+    assert (tmp_path / "out" / str(src).lstrip("/") / "data.bin").read_bytes() == (src / "data.bin").read_bytes()

@@ -7,7 +7,8 @@ chunk ids mean nothing), directory lookups in them, the files taken from them
 unchanged, and the mounted snapshot's verdicts on checkpoint files, so the
 environment probe does not read those files again through the lazy mount.
 
-Used by the snapshot's main thread only.
+Used by the snapshot's main thread, and once the walk has ended by the probe's
+thread (``known_check``, pipeline.ObserverRun), when the main thread no longer changes it.
 """
 
 from __future__ import annotations

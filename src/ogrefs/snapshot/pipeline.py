@@ -14,6 +14,9 @@ The pipeline (docs/architecture.md has the picture):
    (files of one directory stay together), and seals a pack at the target size.
 3. *Upload workers* put a sealed pack and its per-pack index object; the main
    thread then records the pack in the local index.
+4. When the walk ends, the environment probe's reads run in a *probe thread*
+   (:class:`ObserverRun`) while the last packs upload; the main thread then
+   turns its hints into catalog rows and writes catalog and manifest.
 
 Nothing is visible as a snapshot until the manifest is written, last, after
 every pack, index and the catalog are in the store.  An interrupted run leaves
@@ -31,6 +34,7 @@ import socket
 import sqlite3
 import stat
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -486,11 +490,12 @@ class Snapshotter:
                     self._ancestors[prefix] = node
                 parent, old_parent = node, (old.ino if old else None)
             self._record(parent, parts[-1], root, old_parent, self._old_children(old_parent))
+        probing = ObserverRun(self.opts.observers)  # the environment probe reads while the last packs upload
         self._packer.finish()
         self._tick(force=True)
-        return self._commit(roots, cat_path)
+        return self._commit(roots, cat_path, probing)
 
-    def _commit(self, roots: list[bytes], cat_path: Path) -> dict[str, Any]:
+    def _commit(self, roots: list[bytes], cat_path: Path, probing: ObserverRun) -> dict[str, Any]:
         for cid in self.cat.unlocated():
             loc = self.repo.index.lookup(cid, self._live_packs)
             if loc is None and self._parent_cat is not None:
@@ -500,7 +505,7 @@ class Snapshotter:
             if loc is None:
                 raise OgrefsError(f"internal error: chunk {cid.hex()[:12]} has no location; snapshot not saved")
             self.cat.set_location(cid, loc)
-        environment = finish_observers(self.opts.observers, self.cat)
+        environment = store_hints(probing.results(), self.cat)
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
@@ -545,19 +550,47 @@ class Snapshotter:
         return manifest
 
 
-def finish_observers(observers: list[Any], cat: CatalogWriter) -> dict[str, Any] | None:
-    """Let the environment probe read what it noted; store its prefetch hints in the catalog.
+class ObserverRun:
+    """The observers' ``finish`` (the environment probe's reads: files, NVML, git) in a thread of its own.
+
+    Started when the walk ends, so that the probe's reads through a lazy
+    mount, NVML's start on a box of eight GPUs or a large repository's git
+    status run while the last packs upload, not after them, at a preemption
+    notice. Owned by the main thread, which starts it and takes the results:
+    the thread gets the observers once the walk no longer calls them (nor
+    anything they read, such as the files the snapshot took unchanged) and
+    writes only its own result list, read after ``join``.
+    """
+
+    def __init__(self, observers: list[Any]) -> None:
+        self._results: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._finish_all, args=(tuple(observers),), name="ogrefs-probe",
+                                        daemon=True)  # a snapshot that fails meanwhile does not wait for it
+        self._thread.start()
+
+    def _finish_all(self, observers: tuple[Any, ...]) -> None:
+        for obs in observers:
+            try:
+                result = obs.finish()
+            except Exception as exc:  # the probe must never cost the snapshot
+                result = {"notes": [f"environment capture failed: {exc!r}"]}
+            self._results.append(result)
+
+    def results(self) -> list[dict[str, Any]]:
+        self._thread.join()
+        return self._results
+
+
+def store_hints(results: list[dict[str, Any]], cat: CatalogWriter) -> dict[str, Any] | None:
+    """The environment manifest of the observers' results; their prefetch hints become catalog rows.
 
     Hints are ``{class: [absolute paths]}``; each path becomes a catalog row
     ``(class, ino, rank)`` in the order given, so the mount can prefetch
     python environments, CUDA libraries and the latest checkpoint first.
+    Main thread only (the catalog writer is the main thread's).
     """
     environment = None
-    for obs in observers:
-        try:
-            result = obs.finish()
-        except Exception as exc:  # the probe must never cost the snapshot
-            result = {"notes": [f"environment capture failed: {exc!r}"]}
+    for result in results:
         hints = result.pop("hints", None) or {}
         rank = 0
         for klass, paths in hints.items():
