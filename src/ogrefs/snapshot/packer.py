@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 from ogrefs.repo import Repository
 from ogrefs.repo.catalog import FLAG_CHANGED, CatalogWriter
+from ogrefs.repo.index import ChunkIndex
 from ogrefs.snapshot.chunker import Chunker, data_extents
+from ogrefs.snapshot.indexsync import IndexSync
 
 MAX_PENDING_CHUNKS = 64
 MAX_REREADS = 3
@@ -78,8 +80,9 @@ class Packer:
 
     def __init__(self, repo: Repository, cat: CatalogWriter, stats: PackStats, live_packs: set[str],
                  workers: int, upload_workers: int, unreadable: Callable[[bytes, OSError], None],
-                 tick: Callable[[], None]) -> None:
+                 tick: Callable[[], None], index: ChunkIndex | IndexSync | None = None) -> None:
         self.repo = repo
+        self.index = index if index is not None else repo.index  # lookup and add (an IndexSync waits for its sync)
         self.cat = cat
         self.stats = stats
         self.live_packs = live_packs
@@ -109,7 +112,7 @@ class Packer:
         with self._claim_lock:
             if cid in self._claimed:
                 return False
-            if self.repo.index.lookup(cid, self.live_packs) is not None:
+            if self.index.lookup(cid, self.live_packs) is not None:
                 return False
             self._claimed.add(cid)
             return True
@@ -219,7 +222,7 @@ class Packer:
     def _reap_uploads(self, keep: int) -> None:
         while len(self._uploads) > keep or (self._uploads and self._uploads[0].done()):
             name, entries = self._uploads.popleft().result()
-            self.repo.index.add(entries, merged_name=name)
+            self.index.add(entries, merged_name=name)
             self.run_packs.append(name)
             self.run_index.extend(entries)
 

@@ -2,6 +2,10 @@
 
 The pipeline (docs/architecture.md has the picture):
 
+0. Under the run's shared lock the main thread lists the live packs and finds
+   the parent; an *index thread* (snapshot/indexsync.py) then merges the index
+   objects this box has not seen while the walk starts, and every lookup
+   waits for it.
 1. The *main thread* walks the tree in sorted order, stats every entry and
    decides whether a file is unchanged since the parent snapshot (or taken
    unchanged from the snapshot the box runs from: snapshot/frommount.py). It
@@ -43,6 +47,7 @@ from typing import Any, Callable
 
 from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode, Listed
 from ogrefs.snapshot.frommount import MountedSnapshots
+from ogrefs.snapshot.indexsync import IndexSync
 from ogrefs.snapshot.packer import PackStats, Packer
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
@@ -126,12 +131,12 @@ def read_xattrs(path: bytes) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def live_extents(repo: Repository, live_packs: set[str], extents: list) -> list | None:
+def live_extents(index: IndexSync, live_packs: set[str], extents: list) -> list | None:
     """Extents ``(offset, length, chunk, location or None)`` located in live packs; None if some data is gone."""
     rows = []
     for off, length, cid, loc in extents:
         if loc is None or loc.pack not in live_packs:
-            loc = repo.index.lookup(cid, live_packs)
+            loc = index.lookup(cid, live_packs)
             if loc is None:
                 return None  # the data it pointed to is gone: read the file again
         rows.append((off, length, cid, loc))
@@ -204,7 +209,7 @@ class Snapshotter:
 
     def _live_rows(self, cat: Catalog, old_ino: int) -> list | None:
         """A file's extents in ``cat`` with locations in live packs; None if some data is gone."""
-        return live_extents(self.repo, self._live_packs, cat.located_extents(old_ino))
+        return live_extents(self._index, self._live_packs, cat.located_extents(old_ino))
 
     def _reuse_from_mount(self, path: bytes, lst: os.stat_result, ino: int) -> bool:
         """A file of the mounted snapshot that nothing has changed: its entry, unread (mounted.py says how)."""
@@ -343,7 +348,7 @@ class Snapshotter:
             return True
         if path in self.rules.table or (old.nlink > 1 and not old.is_dir):
             return False
-        rows = live_extents(self.repo, self._live_packs, listed.extents) if old.is_reg and not old.flags & FLAG_CHANGED else None
+        rows = live_extents(self._index, self._live_packs, listed.extents) if old.is_reg and not old.flags & FLAG_CHANGED else None
         if old.is_reg and rows is None:
             return False
         ino = self.cat.new_ino()
@@ -441,11 +446,10 @@ class Snapshotter:
         # anything it marks as trash after this moment may still be referenced by us.
         self._lock = self.repo.lock("shared", "snapshot").acquire()
         try:
-            self.repo.index.sync()
             self._live_packs = {k.rsplit("/", 1)[1] for k in self.repo.store.list("packs/")}
             self._live_packs -= set(read_trash(self.repo)[0])
-            self.repo.recover_orphan_packs(self._live_packs)
             self._find_parent(roots)
+            self._index = IndexSync(self.repo, frozenset(self._live_packs))  # beside the walk's start
         except BaseException:
             self._lock.release()
             raise
@@ -456,11 +460,12 @@ class Snapshotter:
         self._trees = UntouchedTrees(self.rules, self._skip_entirely, self.cat, self.stats, self.opts.observers,
                                      self._mounted.unchanged_paths, lambda packs: packs <= self._live_packs)
         self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
-                              self.opts.upload_workers, self._unreadable, self._tick)
+                              self.opts.upload_workers, self._unreadable, self._tick, self._index)
         try:
             return self._run(roots, cat_path)
         finally:
             self._packer.close()
+            self._index.join()  # nothing of this run writes to the index once its lock is released
             tmpdir.cleanup()
             self._lock.release()
 
@@ -496,8 +501,9 @@ class Snapshotter:
         return self._commit(roots, cat_path, probing)
 
     def _commit(self, roots: list[bytes], cat_path: Path, probing: ObserverRun) -> dict[str, Any]:
+        self._index.wait()  # a run that never asked the index still fails if its sync failed
         for cid in self.cat.unlocated():
-            loc = self.repo.index.lookup(cid, self._live_packs)
+            loc = self._index.lookup(cid, self._live_packs)
             if loc is None and self._parent_cat is not None:
                 loc = self._parent_cat.blob_location(cid)
                 if loc is not None and loc.pack not in self._live_packs:
@@ -509,8 +515,7 @@ class Snapshotter:
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
-        if self._packer.run_index:
-            # One consolidated index object replaces this run's per-pack ones.
+        if self._packer.run_index:  # one consolidated index object replaces this run's per-pack ones
             self.repo.write_index(snap_id, self._packer.run_index)
             self.repo.index.add([], merged_name=snap_id)
             for name in self._packer.run_packs:
