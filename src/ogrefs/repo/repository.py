@@ -2,7 +2,9 @@
 
 A Repository is shared by the threads of one command; the store it wraps is
 thread-safe, the manifest cache is written through atomic renames, and the
-chunk index documents its own threading rules.
+chunk index documents its own threading rules. ``list_snapshots`` fetches the
+manifests a box has not cached in a pool of threads that each only run
+``load_manifest``; the caller's thread alone collects and sorts them.
 
 Nothing read back from the local cache is trusted: a cached manifest is an
 envelope that verifies itself (and is fetched again when it fails), a cached
@@ -17,14 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
 import os
 import re
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import blake3
 
@@ -44,6 +48,9 @@ Manifest = dict[str, Any]
 
 #: Bound on a manifest's plaintext: JSON of a few KB, plus the lists of skipped and unreadable paths.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: Manifests fetched at once by a box that has not cached them (list_snapshots), within the S3 client's
+#: connection pool (store/s3.py MAX_POOL_CONNECTIONS).
+MANIFEST_READERS = 16
 
 #: The first bytes of an envelope identify its content: magic, version, codec and the
 #: plaintext digest (or, encrypted, the random nonce). Enough to tell a rewritten catalog.
@@ -344,9 +351,9 @@ class Repository:
         error instead (retention must not decide on a partial list).
         """
         out = []
-        for i in self.snapshot_ids():
+        for i, loaded in self._load_manifests(self.snapshot_ids()):
             try:
-                out.append(self.load_manifest(i))
+                out.append(loaded())
             except (CorruptObject, SnapshotNotFound) as exc:
                 if strict:
                     raise
@@ -358,6 +365,28 @@ class Repository:
                     on_error(i, exc)
         out.sort(key=lambda m: (m.get("time", ""), m["id"]))
         return out
+
+    def _load_manifests(self, ids: list[str]) -> Iterator[tuple[str, Callable[[], Manifest]]]:
+        """``(id, result)`` per manifest, in order; ``result()`` returns it or raises its error.
+
+        A box that has not cached them (a fresh box at boot, mounting
+        ``latest``, or at a notice, finding its parent) fetches every
+        manifest of a bucket that several boxes share: one round trip each,
+        so they go ``MANIFEST_READERS`` at a time (load_manifest is
+        thread-safe: the store is, each cached copy is written by rename).
+        """
+        cached = self.cache_dir / "manifests"
+        missing = sum(1 for i in ids if not (cached / i).exists())
+        if missing <= 1:
+            for i in ids:
+                yield i, functools.partial(self.load_manifest, i)
+            return
+        pool = ThreadPoolExecutor(min(MANIFEST_READERS, missing), thread_name_prefix="ogrefs-manifests")
+        try:
+            for i, fut in [(i, pool.submit(self.load_manifest, i)) for i in ids]:
+                yield i, fut.result
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # a strict caller that raised: no more fetches
 
     def resolve(self, name: str) -> Manifest:
         """A snapshot by full id, unique id prefix, or ``latest``."""
