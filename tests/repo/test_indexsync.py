@@ -38,13 +38,21 @@ class IndexGets(FaultyStore):
     def __init__(self, inner, before) -> None:
         super().__init__(inner)
         self.before = before
-        self.index_gets = 0
+        self.lock = threading.Lock()
+        self.index_gets = self.in_flight = 0
 
     def get(self, key: str) -> bytes:
-        if key.startswith("index/"):
+        if not key.startswith("index/"):
+            return super().get(key)
+        with self.lock:
             self.index_gets += 1
+            self.in_flight += 1
+        try:
             self.before()
-        return super().get(key)
+            return super().get(key)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
 
 
 @pytest.fixture
@@ -109,3 +117,27 @@ def test_a_failed_sync_fails_the_snapshot_and_releases_the_lock(tmp_path, stored
         take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)]))
     assert set(store.list("snapshots/")) == before
     assert list(store.list("locks/")) == []
+
+
+def test_a_fresh_box_fetches_the_index_objects_several_at_a_time(tmp_path, stored):
+    """One index object per snapshot of every box: one after the other they cost a round trip each."""
+    url, _ = stored
+    repo = Repository.open(url, cache_root=tmp_path / "cache-more")
+    for n in range(3):
+        d = tmp_path / f"more{n}"
+        d.mkdir()
+        (d / "f").write_bytes(os.urandom(100_000))
+        take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(d)]))
+    objects = list(open_store(url).list("index/"))
+    two = threading.Event()
+
+    def wait_for_company() -> None:
+        if store.in_flight >= 2:
+            two.set()
+        if not two.wait(10):
+            raise StoreError("an index object fetched alone for 10 s: they are fetched one at a time")
+
+    store = IndexGets(open_store(url), wait_for_company)
+    fresh = _fresh_box(tmp_path, url, store, "e")
+    assert fresh.index.sync() == len(objects) >= 4
+    assert store.index_gets == len(objects) and len(fresh.index) == len(repo.index)

@@ -24,7 +24,9 @@ one warning naming it (its packs are found again by orphan recovery).
 
 Concurrency: one ChunkIndex is owned by one thread for writes (``sync``,
 ``add``); ``lookup`` may be called from any thread and uses a per-thread
-read connection (SQLite WAL allows concurrent readers).
+read connection (SQLite WAL allows concurrent readers). ``sync`` fetches and
+decodes the index objects it has not merged several at a time
+(fetchmany.py: threads that only GET and decode) and inserts them itself.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ogrefs.repo import codec
 from ogrefs.repo.localdb import wal_connect
 from ogrefs.errors import CorruptObject
 from ogrefs.store.base import NotFound, Store
+from ogrefs.repo.fetchmany import in_order
 from ogrefs.repo.pack import BlobLocation
 
 log = logging.getLogger(__name__)
@@ -112,10 +115,9 @@ class ChunkIndex:
         merged = {r[0] for r in self._db.execute("SELECT name FROM merged")}
         self.forget_merged(merged - names)
         count = 0
-        for name in sorted(names - merged):
+        for name, fetched in in_order(self._fetch, sorted(names - merged)):  # several round trips at once
             try:
-                obj = self._store.get(f"index/{name}")
-                entries = list(decode_index(obj, f"index/{name}", self._rc))
+                entries = fetched()
             except NotFound:
                 continue  # deleted between list and get: its content lives in a consolidated object
             except CorruptObject as exc:
@@ -127,6 +129,10 @@ class ChunkIndex:
             self._db.execute("COMMIT")
             count += 1
         return count
+
+    def _fetch(self, name: str) -> list[IndexEntry]:
+        """One index object, decoded (in a fetch thread: the store and the codec are thread-safe)."""
+        return list(decode_index(self._store.get(f"index/{name}"), f"index/{name}", self._rc))
 
     def add(self, entries: list[IndexEntry], merged_name: str | None = None) -> None:
         """Record entries we just wrote ourselves (and, optionally, the object that holds them)."""

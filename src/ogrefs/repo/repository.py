@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,6 +36,7 @@ from ogrefs.errors import CorruptObject, NoRepository, RepositoryError, Snapshot
 from ogrefs.store import open_store
 from ogrefs.store.base import NotFound, RangeReader, Store, StoreError
 from ogrefs.repo.config import RepoConfig
+from ogrefs.repo.fetchmany import in_order
 from ogrefs.repo.index import ChunkIndex, IndexEntry, encode_index
 from ogrefs.repo.keys import Secret, add_key, open_master
 from ogrefs.repo.locks import HeldLock
@@ -48,9 +48,6 @@ Manifest = dict[str, Any]
 
 #: Bound on a manifest's plaintext: JSON of a few KB, plus the lists of skipped and unreadable paths.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-#: Manifests fetched at once by a box that has not cached them (list_snapshots), within the S3 client's
-#: connection pool (store/s3.py MAX_POOL_CONNECTIONS).
-MANIFEST_READERS = 16
 
 #: The first bytes of an envelope identify its content: magic, version, codec and the
 #: plaintext digest (or, encrypted, the random nonce). Enough to tell a rewritten catalog.
@@ -372,21 +369,13 @@ class Repository:
         A box that has not cached them (a fresh box at boot, mounting
         ``latest``, or at a notice, finding its parent) fetches every
         manifest of a bucket that several boxes share: one round trip each,
-        so they go ``MANIFEST_READERS`` at a time (load_manifest is
+        so they go several at a time (fetchmany.py; load_manifest is
         thread-safe: the store is, each cached copy is written by rename).
         """
         cached = self.cache_dir / "manifests"
-        missing = sum(1 for i in ids if not (cached / i).exists())
-        if missing <= 1:
-            for i in ids:
-                yield i, functools.partial(self.load_manifest, i)
-            return
-        pool = ThreadPoolExecutor(min(MANIFEST_READERS, missing), thread_name_prefix="ogrefs-manifests")
-        try:
-            for i, fut in [(i, pool.submit(self.load_manifest, i)) for i in ids]:
-                yield i, fut.result
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # a strict caller that raised: no more fetches
+        if sum(1 for i in ids if not (cached / i).exists()) <= 1:
+            return ((i, functools.partial(self.load_manifest, i)) for i in ids)
+        return in_order(self.load_manifest, ids)
 
     def resolve(self, name: str) -> Manifest:
         """A snapshot by full id, unique id prefix, or ``latest``."""
