@@ -42,6 +42,7 @@ from typing import Callable
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.repo import Repository
+from ogrefs.repo.fetchmany import in_order
 from ogrefs.repo.index import decode_index
 from ogrefs.repo.locks import CLOCK_SKEW_S, LockInfo, read_locks
 from ogrefs.repo.pack import pack_key
@@ -117,9 +118,9 @@ def _read_index(repo: Repository) -> tuple[list[str], dict[str, dict[bytes, tupl
     index_keys = list(repo.store.list("index/"))
     entries_by_pack: dict[str, dict[bytes, tuple]] = {}
     sizes: dict[str, int] = {}
-    for key in index_keys:
+    for key, fetched in in_order(lambda k: list(decode_index(repo.store.get(k), k, repo.codec)), index_keys):
         try:
-            entries = list(decode_index(repo.store.get(key), key, repo.codec))
+            entries = fetched()
         except NotFound:
             continue  # consolidated away by a finishing snapshot meanwhile
         except CorruptObject as exc:
