@@ -34,8 +34,9 @@ def in_order(fetch: Callable[[T], R], items: Iterable[T], *, workers: int = WORK
     """``(item, result)`` per item, in order; ``result()`` returns ``fetch(item)`` or raises its exception.
 
     At most ``workers`` fetches run at once and at most ``ahead`` items are
-    fetched or waiting beyond the one the consumer holds. A consumer that stops early (or raises) cancels
-    what has not started and waits for what has.
+    fetched or waiting beyond the one the consumer holds. A consumer that
+    stops early (or raises) cancels what has not started and waits for what
+    has.
     """
     todo = list(items)
     if len(todo) <= 1:
