@@ -13,8 +13,10 @@ import pytest
 
 from ogrefs.repo import Repository
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
-from ogrefs.store import FaultyStore, open_store
+from ogrefs.store import open_store
 from ogrefs.store.base import StoreError
+
+from tests.storegets import GetsUnder
 
 MiB = 1024 * 1024
 
@@ -32,27 +34,9 @@ class Walked:
         return {"notes": []}
 
 
-class IndexGets(FaultyStore):
-    """GETs of index objects first call ``before`` (which may wait, sleep or raise)."""
-
-    def __init__(self, inner, before) -> None:
-        super().__init__(inner)
-        self.before = before
-        self.lock = threading.Lock()
-        self.index_gets = self.in_flight = 0
-
-    def get(self, key: str) -> bytes:
-        if not key.startswith("index/"):
-            return super().get(key)
-        with self.lock:
-            self.index_gets += 1
-            self.in_flight += 1
-        try:
-            self.before()
-            return super().get(key)
-        finally:
-            with self.lock:
-                self.in_flight -= 1
+def IndexGets(inner, before) -> GetsUnder:
+    """GETs of index objects first call ``before()``."""
+    return GetsUnder(inner, "index/", lambda key: before())
 
 
 @pytest.fixture
@@ -86,7 +70,7 @@ def test_the_walk_starts_before_the_index_is_synced(tmp_path, stored):
     (src / "other").write_bytes(os.urandom(MiB))
     m = take_snapshot(_fresh_box(tmp_path, url, store, "b"), SnapshotOptions(paths=[os.fsencode(src)],
                                                                           observers=[walked]))
-    assert store.index_gets >= 1 and m["totals"]["new_chunks"] >= 1
+    assert store.gets >= 1 and m["totals"]["new_chunks"] >= 1
 
 
 def test_every_lookup_waits_for_the_sync(tmp_path, stored):
@@ -97,7 +81,7 @@ def test_every_lookup_waits_for_the_sync(tmp_path, stored):
     copy = tmp_path / "copy"
     shutil.copytree(data, copy)
     m = take_snapshot(_fresh_box(tmp_path, url, store, "c"), SnapshotOptions(paths=[os.fsencode(copy)]))
-    assert store.index_gets >= 1
+    assert store.gets >= 1
     assert m["totals"]["chunks"] >= 3 and m["totals"]["new_chunks"] == 0 and m["totals"]["packs"] == 0
 
 
@@ -140,4 +124,4 @@ def test_a_fresh_box_fetches_the_index_objects_several_at_a_time(tmp_path, store
     store = IndexGets(open_store(url), wait_for_company)
     fresh = _fresh_box(tmp_path, url, store, "e")
     assert fresh.index.sync() == len(objects) >= 4
-    assert store.index_gets == len(objects) and len(fresh.index) == len(repo.index)
+    assert store.gets == len(objects) and len(fresh.index) == len(repo.index)

@@ -4,39 +4,20 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import pytest
 
 from ogrefs.errors import CorruptObject
 from ogrefs.repo import Repository
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
-from ogrefs.store import FaultyStore, open_store
+from ogrefs.store import open_store
 from ogrefs.store.base import NotFound, StoreError
 
+from tests.storegets import GetsUnder
 
-class ManifestGets(FaultyStore):
-    """Manifest GETs first call ``before(key)``, counting how many are in flight at once."""
 
-    def __init__(self, inner, before=lambda key: None) -> None:
-        super().__init__(inner)
-        self.before = before
-        self.lock = threading.Lock()
-        self.in_flight = self.most_in_flight = self.gets = 0
-
-    def get(self, key: str) -> bytes:
-        if not key.startswith("snapshots/"):
-            return super().get(key)
-        with self.lock:
-            self.gets += 1
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            self.before(key)
-            return super().get(key)
-        finally:
-            with self.lock:
-                self.in_flight -= 1
+def ManifestGets(inner, before=lambda key: None) -> GetsUnder:
+    return GetsUnder(inner, "snapshots/", before)
 
 
 @pytest.fixture
