@@ -223,3 +223,34 @@ def test_mostly_unused_packs_are_repacked_and_stale_catalog_caches_refresh(store
     _restore_ok(other_box, b, src, tmp_path / "out")
     assert check_repository(repo, read_data=True).problems == []
     assert _packs(repo) == new_packs  # only the repacked data is left
+
+
+def test_prune_removes_what_a_killed_put_left_in_a_file_repository(tmp_path):
+    """A put killed between its write and its rename leaves a .tmp- file listings never show; prune removes
+    it once it is an hour old, through the real entry point, says so, and keeps every object."""
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("OGREFS_S3_ENDPOINT", None)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(100_000))
+
+    def og(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ogrefs", *args], env=env, capture_output=True, text=True,
+                              timeout=120, check=True)
+
+    og("init")
+    og("snapshot", "-q", str(src))
+    leftovers = [tmp_path / "repo" / "packs" / ".tmp-0123456789abcdef", tmp_path / "repo" / ".tmp-fedcba9876543210"]
+    for path in leftovers:
+        path.write_bytes(b"half of a pack")
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    young = tmp_path / "repo" / "index" / ".tmp-0000111122223333"
+    young.write_bytes(b"a put in progress")
+    dry = json.loads(og("prune", "--dry-run", "--json").stdout)
+    assert (dry["stale_temporaries"], dry["stale_temporary_bytes"]) == (2, 28) and all(p.exists() for p in leftovers)
+    out = og("prune").stdout
+    assert "removed 2 temporary files (28 B) that interrupted writes left over an hour ago" in out, out
+    assert not any(p.exists() for p in leftovers) and young.exists()
+    og("check", "--read-data")
+    og("restore", "latest", str(tmp_path / "out"))
+    assert (tmp_path / "out" / str(src).lstrip("/") / "f").read_bytes() == (src / "f").read_bytes()

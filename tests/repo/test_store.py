@@ -480,6 +480,31 @@ def test_file_crash_leftover_temp_files_are_not_listed(tmp_path: Path) -> None:
     assert sorted(store.list()) == ["packs/ab/real"]
 
 
+def test_file_stale_temporaries_are_removed_fresh_ones_and_objects_kept(tmp_path: Path) -> None:
+    """What killed puts left, untouched for the threshold, goes; a put in progress (a fresh file) and every
+    object stay; a dry run counts without removing; wrappers pass it through; S3 and memory have none."""
+    store = FileStore(tmp_path)
+    store.put("packs/ab/real", b"x")
+    old_a = tmp_path / "packs" / "ab" / ".tmp-deadbeef"
+    old_b = tmp_path / ".tmp-top"
+    fresh = tmp_path / "packs" / ".tmp-inflight"
+    for path, data in ((old_a, b"half a pack"), (old_b, b"half"), (fresh, b"being written")):
+        path.write_bytes(data)
+    for path in (old_a, old_b):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    (tmp_path / "packs" / "ab" / ".hidden").write_bytes(b"not ours")
+    os.utime(tmp_path / "packs" / "ab" / ".hidden", (0, 0))
+    wrapped = RetryingStore(FaultyStore(store))
+    assert wrapped.remove_stale_temporaries(3600, dry_run=True) == (2, 15)
+    assert old_a.exists() and old_b.exists()
+    assert wrapped.remove_stale_temporaries(3600) == (2, 15)
+    assert not old_a.exists() and not old_b.exists()
+    assert fresh.exists() and (tmp_path / "packs" / "ab" / ".hidden").exists()
+    assert store.get("packs/ab/real") == b"x"
+    assert store.remove_stale_temporaries(3600) == (0, 0)
+    assert MemoryStore().remove_stale_temporaries(0) == (0, 0)
+
+
 def test_file_permission_denied_is_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = FileStore(tmp_path)
     store.put("k", b"v")

@@ -648,6 +648,9 @@ def _run_prune(obj: Context, repo, dry_run: bool, as_json: bool, repack_below: f
                    f"({human_bytes(report.repack_bytes)} still in use copied to new packs)")
     for item in report.repack_skipped:
         click.echo(f"warning: not repacked: {item}", err=True)
+    if report.stale_temporaries:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {report.stale_temporaries} temporary files "
+                   f"({human_bytes(report.stale_temporary_bytes)}) that interrupted writes left over an hour ago")
     verb = "would free" if dry_run else "freed"
     click.echo(f"{verb} {human_bytes(report.freed_bytes)} ({len(report.deleted)} packs); "
                f"{len(report.newly_marked) + len(report.deferred)} unreferenced packs "

@@ -27,6 +27,10 @@ the same two phases.
 Afterwards the index is rewritten as one consolidated object listing only the
 packs that remain, and the old index objects are deleted.
 
+First of all, a file store's temporary files that puts of killed processes
+left (``.tmp-*``, invisible to listings) are removed once untouched for
+``STALE_TEMPORARY_S``: a live put writes and renames its file within seconds.
+
 Runs under the prune lock; never waits for shared locks.
 """
 
@@ -52,6 +56,8 @@ from ogrefs.store.base import NotFound
 
 logger = logging.getLogger(__name__)
 _PACK = re.compile(r"[0-9a-f]{64}")
+#: A file store's temporary file untouched this long is a killed put's (a put writes and renames at once).
+STALE_TEMPORARY_S = 3600.0
 
 
 @dataclass
@@ -67,13 +73,16 @@ class PruneReport:
     repack: list[str] = field(default_factory=list)  # mostly unused packs whose live blobs were (or would be) moved
     repack_bytes: int = 0  # live bytes copied by the repack
     repack_skipped: list[str] = field(default_factory=list)
+    stale_temporaries: int = 0  # files interrupted puts left (a file store's .tmp-*), removed
+    stale_temporary_bytes: int = 0
 
     def as_dict(self) -> dict:
         return {"packs_total": self.packs_total, "referenced": self.referenced,
                 "newly_marked": len(self.newly_marked), "deleted": len(self.deleted),
                 "deferred": len(self.deferred), "unmarked": len(self.unmarked),
                 "freed_bytes": self.freed_bytes, "pending_bytes": self.pending_bytes,
-                "repacked": len(self.repack), "repack_bytes": self.repack_bytes, "repack_skipped": self.repack_skipped}
+                "repacked": len(self.repack), "repack_bytes": self.repack_bytes, "repack_skipped": self.repack_skipped,
+                "stale_temporaries": self.stale_temporaries, "stale_temporary_bytes": self.stale_temporary_bytes}
 
 
 def protected(pack_readers: set[str] | None, when: float, locks: list[LockInfo], snapshots: set[str]) -> bool:
@@ -142,6 +151,8 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
     """Mark and delete unreferenced packs; first repack packs used below ``repack_below`` (0 = never)."""
     report = PruneReport()
     with repo.lock("prune", "prune"):
+        report.stale_temporaries, report.stale_temporary_bytes = repo.store.remove_stale_temporaries(
+            STALE_TEMPORARY_S, dry_run)
         packs = {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
         report.packs_total = len(packs)
         used_blobs, by_snapshot = usage(repo)

@@ -236,6 +236,15 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
 
+    def remove_stale_temporaries(self, older_than_s: float, dry_run: bool = False) -> tuple[int, int]:
+        """Remove what interrupted puts left behind, untouched for ``older_than_s`` seconds: (count, bytes)
+        (``dry_run``: count them only).
+
+        The default has nothing of the kind (an S3 PutObject is atomic and
+        leaves nothing when it fails).
+        """
+        return 0, 0
+
     def close(self) -> None:
         """Release connections or handles; the default has nothing to release."""
 

@@ -246,6 +246,9 @@ class FaultyStore(Store):
                 raise TransientError(f"{self.url}: injected failure after {after} listed keys")
             yield key
 
+    def remove_stale_temporaries(self, older_than_s: float, dry_run: bool = False) -> tuple[int, int]:
+        return self.inner.remove_stale_temporaries(older_than_s, dry_run)
+
     def delete(self, key: str) -> None:
         self._before("delete", key)
         self.inner.delete(key)

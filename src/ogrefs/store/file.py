@@ -29,6 +29,7 @@ import errno
 import os
 import secrets
 import stat
+import time
 from collections.abc import Iterator
 
 from ogrefs.store.base import (
@@ -260,6 +261,41 @@ class FileStore(Store):
                 except ValueError:
                     continue  # a stray file no put could have made (lost+found, editor backups)
                 yield key
+
+    def remove_stale_temporaries(self, older_than_s: float, dry_run: bool = False) -> tuple[int, int]:
+        """The ``.tmp-*`` files of puts a killed process never finished, unmodified for ``older_than_s``.
+
+        A put writes its temporary file in one go and renames it at once, so
+        one that old belongs to a process that died. Were it a put that hung
+        that long (a network file system), its rename fails and the put
+        raises: the caller stores the object again, nothing is lost.
+        """
+        cutoff = time.time() - older_than_s
+        count = size = 0
+        stack = [self.root]
+        while stack:
+            try:
+                with os.scandir(stack.pop()) as it:
+                    entries = list(it)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise self._error(exc, "", "list temporary files") from exc
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        if st.st_mtime < cutoff:
+                            if not dry_run:
+                                os.unlink(entry.path)
+                            count, size = count + 1, size + st.st_size
+                except FileNotFoundError:
+                    continue  # renamed into place or removed meanwhile
+                except OSError as exc:
+                    raise self._error(exc, "", f"remove {entry.path}") from exc
+        return count, size
 
     def delete(self, key: str) -> None:
         validate_key(key)

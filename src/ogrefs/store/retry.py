@@ -148,6 +148,9 @@ class RetryingStore(Store):
     def exists(self, key: str) -> bool:
         return self._call(f"exists {key}", lambda: self.inner.exists(key))
 
+    def remove_stale_temporaries(self, older_than_s: float, dry_run: bool = False) -> tuple[int, int]:
+        return self._call("remove stale temporaries", lambda: self.inner.remove_stale_temporaries(older_than_s, dry_run))
+
     def delete(self, key: str) -> None:
         self._call(f"delete {key}", lambda: self.inner.delete(key))
 
