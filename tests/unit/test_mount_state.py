@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -126,3 +127,20 @@ def _call(fn, *args):
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - the test reads what it got
         return exc
+
+
+@pytest.mark.expect_log(r"detaching the overlays without the keeper failed \(exit status 1\)",
+                        level=logging.ERROR, logger="ogrefs.mount.daemon")
+def test_a_failed_detach_without_the_keeper_is_logged_not_swallowed(tmp_path, monkeypatch):
+    """The daemon detaches the box from a forked child when its keeper is gone; the child leaves with
+    os._exit, so its failure must reach the daemon's log (its exit status), not vanish."""
+    from ogrefs.mount import daemon, keeper, mountsys
+
+    def broken(state_dir, reg):
+        raise RuntimeError("an overlay that would not detach")
+
+    monkeypatch.setattr(mountsys, "enter_namespace", lambda ns: None)
+    monkeypatch.setattr(keeper, "teardown", broken)
+    started = time.monotonic()
+    daemon.teardown_in_box(0, tmp_path / "state", None, timeout=30)  # (the registration goes to the mock)
+    assert time.monotonic() - started < 25  # it returned when the child exited, not at the deadline

@@ -337,10 +337,18 @@ def teardown_in_box(box_ns: int, state_dir: Path, reg: Registration, timeout: fl
             mountsys.enter_namespace(box_ns)
             keeper.teardown(Path(state_dir), reg)
             code = 0
+        except BaseException:  # noqa: BLE001 - os._exit below would leave it unsaid: the daemon's log says it
+            log.exception("detaching the box without its keeper failed")
         finally:
             os._exit(code)
     deadline = time.monotonic() + timeout
-    while not os.waitpid(pid, os.WNOHANG)[0]:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            if os.waitstatus_to_exitcode(status) != 0:
+                log.error("detaching the overlays without the keeper failed (exit status %d)",
+                          os.waitstatus_to_exitcode(status))
+            return
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
