@@ -49,6 +49,7 @@ from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, 
 from ogrefs.snapshot.frommount import MountedSnapshots
 from ogrefs.snapshot.indexsync import IndexSync
 from ogrefs.snapshot.packer import PackStats, Packer
+from ogrefs.snapshot.readahead import ReadAhead
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
 from ogrefs.repo.trash import read_trash
@@ -153,13 +154,25 @@ def normalize_roots(paths: list[bytes]) -> list[bytes]:
     return out
 
 
+class _Ticker:
+    """Calls ``progress(stats)`` at most every 0.2 s (or at once when forced); the main thread's."""
+
+    def __init__(self, progress: Callable[[Stats], None] | None, stats: Stats) -> None:
+        self.progress, self.stats, self.last = progress, stats, 0.0
+
+    def __call__(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.progress is not None and (force or now - self.last > 0.2):
+            self.last = now
+            self.progress(self.stats)
+
+
 class Snapshotter:
     def __init__(self, repo: Repository, opts: SnapshotOptions, progress: Callable[[Stats], None] | None = None):
         self.repo = repo
         self.opts = opts
         self.stats = Stats()
-        self._progress = progress
-        self._last_progress = 0.0
+        self._tick = _Ticker(progress, self.stats)  # self._tick(force=False): progress at most every 0.2 s
         self._names = _Names()
         self._live_packs: set[str] = set()
         self._packer: Packer  # the data path, set in run() once the catalog writer exists
@@ -178,16 +191,12 @@ class Snapshotter:
         self._root_dev = 0
 
     # -- main thread -------------------------------------------------------------
-    def _tick(self, force: bool = False) -> None:
-        if self._progress is None:
-            return
-        now = time.monotonic()
-        if force or now - self._last_progress > 0.2:
-            self._last_progress = now
-            self._progress(self.stats)
-
     def _read_file(self, path: bytes, lst: os.stat_result, ino: int, record_st: os.stat_result | None = None) -> None:
         self._packer.read_file(path, ino, self._names.user(lst.st_uid), self._names.group(lst.st_gid), record_st)
+
+    def _not_walked(self, path: bytes) -> bool:
+        """A directory the walk will not descend into, for the read-ahead (its thread: the rules only read)."""
+        return not self.rules.descend(path) or path in self._skip_entirely or self.rules.excluded(path)
 
     def _unreadable(self, path: bytes, exc: OSError) -> None:
         self.unreadable.append({"path": os.fsdecode(path), "error": exc.strerror or str(exc)})
@@ -326,6 +335,7 @@ class Snapshotter:
             obs.observe_dir(path, names)
         if known is not None and known.complete and self._trees.copy(known, path, ino, dev, self._root_dev):
             return  # the whole subtree from the mounted catalog (treecopy.py)
+        self._ahead.entering(path, dev, all_read=old_ino is None and known is None)  # nothing here is reused
         base = path.rstrip(b"/")
         old_children = self._old_children(old_ino)
         for name in names:
@@ -461,9 +471,11 @@ class Snapshotter:
                                      self._mounted.unchanged_paths, lambda packs: packs <= self._live_packs)
         self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
                               self.opts.upload_workers, self._unreadable, self._tick, self._index)
+        self._ahead = ReadAhead(lambda: self.stats.bytes, self._not_walked)
         try:
             return self._run(roots, cat_path)
         finally:
+            self._ahead.close()
             self._packer.close()
             self._index.join()  # nothing of this run writes to the index once its lock is released
             tmpdir.cleanup()

@@ -1,0 +1,142 @@
+"""Read ahead of the walk where every file will be read: a tree the parent snapshot does not have.
+
+The walk reads files one after the other on the main thread. Where they
+are not in the page cache (a box's first snapshot, a new venv) small
+files make that a chain of disk round trips, whatever the number of cores:
+a cold first snapshot of a 25,530-file venv took 11.5–13.5 s on the 2-core
+VM against 7.1 s warm, and a 69,000-file torch venv on a 16-core H200 box
+went at 180 MiB/s. So where the walk enters a directory that its parent
+snapshot does not have (all of it will be read, none reused), a read-ahead
+thread walks the same tree in the same order just ahead of it, and asks
+the kernel to read each small regular file (``posix_fadvise(WILLNEED)``:
+asynchronous, several requests in flight at the device) before the main
+thread gets there. Large files need nothing: the kernel's own readahead
+follows a sequential read.
+
+It only advises: it never reads file data, never opens anything but a
+regular file (lstat first, then fstat of what was opened), never crosses
+into another file system, and stays at most ``AHEAD_BYTES`` of file data
+in front of the walk (``progress()``: the bytes of regular files the walk
+has passed), so on a small box it does not evict what it advised before
+the walk reads it. Where it falls behind (a warm cache) it advises nothing.
+
+Ownership: the main thread creates :class:`ReadAhead`, calls
+:meth:`ReadAhead.entering` for each directory it walks and :meth:`close`
+at the end; one walker thread at a time gets immutable inputs (the top
+path, its device, the rule callables, which only read) and writes only its
+own counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+#: Files up to this size are advised (larger ones are read sequentially, which the kernel reads ahead).
+SMALL_FILE = 2 * 1024 * 1024
+#: How far, in bytes of regular files in walk order, the walker may run ahead of the walk.
+AHEAD_BYTES = 64 * 1024 * 1024
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+class _Walker:
+    """One subtree's read-ahead thread."""
+
+    def __init__(self, top: bytes, dev: int, progress: Callable[[], int], skip: Callable[[bytes], bool]) -> None:
+        self.top = top.rstrip(b"/") or b"/"
+        self.advised = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(dev, progress, progress(), skip),
+                                        name="ogrefs-readahead", daemon=True)
+        self._thread.start()
+
+    def covers(self, path: bytes) -> bool:
+        """Below this walker's top (walked, being walked, or to be: a finished walker is done with it)."""
+        return path == self.top or path.startswith(self.top.rstrip(b"/") + b"/")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self, dev: int, progress: Callable[[], int], start: int, skip: Callable[[bytes], bool]) -> None:
+        try:
+            self._walk(dev, progress, start, skip)
+        except Exception:  # noqa: BLE001 - advice only: the walk reads and reports on its own
+            log.debug("read-ahead below %s stopped", os.fsdecode(self.top), exc_info=True)
+
+    def _walk(self, dev: int, progress: Callable[[], int], start: int, skip: Callable[[bytes], bool]) -> None:
+        pos = 0  # bytes of regular files passed, in the walk's order
+        stack = [iter(self._listing(self.top))]
+        while stack and not self._stop.is_set():
+            path = next(stack[-1], None)
+            if path is None:
+                stack.pop()
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_dev == dev and not skip(path):
+                    stack.append(iter(self._listing(path)))
+            elif stat.S_ISREG(st.st_mode):
+                while pos - (progress() - start) > AHEAD_BYTES and not self._stop.wait(0.005):
+                    pass
+                if st.st_size and st.st_size <= SMALL_FILE and pos >= progress() - start:
+                    self._advise(path)
+                pos += st.st_size
+
+    @staticmethod
+    def _listing(path: bytes) -> list[bytes]:
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            return []
+        base = path.rstrip(b"/")
+        return [base + b"/" + n for n in names]
+
+    def _advise(self, path: bytes) -> None:
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError:
+            return
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                self.advised += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class ReadAhead:
+    """Starts a walker where the walk enters a tree it will read whole; one at a time."""
+
+    def __init__(self, progress: Callable[[], int], skip: Callable[[bytes], bool]) -> None:
+        self._progress = progress
+        self._skip = skip
+        self._walker: _Walker | None = None
+        self.advised = 0  # files advised, over the run (for tests and the curious)
+
+    def entering(self, path: bytes, dev: int, all_read: bool) -> None:
+        """The walk enters directory ``path`` on device ``dev``; ``all_read``: nothing below it is reused."""
+        if self._walker is not None and self._walker.covers(path):
+            return
+        self._end_walker()
+        if all_read:
+            self._walker = _Walker(path, dev, self._progress, self._skip)
+
+    def close(self) -> None:
+        self._end_walker()
+
+    def _end_walker(self) -> None:
+        if self._walker is not None:
+            self._walker.stop()
+            self.advised += self._walker.advised
+            self._walker = None

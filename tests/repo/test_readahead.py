@@ -1,0 +1,87 @@
+"""The walk's read-ahead (snapshot/readahead.py): it advises the files of a tree the walk will read whole,
+nothing where the parent's files are reused, never opens what is not a regular file, and stays out of
+directories the walk skips."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ogrefs.repo import Repository
+from ogrefs.snapshot import pipeline
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+from ogrefs.snapshot.readahead import ReadAhead
+
+from tests.treegen import compare_trees
+
+
+@pytest.fixture
+def advised(monkeypatch) -> list[ReadAhead]:
+    """Every ReadAhead a snapshot makes, to read its count after the run."""
+    made: list[ReadAhead] = []
+
+    class Counted(ReadAhead):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(pipeline, "ReadAhead", Counted)
+    return made
+
+
+def _tree(root: Path) -> None:
+    for d in range(5):
+        sub = root / f"pkg{d}" / "sub"
+        sub.mkdir(parents=True)
+        for f in range(20):
+            (sub / f"m{f}.py").write_bytes(os.urandom(3000 + f))
+    (root / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))  # above SMALL_FILE: the kernel's own readahead
+    os.mkfifo(root / "pipe")  # opened by nobody: an open would block
+    (root / "skipme").mkdir()
+    (root / "skipme" / "secret.txt").write_text("x")
+
+
+def test_a_new_tree_is_advised_a_reused_one_is_not(tmp_path, advised):
+    repo = Repository.init(str(tmp_path / "repo"), cache_root=tmp_path / "cache")
+    src = tmp_path / "src"
+    src.mkdir()
+    _tree(src)
+    first = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], excludes=["*/skipme"]))
+    # up to 100 small files (some may be passed before the walker gets to them), never the big one, the FIFO
+    # or the excluded directory's file
+    assert 0 < advised[-1].advised <= 100
+    assert first["totals"]["files"] == 101
+    second = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], excludes=["*/skipme"]))
+    assert advised[-1].advised == 0 and second["totals"]["reused_files"] == 101  # nothing read, nothing advised
+    out = tmp_path / "out"
+    from ogrefs.repo.catalog import Catalog
+    from ogrefs.restore import Restorer
+
+    Restorer(Catalog(repo.catalog_path(second["id"])), repo.read_pack_range, os.fsencode(out)).run()
+    (src / "skipme" / "secret.txt").unlink()
+    (src / "skipme").rmdir()
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_the_walker_never_opens_what_is_not_a_regular_file(tmp_path, monkeypatch):
+    """lstat first, then fstat of what was opened: a FIFO, a socket or a device node is never opened."""
+    from ogrefs.snapshot import readahead
+
+    _tree(tmp_path)
+    opened: list[bytes] = []
+    real_open = os.open
+
+    def watching_open(path, flags, *a):
+        opened.append(os.fsencode(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(readahead.os, "open", watching_open)
+    ra = ReadAhead(lambda: 0, lambda p: p.endswith(b"/skipme"))
+    ra.entering(os.fsencode(tmp_path), os.lstat(tmp_path).st_dev, all_read=True)
+    ra._walker._thread.join(30)  # the whole tree is within 64 MiB of a walk at 0: the walker ends by itself
+    ra.close()
+    assert ra.advised == 100
+    assert not any(p.endswith((b"/pipe", b"/big.bin", b"/secret.txt")) for p in opened)
+    assert all(p.endswith(b".py") for p in opened)
