@@ -5,6 +5,7 @@ directories the walk skips."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,30 @@ def test_the_walker_never_opens_what_is_not_a_regular_file(tmp_path, monkeypatch
     assert ra.advised == 100
     assert not any(p.endswith((b"/pipe", b"/big.bin", b"/secret.txt")) for p in opened)
     assert all(p.endswith(b".py") for p in opened)
+
+
+def test_a_walker_the_walk_has_left_far_behind_stops(tmp_path, monkeypatch):
+    """A warm cache: the walk gets past the walker by more than its window; the walker stops there, advising
+    nothing and looking at nothing more (it would otherwise lstat the rest of the tree for no one)."""
+    from ogrefs.snapshot import readahead
+
+    _tree(tmp_path)  # in walk order: big.bin (not advised: large), pipe, then the pkg directories
+    looked: list[bytes] = []
+    real_lstat = os.lstat
+    monkeypatch.setattr(readahead.os, "lstat", lambda p: (looked.append(p), real_lstat(p))[1])
+    walked = [0]
+    jumped = threading.Event()
+
+    def skip(path: bytes) -> bool:  # the walker's first directory: it waits here until the walk is far ahead
+        jumped.wait(30)
+        return False
+
+    ra = ReadAhead(lambda: walked[0], skip)
+    ra.entering(os.fsencode(tmp_path), os.lstat(tmp_path).st_dev, all_read=True)
+    walked[0] = 1 << 40  # the walk has passed a terabyte of files since
+    jumped.set()
+    ra._walker._thread.join(30)
+    assert not ra._walker._thread.is_alive()
+    ra.close()
+    assert ra.advised == 0
+    assert len(looked) <= 6, looked  # big.bin, pipe, pkg0, pkg0/sub, its first file: then it stopped

@@ -18,7 +18,8 @@ regular file (lstat first, then fstat of what was opened), never crosses
 into another file system, and stays at most ``AHEAD_BYTES`` of file data
 in front of the walk (``progress()``: the bytes of regular files the walk
 has passed), so on a small box it does not evict what it advised before
-the walk reads it. Where it falls behind (a warm cache) it advises nothing.
+the walk reads it. Where it falls behind (a warm cache) it advises nothing,
+and once the walk is ``AHEAD_BYTES`` in front of it, it stops.
 
 Ownership: the main thread creates :class:`ReadAhead`, calls
 :meth:`ReadAhead.entering` for each directory it walks and :meth:`close`
@@ -37,6 +38,8 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
+#: How long stopping a walker waits for its thread (each of its steps is one system call).
+STOP_WAIT_S = 5.0
 #: Files up to this size are advised (larger ones are read sequentially, which the kernel reads ahead).
 SMALL_FILE = 2 * 1024 * 1024
 #: How far, in bytes of regular files in walk order, the walker may run ahead of the walk.
@@ -60,8 +63,9 @@ class _Walker:
         return path == self.top or path.startswith(self.top.rstrip(b"/") + b"/")
 
     def stop(self) -> None:
+        """Stop and wait for it, a little: a walker stuck in a hung network file system is left behind (daemon)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(STOP_WAIT_S)
 
     def _run(self, dev: int, progress: Callable[[], int], start: int, skip: Callable[[bytes], bool]) -> None:
         try:
@@ -87,7 +91,10 @@ class _Walker:
             elif stat.S_ISREG(st.st_mode):
                 while pos - (progress() - start) > AHEAD_BYTES and not self._stop.wait(0.005):
                     pass
-                if st.st_size and st.st_size <= SMALL_FILE and pos >= progress() - start:
+                walked = progress() - start
+                if walked - pos > AHEAD_BYTES:
+                    return  # the walk is far ahead (the files were in memory): nothing left to help with
+                if st.st_size and st.st_size <= SMALL_FILE and pos >= walked:
                     self._advise(path)
                 pos += st.st_size
 
