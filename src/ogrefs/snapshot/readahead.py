@@ -13,8 +13,9 @@ asynchronous, several requests in flight at the device) before the main
 thread gets there. Large files need nothing: the kernel's own readahead
 follows a sequential read.
 
-It only advises: it never reads file data, never opens anything but a
-regular file (lstat first, then fstat of what was opened), never crosses
+It only advises: it never reads file data, opens only what lstat just
+showed a regular file (non-blocking, and advises it only if fstat of what
+it opened agrees: no FIFO or device is ever waited on), never crosses
 into another file system, and stays at most ``AHEAD_BYTES`` of file data
 in front of the walk (``progress()``: the bytes of regular files the walk
 has passed), so on a small box it does not evict what it advised before
