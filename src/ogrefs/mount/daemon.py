@@ -345,9 +345,9 @@ def teardown_in_box(box_ns: int, state_dir: Path, reg: Registration, timeout: fl
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            if os.waitstatus_to_exitcode(status) != 0:
-                log.error("detaching the overlays without the keeper failed (exit status %d)",
-                          os.waitstatus_to_exitcode(status))
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:
+                log.error("detaching the overlays without the keeper failed (exit status %d)", code)
             return
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
