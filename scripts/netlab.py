@@ -111,6 +111,11 @@ class ShapedStore:
         assert self.server is not None
         return self.server.new_bucket()
 
+    def delete_bucket(self, name: str) -> None:
+        """Delete a bucket with everything in it, giving its disk space back (SeaweedFS drops the collection)."""
+        assert self.server is not None
+        self.server.delete_bucket(name)
+
     def store_pid(self) -> int:
         """The weed process (``ip netns exec`` execs it), whose CPU a benchmark may count beside the client's."""
         assert self.server is not None and self.server._proc is not None
