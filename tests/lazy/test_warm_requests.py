@@ -142,3 +142,33 @@ def test_a_local_copy_damaged_after_open_is_read_from_the_store(box, tmp_path):
     run_trio(fetcher, body)
     assert got == [want]
     assert fetcher.stats.requests > 0 and fs.stats.local_opens == 0 and fs.stats.opens == 1
+
+
+def test_a_warm_open_of_a_lazy_file_asks_the_catalog_nothing_and_its_first_read_gets_the_extents(box):
+    """Without a local copy: the extents are looked up at a handle's first read, not at open (the next step's
+    ~1,700 opens of pages the kernel caches asked SQLite for them: the warm step at 1.40x local disk, 1.27x
+    without; docs/benchmarks.md)."""
+    catalog = Counting(box.catalog)
+    fetcher = Fetcher(box.repo.read_pack_range)
+    fs = SnapshotFS(catalog, fetcher)
+    ino, _ = small_file(box)
+    want = Path(os.fsdecode(box.catalog.path_of(ino))).read_bytes()
+    seen: dict[str, object] = {}
+
+    async def body():
+        fh = await fs.open(ino, os.O_RDONLY)  # the first use
+        assert await fs.read(fh, 0, 1 << 20) == want
+        fs.release(fh)
+        catalog.calls.clear()
+        fh = await fs.open(ino, os.O_RDONLY)  # the second: only an open and a release
+        fs.release(fh)
+        seen["warm_open"] = list(catalog.calls)
+        fh = await fs.open(ino, os.O_RDONLY)  # a read that does come gets the extents and the right bytes
+        seen["read"] = await fs.read(fh, 0, 1 << 20)
+        fs.release(fh)
+        seen["read_calls"] = list(catalog.calls)
+
+    run_trio(fetcher, body)
+    assert seen["warm_open"] == [], seen["warm_open"]
+    assert seen["read"] == want and "extents" in seen["read_calls"], seen["read_calls"]
+    assert fs.stats.opens == 3 and fs.open_files == 0

@@ -10,14 +10,16 @@ Catalog access, decided: point queries (one inode, one directory entry, the
 xattrs of one inode) run inline on the trio thread.  They are indexed lookups
 in a local, immutable SQLite file and take microseconds, less than the hop to
 a worker thread would.  Queries that scale with the data (a page of a
-directory listing, the extent list of a file at open) run in a worker thread.
+directory listing, the extent list of a large file) run in a worker thread.
 The same rule holds for complete local copies (:mod:`ogrefs.lazy.localread`):
 a small read the page cache holds is one ``pread`` inline, any other goes to
 a worker thread.
 
 Per-open-file state (:class:`_OpenFile`) holds the file's extents, their
 cumulative start offsets (bisect maps a read offset to its chunk) and the
-read-ahead position, computed once at open.  A read that continues where the
+read-ahead position, looked up at the handle's first read through the store
+(an open whose pages the kernel caches, a program started again, is never
+read and costs no query).  A read that continues where the
 previous one ended is sequential: the handle then asks the fetcher for the
 chunks of the next ``window`` bytes (doubling up to ``readahead_max``), which
 the fetcher coalesces into few ranged GETs.
@@ -161,6 +163,14 @@ class LocalCopy(Protocol):
     def local_paths(self, inos: list[int]) -> dict[int, bytes]:
         """Blocking, thread-safe (worker threads): the complete local copies among ``inos``."""
         ...
+
+
+async def _extents_of(catalog: Catalog, ino: int, size: int) -> list[Extent]:
+    """A file's extents: inline up to INLINE_EXTENTS_BELOW (a handful of rows: cheaper than a thread hop, and
+    an import reads many small files), else in a worker thread."""
+    if size <= INLINE_EXTENTS_BELOW:
+        return catalog.extents(ino)
+    return await trio.to_thread.run_sync(catalog.extents, ino)
 
 
 class _OpenFile:
@@ -413,14 +423,10 @@ class SnapshotFS:
             if self._pusher is not None and node.size <= PUSH_FILE_MAX:
                 self._pusher.opened(ino)
             return fh
-        if node.size <= INLINE_EXTENTS_BELOW:  # a handful of rows: cheaper than a thread hop (imports open many)
-            extents = self.catalog.extents(ino) if node.size else []
-            if node.size and node.size <= SIBLING_FILE_MAX:
-                await self._prefetch_siblings(ino)
-        else:
-            extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
+        # the extents are looked up at the first read (_load_extents), not now: a file opened again whose
+        # pages the kernel caches (the next training step's imports: ~1,700 opens) is never read
         fh = self._new_fh()
-        self._files[fh] = _OpenFile(ino, node.size, extents)
+        self._files[fh] = _OpenFile(ino, node.size, [])
         self.stats.opens += 1
         return fh
 
@@ -478,6 +484,10 @@ class SnapshotFS:
             if local_data is not None:
                 self._served(f)
                 return local_data
+        if not f.extents:  # the handle's first read through the store: its extents, its small neighbours
+            if f.size <= SIBLING_FILE_MAX:
+                await self._prefetch_siblings(f.ino)
+            f.set_extents(await _extents_of(self.catalog, f.ino, f.size))
         first = max(0, bisect_right(f.starts, offset) - 1)
         last = first
         while last < len(f.extents) and f.extents[last].offset < end:
