@@ -61,6 +61,14 @@ def test_a_pause_is_bounded_and_ends_when_the_application_goes_quiet():
     assert 0.5 <= waited < 0.5 + 0.05 + 1e-9
 
 
+def test_an_application_that_computes_on_every_core_without_requests_is_active_too():
+    """A training step with its data in memory asks the mount nothing; the box's CPU says it is there."""
+    computing = Pacer(lambda: 10.0, share=0.25, max_pause=2.0, poll=0.05, busy=lambda: True)
+    assert 1.5 <= paused(computing, 0.5) < 1.5 + 0.05 + 1e-9
+    assert paused(Pacer(lambda: 10.0, busy=lambda: False), 1.0) == 0.0
+    assert paused(Pacer(None, busy=lambda: True), 0.5) >= 1.5  # (no vfs, still the box's CPU)
+
+
 def test_the_share_must_be_a_fraction():
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError):
@@ -72,7 +80,7 @@ def box(tmp_path_factory) -> Box:
     return make_box(tmp_path_factory.mktemp("box"))
 
 
-@pytest.mark.parametrize("application", ["active", "idle"])
+@pytest.mark.parametrize("application", ["active", "computing", "idle"])
 def test_a_pass_pauses_after_each_batch_while_the_application_is_active(box, tmp_path, application):
     spans: list[tuple[float, float]] = []  # (start, end) of each batch written, on the loop's clock source
 
@@ -86,9 +94,11 @@ def test_a_pass_pauses_after_each_batch_while_the_application_is_active(box, tmp
                 spans.append((t0, time.perf_counter()))
 
     idle_for = (lambda: 0.0) if application == "active" else (lambda: 1e9)
+    # "computing": no request to the mount, but the box's other processes leave this one no core
+    cpu_busy = (lambda: (lambda: True)) if application == "computing" else (lambda: (lambda: False))
     fetcher = Fetcher(box.repo.read_pack_range)
     m = Materializer(box.catalog, fetcher, tmp_path / "state", window_bytes=MiB, group_bytes=256 * 1024,
-                     batch_bytes=512 * 1024, make_writer=TimedWriter, idle_for=idle_for)
+                     batch_bytes=512 * 1024, make_writer=TimedWriter, idle_for=idle_for, cpu_busy=cpu_busy)
     run_trio(fetcher, m.run)
     assert m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []
     assert len(spans) >= 4
@@ -132,6 +142,21 @@ def test_the_build_gate_never_holds_an_idle_application_or_a_gate_nobody_watches
     assert gate_waits([1e9], 0.1) < 0.05
     assert BuildGate(lambda: 0.0).pause(10.0) == 0.0  # no watcher: never waits (a build without a loop)
     assert BuildGate(None).pause(10.0) == 0.0
+
+
+def test_the_build_gate_holds_a_piece_while_the_box_computes_without_requests():
+    gate = BuildGate(lambda: 1e9, poll=0.005, busy=lambda: True)
+    out: list[float] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gate.watch)
+            await trio.sleep(0.02)
+            out.append(await trio.to_thread.run_sync(gate.pause, 0.1))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert 0.27 <= out[0] < 0.6
 
 
 def test_the_build_gate_opens_when_the_application_goes_quiet():

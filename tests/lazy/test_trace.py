@@ -256,7 +256,7 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
 
 def test_spare_cpu_waits_while_the_box_is_busy_and_goes_once_cores_are_idle(tmp_path):
     """Background streaming paces itself by the box's idle CPU (/proc/stat: idle + iowait over all)."""
-    from ogrefs.lazy.prefetch import SpareCpu
+    from ogrefs.lazy.boxcpu import SpareCpu
 
     stat = tmp_path / "stat"
     counters = {"busy": 0, "idle": 0}

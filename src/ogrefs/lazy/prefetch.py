@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import deque
 from typing import Any, Awaitable, Callable
@@ -38,6 +37,7 @@ import trio
 
 from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Catalog
+from ogrefs.lazy.boxcpu import SpareCpu
 from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Keep, Priority
 from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.materialize.plan import CLASSES
@@ -59,9 +59,6 @@ SETTLE_PAST_TRACE_BYTES = 64 * MiB
 #: After the trace (or the hints), this much of the rest streams into memory until the tree exists
 #: (about 4 s of a 1 Gbit/s link: the start of a training step that computes, see Prefetch._stream_first).
 REST_HOLD_BYTES = 512 * MiB
-
-#: ... and only while this many cores are idle (see SpareCpu).
-SPARE_CPU_CORES = 0.5
 
 _STREAMING = {"trace": "replaying trace", "hint": "replaying hints", "background": "streaming the rest"}
 
@@ -107,56 +104,6 @@ def hint_refs(catalog: Catalog, max_bytes: int | None = None) -> list[ChunkRef]:
                 out.append(ChunkRef.from_extent(ext))
                 total += ext.length
     return out
-
-
-class SpareCpu:
-    """Idle CPU of the whole box since the last look, in cores, from ``/proc/stat`` (Linux).
-
-    Background streaming paces itself with it: it starts another request only
-    while at least ``min_cores`` are idle, so it takes what the application
-    (and the store's server, when it shares the box) leaves over, like a
-    ``nice`` process.  Without ``/proc/stat`` it never waits.  Owned by the
-    trio task that paces with it.
-    """
-
-    def __init__(self, min_cores: float = SPARE_CPU_CORES, interval: float = 0.1,
-                 path: str = "/proc/stat") -> None:
-        self.min_cores = min_cores
-        self.interval = interval
-        self.path = path
-        self.cores = os.cpu_count() or 1
-        self._last = self._read()
-
-    def _read(self) -> tuple[int, int] | None:
-        try:
-            with open(self.path, "rb") as fh:
-                fields = [int(x) for x in fh.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        if len(fields) < 5:
-            return None
-        return sum(fields[:8]), fields[3] + fields[4]  # (all, idle + iowait)
-
-    def idle_cores(self) -> float | None:
-        """Idle cores since the last look that saw time pass (0.0 until it has); None: no ``/proc/stat``."""
-        now = self._read()
-        if now is None:
-            return None
-        last = self._last
-        if last is None or now[0] <= last[0]:
-            self._last = last or now
-            return 0.0
-        self._last = now
-        return self.cores * (now[1] - last[1]) / (now[0] - last[0])
-
-    async def wait(self) -> None:
-        """Return once the box has had ``min_cores`` idle over an interval (at once if that is unknown)."""
-        self.idle_cores()
-        while True:
-            await trio.sleep(self.interval)
-            idle = self.idle_cores()
-            if idle is None or idle >= self.min_cores:
-                return
 
 
 def rest_refs(catalog: Catalog, skip: frozenset[bytes], max_bytes: int) -> list[ChunkRef]:

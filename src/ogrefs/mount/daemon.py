@@ -41,6 +41,7 @@ import trio
 
 from ogrefs.boxmounts import (MountError, Registration, atomic_json, clear_snapshot_started, snapshot_running,
                               snapshot_started)
+from ogrefs.lazy.boxcpu import OthersCpu
 from ogrefs.lazy.chunkcache import CacheCipher, ChunkCache
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.fetchio import PackReads
@@ -143,8 +144,10 @@ class Daemon:
             clear_snapshot_started(plan.state_dir)  # an earlier mount's snapshot says nothing about this resume
         # (the materializer shares the fetcher's residency: what readers fetch goes to the tree at once, not via
         # the chunk cache)
-        # (its passes yield to the application: idle_for is the vfs's, made just below)
-        materializer = (Materializer(catalog, self.fetcher, plan.state_dir, idle_for=lambda: self.fs.idle_for())
+        # (its passes yield to the application: idle_for is the vfs's, made just below; and to the box's
+        # other processes when they leave it less than a core, cpu_busy)
+        materializer = (Materializer(catalog, self.fetcher, plan.state_dir, idle_for=lambda: self.fs.idle_for(),
+                                     cpu_busy=lambda: OthersCpu().busy)
                         if (plan.state_dir is not None and opts.materialize) else None)
         host_paths = plan.writable.host_paths if plan.writable else None
         view = catalog

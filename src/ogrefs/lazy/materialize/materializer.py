@@ -69,7 +69,8 @@ class Materializer:
                  reserve_bytes: int | None = None, flush_after: float = 0.2, retry_delay: float = 10.0,
                  adopt_bytes: int = 64 * MiB, residency: Residency | None = None,
                  free_bytes: space.FreeBytes = space.free_bytes, preparer: Preparer = prepare,
-                 make_writer: WriterFactory = TreeWriter, idle_for: Callable[[], float] | None = None) -> None:
+                 make_writer: WriterFactory = TreeWriter, idle_for: Callable[[], float] | None = None,
+                 cpu_busy: Callable[[], Callable[[], bool]] | None = None) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         # where each chunk is: the fetcher's residency (so what readers fetch is adopted into the tree)
@@ -83,8 +84,11 @@ class Materializer:
         self._make_writer = make_writer
         # seconds since the application's last request to the mount (the vfs's): passes yield to it (pacing.py)
         # (both also wait while a snapshot of the box runs: the fetcher's flag, lazy/snapshotgate.py)
-        self.pacer = Pacer(idle_for, hold=lambda: fetcher.yielding)
-        self.gate = BuildGate(idle_for, hold=lambda: fetcher.yielding)  # ... and so does the tree build (pacing.py)
+        # ``cpu_busy`` makes a new "the box's other processes leave us less than a core" (boxcpu.OthersCpu's
+        # busy, in the daemon): an application computing on every core is active too (pacing.py)
+        self.pacer = Pacer(idle_for, hold=lambda: fetcher.yielding, busy=cpu_busy() if cpu_busy else None)
+        self.gate = BuildGate(idle_for, hold=lambda: fetcher.yielding,  # ... and so does the tree build (pacing.py)
+                              busy=cpu_busy() if cpu_busy else None)
         self._build_yielded_s = 0.0
         self._settings = dict(window_bytes=window_bytes, group_bytes=group_bytes, batch_bytes=batch_bytes,
                               batch_chunks=batch_chunks, flush_after=flush_after, adopt_bytes=adopt_bytes)
