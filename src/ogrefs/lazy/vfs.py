@@ -423,7 +423,7 @@ class SnapshotFS:
             if self._pusher is not None and node.size <= PUSH_FILE_MAX:
                 self._pusher.opened(ino)
             return fh
-        # the extents are looked up at the first read (_load_extents), not now: a file opened again whose
+        # the extents are looked up at the first read (read, _extents_of), not now: a file opened again whose
         # pages the kernel caches (the next training step's imports: ~1,700 opens) is never read
         fh = self._new_fh()
         self._files[fh] = _OpenFile(ino, node.size, [])

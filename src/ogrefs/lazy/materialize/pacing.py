@@ -32,10 +32,11 @@ The same gate stops the build when the materializer is cancelled (a worker
 thread cannot be): the daemon of a mount that went away exits at once.
 
 An application that computes without asking the mount anything is not
-seen by its requests, and on a small box a pass beside a step that computes
-on every core still takes a core from it (measured on two cores: the warm
-step right after the first took 1.22x its time from local disk with a pass
-starting under it, 1.08x once materialization was done).  So both also count
+seen by its requests, and on a small box a pass beside a job that computes
+on every core takes a core from it (measured on two cores: a job of matrix
+products started 2 s after a mount came up took 3.4-4.7x its time alone
+while the mount's background work ran beside it; 1.6x once the CPU counted,
+docs/benchmarks.md).  So both also count
 the application as active while the box's other processes leave this one
 less than a core (``busy``: :meth:`ogrefs.lazy.boxcpu.OthersCpu.busy`); a
 pass then takes ``share`` of the time as above, and a step that leaves a
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import trio
 
@@ -73,8 +74,8 @@ ACTIVE_S = 0.5
 MAX_PAUSE_S = 2.0
 
 
-class Pacer:
-    """The pause after each batch of a pass; see the module docstring."""
+class _Yielding:
+    """What a pass's pacer and the build's gate share: their settings and when the application is active."""
 
     def __init__(self, idle_for: Callable[[], float] | None, share: float = ACTIVE_SHARE,
                  active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05,
@@ -87,15 +88,22 @@ class Pacer:
         self.active_s = active_s
         self.max_pause = max_pause
         self.poll = poll
-        self.hold = hold  # True while a snapshot of the box runs: wait for its end
-        self.paused_s = 0.0  # seconds paused so far (status, tests)
-        self.pauses = 0
+        self.hold = hold  # True while a snapshot of the box runs
 
     def active(self) -> bool:
         """Whether the application asked the mount for something within ``active_s``, or computes
         on the cores this process would need (``busy``)."""
         return ((self.idle_for is not None and self.idle_for() < self.active_s)
                 or (self.busy is not None and self.busy()))
+
+
+class Pacer(_Yielding):
+    """The pause after each batch of a pass; see the module docstring.  ``hold``: wait for the snapshot's end."""
+
+    def __init__(self, idle_for: Callable[[], float] | None, **kw: Any) -> None:
+        super().__init__(idle_for, **kw)
+        self.paused_s = 0.0  # seconds paused so far (status, tests)
+        self.pauses = 0
 
     async def after(self, took: float) -> None:
         """Called after a batch that took ``took`` seconds: pause while the application is active
@@ -120,21 +128,12 @@ class Pacer:
             self.paused_s += trio.current_time() - start
 
 
-class BuildGate:
-    """The tree build's pause between pieces of its work while the application is active (module docstring)."""
+class BuildGate(_Yielding):
+    """The tree build's pause between pieces of its work while the application is active (module docstring).
+    ``hold``: pause as for an active application."""
 
-    def __init__(self, idle_for: Callable[[], float] | None, share: float = ACTIVE_SHARE,
-                 active_s: float = ACTIVE_S, max_pause: float = MAX_PAUSE_S, poll: float = 0.05,
-                 hold: Callable[[], bool] | None = None, busy: Callable[[], bool] | None = None) -> None:
-        if not 0 < share <= 1:
-            raise ValueError("share must be in (0, 1]")
-        self.idle_for = idle_for
-        self.busy = busy  # True while the box's other processes leave this one less than a core
-        self.share = share
-        self.active_s = active_s
-        self.max_pause = max_pause
-        self.poll = poll
-        self.hold = hold  # True while a snapshot of the box runs: pause as for an active application
+    def __init__(self, idle_for: Callable[[], float] | None, **kw: Any) -> None:
+        super().__init__(idle_for, **kw)
         self._quiet = threading.Event()
         self._quiet.set()  # until watch() says otherwise: a build without a watcher never waits
         self._stop = threading.Event()  # set when the watch ends: the build stops at its next piece
@@ -152,9 +151,7 @@ class BuildGate:
             if self.idle_for is None and self.hold is None and self.busy is None:
                 await trio.sleep_forever()
             while True:
-                if ((self.idle_for is not None and self.idle_for() < self.active_s)
-                        or (self.busy is not None and self.busy())
-                        or (self.hold is not None and self.hold())):
+                if self.active() or (self.hold is not None and self.hold()):
                     self._quiet.clear()
                 else:
                     self._quiet.set()
