@@ -19,16 +19,20 @@ def _make_private(path: Path | str) -> None:
     """Create ``path`` 0600 (or make it so): SQLite gives its -wal and -shm files the database's mode.
 
     These files name chunks, sizes and access times: nothing for other users of the box.
+
+    The database file is never opened here once it exists: closing any
+    descriptor of a file drops every POSIX lock this process holds on it,
+    SQLite's included, so another process (a second mount sharing a chunk
+    cache, the materializer's tree-build child) would see no reader, take the
+    file over at its close, checkpoint and delete the WAL under this
+    process's connections ("disk I/O error" on their next write).
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        if os.fstat(fd).st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-    for suffix in ("-wal", "-shm"):
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    for side in (str(path), f"{path}-wal", f"{path}-shm"):
         with contextlib.suppress(FileNotFoundError):
-            side = f"{path}{suffix}"
             if os.stat(side).st_mode & 0o077:
                 os.chmod(side, 0o600)
 
