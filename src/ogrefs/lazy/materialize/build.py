@@ -6,12 +6,16 @@ permitted, hardlinks as hardlinks) and a plan with every distinct chunk once,
 its class (hints before the rest) and its targets.  An earlier run's tree is
 reopened as it is.  Either way this run's trace chunks go first.
 
+A fresh build runs in a child process (:mod:`.buildproc`: no GIL shared
+with the daemon's request handling, the scheduler's idle priority), which
+the preparation's thread starts, paces at the :class:`~.pacing.BuildGate`
+and waits for; :func:`build` is what that child runs.
+
 Who owns what: :func:`prepare` runs in one worker thread before any writer
 starts.  It gets immutable inputs and returns a new, frozen :class:`Prepared`
 (or the reason it refused); the loop assigns what it needs from that.  It
-never touches the loop's state.  Between pieces of the build it waits at the
-:class:`~.pacing.BuildGate` while the application is active (the loop sets
-and clears the gate; the thread only waits on it and counts its own pauses).
+never touches the loop's state; it only reads the gate, which the loop sets
+and clears, and counts the seconds the child was held at it.
 
 The materializer calls the preparation as a :data:`Preparer`: :func:`prepare`
 unless it is given another (a test wraps :func:`prepare` to see when the tree
@@ -25,11 +29,11 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.lazy.materialize import space
-from ogrefs.lazy.materialize.pacing import BuildGate
+from ogrefs.lazy.materialize.buildproc import COMMAND, build_in_child
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory, syncfs
 from ogrefs.lazy.resolve import EntryResolver
@@ -38,13 +42,13 @@ from ogrefs.localtree import LocalTree
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.units import human_bytes as human
 
+if TYPE_CHECKING:  # (the build's child process does without trio)
+    from ogrefs.lazy.materialize.pacing import BuildGate
+
 log = logging.getLogger(__name__)
 
 #: Rows inserted per executemany while the plan is built.
 _ROWS = 1000
-#: Entries (or extents) between two looks at the clock, and the work between two looks at the gate.
-_TICK = 64
-_PIECE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,50 +65,20 @@ class Prepared:
     yielded_s: float = 0.0  # the build waited this long for an active application (pacing.BuildGate)
 
 
-class BuildStopped(Exception):
-    """The materializer was cancelled while the tree was built (the gate says so); the build is undone."""
-
-
-class _Pieces:
-    """The build's work in pieces of about ``_PIECE_S``, each followed by the gate's pause (one thread);
-    a gate that was stopped ends the build (:class:`BuildStopped`) at the next tick."""
-
-    def __init__(self, gate: BuildGate | None) -> None:
-        self.gate = gate
-        self.paused = 0.0
-        self._count = 0
-        self._since = time.monotonic()
-
-    def check(self) -> None:
-        """Raise :class:`BuildStopped` if the gate was stopped."""
-        if self.gate is not None and self.gate.stopped():
-            raise BuildStopped("the materializer was cancelled during the tree build")
-
-    def tick(self) -> None:
-        if self.gate is None:
-            return
-        self._count += 1
-        if self._count % _TICK:
-            return
-        self.check()
-        now = time.monotonic()
-        if now - self._since >= _PIECE_S:
-            self.paused += self.gate.pause(now - self._since)
-            self._since = time.monotonic()
-
-
 def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
             refusal: Callable[[int], str | None], make_writer: WriterFactory = TreeWriter,
-            gate: BuildGate | None = None) -> Prepared | str:
+            gate: BuildGate | None = None, build_command: Sequence[str] = COMMAND) -> Prepared | str:
     """Worker thread: the tree and the plan ready for passes, or why materialization is refused.
 
     ``refusal(needed bytes)``: the disk-space policy (:func:`space.refusal`).
     ``make_writer``: makes the tree's writer (the one :attr:`Prepared.writer` hands the passes).
-    ``gate``: where a fresh build waits while the application is active (none: it never waits).
-    Raises :class:`space.Stop` when the disk or the plan fails meanwhile.
+    ``gate``: where a fresh build is held while the application is active (none: never).
+    ``build_command``: the argv of the build's child process (:mod:`.buildproc`).
+    Raises :class:`space.Stop` when the disk or the plan fails meanwhile, and
+    :class:`~.buildproc.BuildStopped` when the gate stopped the build.
     """
     try:
-        return _prepare(plan, catalog, tree_root, trace, refusal, make_writer, _Pieces(gate))
+        return _prepare(plan, catalog, tree_root, trace, refusal, make_writer, gate, build_command)
     except (OSError, sqlite3.Error, OgrefsError) as exc:
         plan.rollback()
         raise space.Stop(exc, "preparing the local tree") from None
@@ -114,27 +88,30 @@ def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
 
 
 def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
-             refusal: Callable[[int], str | None], make_writer: WriterFactory, pieces: _Pieces) -> Prepared | str:
+             refusal: Callable[[int], str | None], make_writer: WriterFactory, gate: BuildGate | None,
+             build_command: Sequence[str]) -> Prepared | str:
     fresh = plan.meta("built") != "1"
     reason = refusal(catalog.file_data_total() if fresh else plan.bytes_needed())
     if reason is not None:
         return reason
     writer = make_writer(catalog, LocalTree(tree_root, create=fresh), plan)
+    held = 0.0
     if fresh:
-        build(writer, tree_root, pieces)
+        held = build_in_child(plan.path, catalog.path, tree_root, gate, build_command)
     _classify_trace(plan, catalog, trace)
     writer.complete_files(plan.ready_files())
     total, done = [0, 0, 0], [0, 0, 0]
     for cls, t, d in plan.class_bytes():
         total[cls], done[cls] = t, d
     return Prepared(writer, fresh, (total[0], total[1], total[2]), (done[0], done[1], done[2]),
-                    plan.count_files(), plan.complete_inos(), plan.done_chunks(), pieces.paused)
+                    plan.count_files(), plan.complete_inos(), plan.done_chunks(), held)
 
 
 #: The preparation as the materializer calls it, in a worker thread: ``(plan, catalog, tree_root, trace,
-#: refusal, make_writer, gate) -> Prepared | refusal reason``; :func:`prepare` unless the Materializer is given another.
-Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory, BuildGate | None],
-                    Prepared | str]
+#: refusal, make_writer, gate, build_command) -> Prepared | refusal reason``; :func:`prepare` unless the
+#: Materializer is given another.
+Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory, "BuildGate | None",
+                     Sequence[str]], Prepared | str]
 
 
 def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> bool:
@@ -149,9 +126,8 @@ def _create_entry(tree: LocalTree, path: bytes, node, link_to: bytes | None) -> 
     return tree.create_special(path, node)
 
 
-def build(writer: TreeWriter, tree_root: bytes, pieces: _Pieces | None = None) -> None:
-    """Create the tree and the plan (from scratch: an interrupted build is redone)."""
-    pieces = pieces if pieces is not None else _Pieces(None)
+def build(writer: TreeWriter, tree_root: bytes) -> None:
+    """Create the tree and the plan (from scratch: an interrupted build is redone); the build's child runs it."""
     t0 = time.monotonic()
     plan, catalog = writer.plan, writer.catalog
     db = plan.db()
@@ -161,29 +137,27 @@ def build(writer: TreeWriter, tree_root: bytes, pieces: _Pieces | None = None) -
     db.execute("DELETE FROM meta WHERE key IN ('built', 'finished')")
     if catalog.get(ROOT_INO) is None:
         raise CorruptObject("catalog has no root directory")
-    _build_entries(writer.tree, catalog, db, pieces)
-    _plan_chunks(catalog, db, pieces)
+    _build_entries(writer.tree, catalog, db)
+    _plan_chunks(catalog, db)
     # special files are complete now; regular files without data too (later, via pending = 0)
     for ino, path in plan.specials():
         node = catalog.get(ino)
         if node is not None:
             writer.apply_metadata(path, node)
-    pieces.check()
     syncfs(tree_root)
     plan.set_meta("built", "1")
     db.execute("COMMIT")
     n = db.execute("SELECT count(*), coalesce(sum(rlen), 0) FROM chunks").fetchone()
-    log.info("materialization: local tree built in %.1f s (%d files, %d chunks, %s to fetch; %.1f s of it "
-             "waiting for the application)", time.monotonic() - t0, plan.count_files(), n[0], human(n[1]), pieces.paused)
+    log.info("materialization: local tree built in %.1f s (%d files, %d chunks, %s to fetch)",
+             time.monotonic() - t0, plan.count_files(), n[0], human(n[1]))
 
 
-def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection, pieces: _Pieces) -> None:
+def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) -> None:
     """Every entry of the snapshot in the tree, and its row in ``files`` or ``others``."""
     others: list[tuple[int, bytes, int]] = [(ROOT_INO, b"", 1)]
     files: list[tuple[int, bytes]] = []
     first: dict[int, bytes] = {}  # hardlinked inode -> its first path
     for path, node in catalog.walk():
-        pieces.tick()
         if node.is_dir:
             tree.make_dir(path)
             others.append((node.ino, path, 1))
@@ -212,12 +186,11 @@ def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection, pi
     db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
 
 
-def _plan_chunks(catalog: Catalog, db: sqlite3.Connection, pieces: _Pieces) -> None:
+def _plan_chunks(catalog: Catalog, db: sqlite3.Connection) -> None:
     """The plan: every extent of every file in the tree, each distinct chunk once; the hints' classes."""
     rows: list[tuple] = []
     bad: set[int] = set()  # files whose data the catalog locates wrongly: never local, read lazily (EIO)
     for ino, off, length, chunk, pack, poff, slen in catalog.all_extents(on_malformed=lambda ino, _why: bad.add(ino)):
-        pieces.tick()
         if pack is None:
             bad.add(ino)
             continue
@@ -226,20 +199,16 @@ def _plan_chunks(catalog: Catalog, db: sqlite3.Connection, pieces: _Pieces) -> N
             _add_extents(db, rows)
             rows.clear()
     _add_extents(db, rows)
-    pieces.check()  # (the statements below are one each, over every row)
     if bad:
         log.error("materialization: %d file(s) have malformed data locations in the catalog; they are "
                   "not materialized (reading them fails)", len(bad))
         db.executemany("DELETE FROM files WHERE ino=?", [(ino,) for ino in bad])
     db.execute("DELETE FROM targets WHERE ino NOT IN (SELECT ino FROM files)")
     db.execute("DELETE FROM chunks WHERE chunk NOT IN (SELECT chunk FROM targets)")
-    pieces.check()
     db.execute("UPDATE files SET pending = (SELECT count(*) FROM targets t WHERE t.ino = files.ino)")
-    pieces.check()
     # hints, in rank order: their files' chunks come before everything else but the trace
     for seq, (_klass, ino, _rank) in enumerate(catalog.hints()):
         for fino in _hint_files(catalog, ino):
-            pieces.tick()
             db.execute("UPDATE chunks SET base_cls=?, base_seq=? WHERE base_cls=? AND chunk IN "
                        "(SELECT chunk FROM targets WHERE ino=?)", (HINT, seq, BACKGROUND, fino))
     db.execute("UPDATE chunks SET cls=base_cls, seq=base_seq")

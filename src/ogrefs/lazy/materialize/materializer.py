@@ -20,7 +20,8 @@ threads (the vfs's page-cache push): it reads recorded state only.
 Seams: the two worker-thread stages are passed in, with the real ones as
 defaults: ``preparer`` (:func:`~.build.prepare`) and ``make_writer``
 (:class:`~.writer.TreeWriter`, whose :class:`~.writer.Disk` does the durable
-I/O).  Tests wrap them (to see when the tree is built, to hold a batch back,
+I/O); and the argv of the tree build's child process, ``build_command``
+(:data:`~.buildproc.COMMAND`).  Tests wrap them (to see when the tree is built, to hold a batch back,
 to tear a write) instead of patching the materializer's methods; like every
 worker-thread callable they get immutable inputs and assign nothing of the
 loop's.
@@ -34,13 +35,13 @@ import sqlite3
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import trio
 
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize import space
+from ogrefs.lazy.materialize import buildproc, space
 from ogrefs.lazy.materialize.build import Prepared, Preparer, prepare
 from ogrefs.lazy.materialize.pacing import BuildGate, Pacer
 from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
@@ -70,7 +71,8 @@ class Materializer:
                  adopt_bytes: int = 64 * MiB, residency: Residency | None = None,
                  free_bytes: space.FreeBytes = space.free_bytes, preparer: Preparer = prepare,
                  make_writer: WriterFactory = TreeWriter, idle_for: Callable[[], float] | None = None,
-                 cpu_busy: Callable[[], Callable[[], bool]] | None = None) -> None:
+                 cpu_busy: Callable[[], Callable[[], bool]] | None = None,
+                 build_command: Sequence[str] = buildproc.COMMAND) -> None:
         self.catalog = catalog
         self.fetcher = fetcher
         # where each chunk is: the fetcher's residency (so what readers fetch is adopted into the tree)
@@ -87,8 +89,10 @@ class Materializer:
         # ``cpu_busy`` makes a new "the box's other processes leave us less than a core" (boxcpu.OthersCpu's
         # busy, in the daemon): an application computing on every core is active too (pacing.py)
         self.pacer = Pacer(idle_for, hold=lambda: fetcher.yielding, busy=cpu_busy() if cpu_busy else None)
-        self.gate = BuildGate(idle_for, hold=lambda: fetcher.yielding,  # ... and so does the tree build (pacing.py)
-                              busy=cpu_busy() if cpu_busy else None)
+        # ... and so does the tree build (pacing.py), but not to the CPU: its child process runs at the
+        # scheduler's idle priority (buildproc.py), and its CPU would count as the others'
+        self.gate = BuildGate(idle_for, hold=lambda: fetcher.yielding)
+        self._build_command = tuple(build_command)
         self._build_yielded_s = 0.0
         self._settings = dict(window_bytes=window_bytes, group_bytes=group_bytes, batch_bytes=batch_bytes,
                               batch_chunks=batch_chunks, flush_after=flush_after, adopt_bytes=adopt_bytes)
@@ -242,7 +246,8 @@ class Materializer:
         """Worker thread: the tree and the plan (:func:`~.build.prepare`); assigns nothing."""
         refusal = lambda needed: space.refusal(needed, self.state_dir, self.reserve_bytes,  # noqa: E731
                                                self._free_bytes)
-        return self._preparer(self._plan, self.catalog, self._tree_b, trace, refusal, self._make_writer, self.gate)
+        return self._preparer(self._plan, self.catalog, self._tree_b, trace, refusal, self._make_writer, self.gate,
+                              self._build_command)
 
     def _adopt_prepared(self, p: Prepared) -> None:
         """On the loop: take over what the preparation found."""

@@ -24,23 +24,27 @@ pass down at all, and a pass never stops: under an application that never
 goes quiet it still writes at ``share`` of its speed.
 
 The tree build that comes before the first pass (:mod:`.build`: a directory,
-a sparse file and a plan row per entry, 2-6 s of a worker thread on the
-benchmark boxes, holding the GIL for most of it) yields the same way
-through a :class:`BuildGate`: between pieces of its work, while the
-application is active, it waits until its work is ``share`` of the time.
-The same gate stops the build when the materializer is cancelled (a worker
-thread cannot be): the daemon of a mount that went away exits at once.
+a sparse file and a plan row per entry, 2-6 s of CPU on the benchmark
+boxes) runs in a child process at the scheduler's idle priority
+(:mod:`.buildproc`), and yields the same way through a :class:`BuildGate`:
+the preparation's thread looks at the gate every piece of the child's work
+and, while the application is active, holds the child stopped until its
+work is ``share`` of the time.  The same gate stops the build when the
+materializer is cancelled (the child is killed): the daemon of a mount that
+went away exits at once.
 
 An application that computes without asking the mount anything is not
 seen by its requests, and on a small box a pass beside a job that computes
 on every core takes a core from it (measured on two cores: a job of matrix
 products started 2 s after a mount came up took 3.4-4.7x its time alone
 while the mount's background work ran beside it; 1.6x once the CPU counted,
-docs/benchmarks.md).  So both also count
-the application as active while the box's other processes leave this one
-less than a core (``busy``: :meth:`ogrefs.lazy.boxcpu.OthersCpu.busy`); a
-pass then takes ``share`` of the time as above, and a step that leaves a
-core idle does not slow it down.
+docs/benchmarks.md).  So a pass also counts the application as active while
+the box's other processes leave this one less than a core (``busy``:
+:meth:`ogrefs.lazy.boxcpu.OthersCpu.busy`); it then takes ``share`` of the
+time as above, and a step that leaves a core idle does not slow it down.
+The build's gate has no ``busy``: the kernel already gives its idle-priority
+child only the cores nobody else wants (and the child's own CPU would count
+as the box's other processes).
 
 Both also stop while a snapshot of the box runs (``hold``: the fetcher's
 :attr:`~ogrefs.lazy.fetcher.Fetcher.yielding`, set by
@@ -52,10 +56,11 @@ Who owns what: a :class:`Pacer` belongs to the trio loop; the pass's writer
 task calls :meth:`Pacer.after` and nothing else touches it.  ``idle_for`` is
 the vfs's (seconds since the application's last request), read on the loop
 only; ``busy`` is the pacer's or the gate's own (an OthersCpu keeps its last
-look), called on the loop only.  A :class:`BuildGate`'s event is set and cleared by its
-:meth:`BuildGate.watch` task on the loop alone; the build's worker thread
-only waits on it (:meth:`BuildGate.pause`, a ``threading.Event``) and
-counts its own pauses, which it returns with its result.
+look), called on the loop only.  A :class:`BuildGate`'s events are set and cleared by its
+:meth:`BuildGate.watch` task on the loop alone; the preparation's worker
+thread only reads them (:meth:`BuildGate.waiting`, :meth:`BuildGate.stopped`)
+and waits on them (:meth:`BuildGate.pause`, a ``threading.Event``) while it
+holds the child, and counts those pauses, which it returns with its result.
 """
 
 from __future__ import annotations
@@ -163,6 +168,10 @@ class BuildGate(_Yielding):
     def stopped(self) -> bool:
         """Worker thread: whether the build must stop now (its watch ended)."""
         return self._stop.is_set()
+
+    def waiting(self) -> bool:
+        """Worker thread: whether the build should be held now (the application is active, a snapshot runs)."""
+        return not self._quiet.is_set()
 
     def pause(self, worked: float) -> float:
         """Worker thread, after ``worked`` seconds of work: wait while the application is active; seconds waited."""

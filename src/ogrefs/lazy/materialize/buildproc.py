@@ -1,0 +1,205 @@
+"""The tree build in a process of its own, at the scheduler's idle priority, started and paced by the daemon.
+
+Why a process: the build (:func:`.build.build`: a directory, a sparse file
+and a plan row per entry; 22,806 entries and ~1.7 s of CPU on the pointer
+bench box) is Python that holds the GIL between its system calls.  In a
+worker thread of the daemon it shared that GIL with the thread that answers
+every FUSE request, so an application's requests waited behind it (a warm
+training step took 1.35-1.65x its time from local disk with the build
+beside it, 1.22x without, docs/benchmarks.md).  A child process shares no
+GIL, and it runs under ``SCHED_IDLE``: the kernel gives it a core only when
+nothing else wants one, which is what "prefetch yields CPU" means, enforced
+by the scheduler instead of guessed from /proc.  What the scheduler cannot
+see (the application's requests to the mount, the disk it shares, a
+snapshot of the box that must go first) the daemon still paces through the
+:class:`~.pacing.BuildGate`: while the gate says wait, the child is stopped
+(``SIGSTOP``) and continued (``SIGCONT``) when the gate opens or its pause
+is over; a stopped gate (the materializer cancelled) kills it.
+
+What the child is given: the plan and catalog paths and the tree's root, as
+JSON on its stdin (immutable inputs); it writes one JSON line on its stdout
+(``{"ok": true}`` or the error: ``{"error": ..., "errno": ...}`` for a
+system error, ``{"corrupt": ...}`` for a catalog it cannot trust) and logs
+to the daemon's stderr (the mount's log).  Its plan transaction commits only
+at the end of a whole build, so a killed child leaves nothing that looks
+built: the next run builds again.  It dies with the thread that waits on it
+(``PR_SET_PDEATHSIG``), so an orphan never writes a state directory that a
+later mount reuses.
+
+The daemon never runs what it serves: the child is the daemon's own
+interpreter and modules, started in the daemon's mount namespace, which a
+writable mount's keeper left without the overlays and the FUSE lower
+(mount/daemon.py); only writable mounts materialize.
+
+Who owns what: :func:`build_in_child` runs in the preparation's worker
+thread and owns the child from start to reaping; the gate's events are the
+loop's (:mod:`.pacing`), read here only.  Nothing here touches the loop.
+
+Seam: ``command`` is the argv that runs :func:`main` (:data:`COMMAND` unless
+the materializer is given another: a test slows the child down or makes it
+fail, in a real process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ogrefs.errors import CorruptObject, OgrefsError
+
+log = logging.getLogger(__name__)
+
+#: How the daemon starts the child: its own interpreter, this module.
+COMMAND: tuple[str, ...] = (sys.executable, "-m", "ogrefs.lazy.materialize.buildproc")
+#: The child runs this long between two looks at the gate.
+PIECE_S = 0.05
+_PR_SET_PDEATHSIG = 1
+
+
+class BuildStopped(Exception):
+    """The materializer was cancelled while the tree was built (the gate says so); the build is undone."""
+
+
+def build_in_child(plan_path: Path, catalog_path: Path, tree_root: bytes, gate=None,
+                   command: Sequence[str] = COMMAND) -> float:
+    """Worker thread: build the tree and the plan in a child process; the seconds it was held at the gate.
+
+    Raises :class:`BuildStopped` (the gate stopped: the child is killed),
+    ``OSError`` (a system error in the child, its errno kept: a full disk is
+    reported as such), :class:`CorruptObject`, or :class:`OgrefsError` (the
+    child could not start or died).
+    """
+    spec = json.dumps({"plan": str(plan_path), "catalog": str(catalog_path), "tree": os.fsdecode(tree_root),
+                       "parent": os.getpid(), "level": logging.getLogger().getEffectiveLevel()})
+    env = dict(os.environ)
+    # the child imports the same ogrefs as this process (a source tree on PYTHONPATH in benchmarks, too)
+    here = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    try:
+        proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                close_fds=True)
+    except OSError as exc:
+        raise OgrefsError(f"cannot start the tree build process ({exc.strerror})") from None
+    paused = 0.0
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(spec.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: its exit status says so below
+        ran_since = time.monotonic()
+        while True:
+            try:
+                proc.wait(timeout=PIECE_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if gate is None:
+                continue
+            if gate.stopped():
+                raise BuildStopped("the materializer was cancelled during the tree build")
+            if gate.waiting():
+                paused += _held(proc, gate, time.monotonic() - ran_since)
+                ran_since = time.monotonic()
+        out = proc.stdout.read().decode(errors="replace").strip().splitlines()
+    finally:
+        if proc.returncode is None:  # stopped, or an error in this thread: the child must not outlive it
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    _raise_for(proc.returncode, out[-1] if out else "")
+    return paused
+
+
+def _held(proc: subprocess.Popen, gate, worked: float) -> float:
+    """The child stopped for the gate's pause after ``worked`` seconds of its work; seconds it was held."""
+    # (not reaped yet, so the pid is still the child's even if it has just exited)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        return gate.pause(worked)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def _raise_for(status: int, line: str) -> None:
+    try:
+        result = json.loads(line) if line else {}
+    except ValueError:
+        result = {}
+    if status == 0 and result.get("ok"):
+        return
+    if "errno" in result:
+        raise OSError(result["errno"], result.get("error", "error"))
+    if "corrupt" in result:
+        raise CorruptObject(result["corrupt"])
+    if "error" in result:
+        raise OgrefsError(result["error"])
+    how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+    raise OgrefsError(f"the tree build process {how}; its messages are in the mount's log")
+
+
+# -- the child --------------------------------------------------------------------------------------
+def _idle_priority() -> None:
+    """SCHED_IDLE, else the lowest nice value: a core only when nothing else wants it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        log.info("tree build: SCHED_IDLE refused (%s); running at nice 19 instead", exc)
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        log.warning("tree build: cannot ask to die with the daemon; it stops on its own when the daemon is gone")
+    if os.getppid() != parent:  # the daemon died before the prctl
+        os._exit(1)
+
+
+def main() -> int:
+    """The child: build the tree and the plan described on stdin; one JSON line on stdout."""
+    spec = json.loads(sys.stdin.read())
+    logging.basicConfig(level=spec.get("level", logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _die_with_parent(spec["parent"])
+    _idle_priority()
+    import sqlite3
+
+    from ogrefs.lazy.materialize.build import build
+    from ogrefs.lazy.materialize.plan import Plan
+    from ogrefs.lazy.materialize.writer import TreeWriter
+    from ogrefs.localtree import LocalTree
+    from ogrefs.repo.catalog import Catalog
+
+    result: dict
+    try:
+        tree_root = os.fsencode(spec["tree"])
+        plan = Plan(Path(spec["plan"]))
+        writer = TreeWriter(Catalog(Path(spec["catalog"])), LocalTree(tree_root, create=True), plan)
+        build(writer, tree_root)
+        result = {"ok": True}
+    except OSError as exc:
+        result = {"error": exc.strerror or str(exc), "errno": exc.errno or 0}
+    except CorruptObject as exc:
+        result = {"corrupt": str(exc)}
+    except (sqlite3.Error, OgrefsError) as exc:
+        result = {"error": str(exc)}
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0 if result.get("ok") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
