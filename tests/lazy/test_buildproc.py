@@ -133,3 +133,36 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_box_whose_every_core_is_busy_still_gets_its_tree_built(box, tmp_path):
+    """At idle priority alone the child got ~0.3 % of a core beside a CPU loop on every core (these tests took
+    310 s instead of 22 s); starved, it gets a quarter of the time at normal priority, so the build ends."""
+    import trio
+
+    cpu_s = 0.8  # the child's own work before the build, in CPU seconds (a stopped or starved child does not advance)
+    slow = child_command(f"""
+        import time
+        t = time.thread_time()
+        while time.thread_time() - t < {cpu_s}:
+            pass
+        """)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        fetcher = Fetcher(box.repo.read_pack_range)
+        prepared: list[float] = []
+        m = Materializer(box.catalog, fetcher, tmp_path / "state", idle_for=lambda: 1e9, build_command=slow)
+
+        async def body() -> None:
+            t0 = time.monotonic()
+            # ~10 s with the floor on two cores; without it the build alone needs ~270 s
+            with trio.fail_after(60):
+                await m.run(on_prepared=lambda: prepared.append(time.monotonic() - t0))
+
+        run_trio(fetcher, body)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
+    assert prepared and m.complete and compare_trees(box.src, box.tree_of(tmp_path / "state")) == []

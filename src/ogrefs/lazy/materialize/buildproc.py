@@ -9,7 +9,11 @@ training step took 1.35-1.65x its time from local disk with the build
 beside it, 1.22x without, docs/benchmarks.md).  A child process shares no
 GIL, and it runs under ``SCHED_IDLE``: the kernel gives it a core only when
 nothing else wants one, which is what "prefetch yields CPU" means, enforced
-by the scheduler instead of guessed from /proc.  What the scheduler cannot
+by the scheduler instead of guessed from /proc.  On a box whose every core
+others keep busy, idle priority alone would starve it for minutes (~0.3 %
+of a core beside one CPU loop per core); a child that got less than 5 % of a
+core over 0.3 s gets the next 0.1 s at normal priority (:class:`_Floor`), a
+quarter of the time, as a pass gets beside an active application.  What the scheduler cannot
 see (the application's requests to the mount, the disk it shares, a
 snapshot of the box that must go first) the daemon still paces through the
 :class:`~.pacing.BuildGate`: while the gate says wait, the child is stopped
@@ -32,7 +36,8 @@ writable mount's keeper left without the overlays and the FUSE lower
 (mount/daemon.py); only writable mounts materialize.
 
 Who owns what: :func:`build_in_child` runs in the preparation's worker
-thread and owns the child from start to reaping; the gate's events are the
+thread and owns the child from start to reaping (its stops, its scheduling
+policy: the :class:`_Floor` is that thread's); the gate's events are the
 loop's (:mod:`.pacing`), read here only.  Nothing here touches the loop.
 
 Seam: ``command`` is the argv that runs :func:`main` (:data:`COMMAND` unless
@@ -61,6 +66,12 @@ log = logging.getLogger(__name__)
 COMMAND: tuple[str, ...] = (sys.executable, "-m", "ogrefs.lazy.materialize.buildproc")
 #: The child runs this long between two looks at the gate.
 PIECE_S = 0.05
+#: A child that got less than FLOOR_SHARE of a core over STARVED_S at idle priority (every core kept busy by
+#: others) gets the next BOOST_S at normal priority: a quarter of the time, like a pass beside an active
+#: application, so the build still ends on a box that never idles.
+STARVED_S = 0.3
+FLOOR_SHARE = 0.05
+BOOST_S = 0.1
 _PR_SET_PDEATHSIG = 1
 
 
@@ -97,19 +108,22 @@ def build_in_child(plan_path: Path, catalog_path: Path, tree_root: bytes, gate=N
         except BrokenPipeError:
             pass  # it died at once: its exit status says so below
         ran_since = time.monotonic()
+        floor = _Floor(proc.pid)
         while True:
             try:
                 proc.wait(timeout=PIECE_S)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if gate is None:
-                continue
-            if gate.stopped():
+            if gate is not None and gate.stopped():
                 raise BuildStopped("the materializer was cancelled during the tree build")
-            if gate.waiting():
+            if gate is not None and gate.waiting():
+                floor.idle()
                 paused += _held(proc, gate, time.monotonic() - ran_since)
                 ran_since = time.monotonic()
+                floor.restart()
+            else:
+                floor.look()
         out = proc.stdout.read().decode(errors="replace").strip().splitlines()
     finally:
         if proc.returncode is None:  # stopped, or an error in this thread: the child must not outlive it
@@ -129,6 +143,58 @@ def _held(proc: subprocess.Popen, gate, worked: float) -> float:
         return gate.pause(worked)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
+
+
+class _Floor:
+    """Whether the idle-priority child is starved, and its normal-priority pieces when it is (one thread)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.boosted_until: float | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Measure from now (after a hold at the gate, which is not starvation)."""
+        self.since, self.cpu0 = time.monotonic(), _cpu_s(self.pid)
+
+    def look(self) -> None:
+        now = time.monotonic()
+        if self.boosted_until is not None:
+            if now >= self.boosted_until:
+                self.idle()
+                self.restart()
+            return
+        if now - self.since < STARVED_S:
+            return
+        cpu = _cpu_s(self.pid)
+        starved = cpu is not None and self.cpu0 is not None and cpu - self.cpu0 < FLOOR_SHARE * (now - self.since)
+        if starved and _set_policy(self.pid, os.SCHED_OTHER):
+            self.boosted_until = now + BOOST_S
+        else:
+            self.restart()
+
+    def idle(self) -> None:
+        if self.boosted_until is not None:
+            _set_policy(self.pid, os.SCHED_IDLE)
+            self.boosted_until = None
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds of ``pid`` so far (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_policy(pid: int, policy: int) -> bool:
+    try:
+        os.sched_setscheduler(pid, policy, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):  # (gone, or not permitted: it stays where it is)
+        return False
 
 
 def _raise_for(status: int, line: str) -> None:
