@@ -50,8 +50,9 @@ def _read_stat(path: str) -> tuple[int, int, int] | None:
     return sum(fields[:8]), fields[3] + fields[4], fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
 
 
-def _read_own(path: str) -> int | None:
-    """This process's user + system clock ticks (all its threads), from ``/proc/self/stat``."""
+def process_ticks(path: str) -> int | None:
+    """A process's user + system clock ticks (all its threads), from its ``/proc/PID/stat``
+    (``/proc/self/stat``: this one's); None when it cannot be read (gone, no ``/proc``)."""
     try:
         with open(path, "rb") as fh:
             fields = fh.read().rsplit(b")", 1)[1].split()
@@ -107,12 +108,12 @@ class SpareCpu:
 class OthersCpu:
     """The cores other processes took since the last look, and whether they leave this one a core.
 
-    :meth:`busy` is what the materializer's pacer and tree-build gate ask
-    (:mod:`ogrefs.lazy.materialize.pacing`): True while the other processes
+    :meth:`busy` is what the materializer's pacer asks
+    (:mod:`ogrefs.lazy.materialize.pacing`; the tree build's child runs at idle priority instead): True while the other processes
     left less than ``spare`` cores (default: one, or half the box on a box of
     one core) over the last ``every`` seconds at least.  Asked more often, it
     answers what it last found: a few jiffies (10 ms each) are no reading.
-    Owned by the one pacer or gate that asks it (it keeps its last look).
+    Owned by the one pacer that asks it (it keeps its last look).
     """
 
     def __init__(self, spare: float | None = None, every: float = 0.1, *, stat: str = "/proc/stat",
@@ -127,7 +128,7 @@ class OthersCpu:
         self._busy = False
 
     def _look(self) -> tuple[int, int, int] | None:
-        box, own = _read_stat(self._stat), _read_own(self._own)
+        box, own = _read_stat(self._stat), process_ticks(self._own)
         if box is None or own is None:
             return None
         return box[0], box[2], own

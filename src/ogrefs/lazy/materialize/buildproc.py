@@ -149,13 +149,23 @@ class _Floor:
     """Whether the idle-priority child is starved, and its normal-priority pieces when it is (one thread)."""
 
     def __init__(self, pid: int) -> None:
+        from ogrefs.lazy.boxcpu import process_ticks  # (here: the child itself does without trio)
+
+        self.stat = f"/proc/{pid}/stat"
         self.pid = pid
+        self._ticks = process_ticks
+        self._tick_s = 1 / os.sysconf("SC_CLK_TCK")
         self.boosted_until: float | None = None
         self.restart()
 
+    def _cpu_s(self) -> float | None:
+        """The child's CPU seconds so far (None once it is gone)."""
+        ticks = self._ticks(self.stat)
+        return None if ticks is None else ticks * self._tick_s
+
     def restart(self) -> None:
         """Measure from now (after a hold at the gate, which is not starvation)."""
-        self.since, self.cpu0 = time.monotonic(), _cpu_s(self.pid)
+        self.since, self.cpu0 = time.monotonic(), self._cpu_s()
 
     def look(self) -> None:
         now = time.monotonic()
@@ -166,7 +176,7 @@ class _Floor:
             return
         if now - self.since < STARVED_S:
             return
-        cpu = _cpu_s(self.pid)
+        cpu = self._cpu_s()
         starved = cpu is not None and self.cpu0 is not None and cpu - self.cpu0 < FLOOR_SHARE * (now - self.since)
         if starved and _set_policy(self.pid, os.SCHED_OTHER):
             self.boosted_until = now + BOOST_S
@@ -177,16 +187,6 @@ class _Floor:
         if self.boosted_until is not None:
             _set_policy(self.pid, os.SCHED_IDLE)
             self.boosted_until = None
-
-
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds of ``pid`` so far (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _set_policy(pid: int, policy: int) -> bool:
@@ -217,10 +217,8 @@ def _raise_for(status: int, line: str) -> None:
 # -- the child --------------------------------------------------------------------------------------
 def _idle_priority() -> None:
     """SCHED_IDLE, else the lowest nice value: a core only when nothing else wants it."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError) as exc:
-        log.info("tree build: SCHED_IDLE refused (%s); running at nice 19 instead", exc)
+    if not _set_policy(0, os.SCHED_IDLE):
+        log.info("tree build: SCHED_IDLE refused; running at nice 19 instead")
         os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
