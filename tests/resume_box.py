@@ -10,6 +10,8 @@ every store request and can hold the first one back.
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,3 +159,16 @@ def run_trio(fetcher: Fetcher, body) -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def build_child(prelude: str) -> tuple[str, ...]:
+    """The argv of a tree-build child (buildproc.main) that runs ``prelude`` first: a real process a test
+    slows down, spies on or breaks (the Materializer's ``build_command``)."""
+    return (sys.executable, "-c", textwrap.dedent(prelude) + "\nfrom ogrefs.lazy.materialize.buildproc import main\n"
+            "raise SystemExit(main())")
+
+
+def spinning_build_child(cpu_s: float) -> tuple[str, ...]:
+    """A build child that first spins ``cpu_s`` seconds of its own CPU (a stopped or starved child does not
+    advance)."""
+    return build_child(f"import time\nt = time.thread_time()\nwhile time.thread_time() - t < {cpu_s}:\n    pass")

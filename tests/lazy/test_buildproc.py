@@ -16,7 +16,7 @@ import pytest
 from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.lazy.materialize.materializer import Materializer
 
-from tests.resume_box import Box, make_box, run_trio
+from tests.resume_box import Box, build_child, make_box, run_trio, spinning_build_child
 from tests.treegen import compare_trees
 
 
@@ -25,15 +25,10 @@ def box(tmp_path_factory) -> Box:
     return make_box(tmp_path_factory.mktemp("box"))
 
 
-def child_command(prelude: str) -> tuple[str, ...]:
-    return (sys.executable, "-c", textwrap.dedent(prelude) + "\nfrom ogrefs.lazy.materialize.buildproc import main\n"
-            "raise SystemExit(main())")
-
-
 def test_the_build_runs_in_a_child_at_idle_priority(box, tmp_path):
     """SCHED_IDLE: a core only when nothing else wants one; and not in the daemon's process (no GIL shared)."""
     seen = tmp_path / "seen"
-    spy = child_command(f"""
+    spy = build_child(f"""
         import os
         from ogrefs.lazy.materialize import build
         real = build.build
@@ -52,7 +47,7 @@ def test_the_build_runs_in_a_child_at_idle_priority(box, tmp_path):
 
 @pytest.mark.expect_log(r"stopped: the disk of .* is full \(preparing the local tree", level=logging.ERROR)
 def test_a_full_disk_in_the_child_stops_the_materializer_with_the_reason_and_nothing_looks_built(box, tmp_path):
-    full = child_command("""
+    full = build_child("""
         import errno, os
         from ogrefs.localtree import LocalTree
         made = [0]
@@ -81,7 +76,7 @@ def test_a_full_disk_in_the_child_stops_the_materializer_with_the_reason_and_not
 @pytest.mark.expect_log(r"stopped: preparing the local tree failed \(the tree build process", level=logging.ERROR)
 def test_a_child_that_dies_stops_the_materializer_with_a_one_line_reason(box, tmp_path, how, says):
     fetcher = Fetcher(box.repo.read_pack_range)
-    m = Materializer(box.catalog, fetcher, tmp_path / "state", build_command=child_command(how))
+    m = Materializer(box.catalog, fetcher, tmp_path / "state", build_command=build_child(how))
     run_trio(fetcher, m.run)
     assert m.state == "stopped" and says in m.reason and "\n" not in m.reason and not m.is_built()
 
@@ -89,7 +84,7 @@ def test_a_child_that_dies_stops_the_materializer_with_a_one_line_reason(box, tm
 def test_the_child_dies_with_the_daemon(box, tmp_path):
     """A daemon killed with SIGKILL leaves no build writing a state directory a later mount reuses."""
     pid_file = tmp_path / "child.pid"
-    slow = child_command(f"""
+    slow = build_child(f"""
         import os, time
         from ogrefs.lazy.materialize import build
         def sleeping(*args):  # (the build itself: the child has asked to die with its parent by then)
@@ -140,13 +135,7 @@ def test_a_box_whose_every_core_is_busy_still_gets_its_tree_built(box, tmp_path)
     310 s instead of 22 s); starved, it gets a quarter of the time at normal priority, so the build ends."""
     import trio
 
-    cpu_s = 0.8  # the child's own work before the build, in CPU seconds (a stopped or starved child does not advance)
-    slow = child_command(f"""
-        import time
-        t = time.thread_time()
-        while time.thread_time() - t < {cpu_s}:
-            pass
-        """)
+    slow = spinning_build_child(0.8)  # 0.8 s of the child's own CPU before the build
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(len(os.sched_getaffinity(0)))]
     try:
