@@ -41,9 +41,9 @@ _PROBE_RATIO = 0.97
 #: (a torch.save checkpoint of float32 tensors: 0.925 of its size at level 3
 #: against 0.924 at level 1, at 319-396 against 500-523 MB/s of one core on
 #: the 2-core VM), and CPU is what a snapshot inside a preemption notice is
-#: short of.  Data
-#: that compresses well (code, text, shared libraries) keeps the configured
-#: level: a torch venv grows from 0.286 to 0.312 of its size at level 1.
+#: short of.  Data that compresses well (code, text, shared libraries) keeps
+#: the configured level: a torch venv grows from 0.286 to 0.312 of its size
+#: at level 1.
 _FAST_RATIO = 0.80
 _FAST_LEVEL = 1
 
