@@ -3,9 +3,9 @@
 Two shapes exist, described in docs/format.md:
 
 * A *blob* is one chunk as stored inside a pack: one codec byte followed by the
-  payload.  Codec 0 is raw, 1 is zstd.  The codec byte is the hook for
-  authenticated encryption later (a flag bit plus nonce and tag), so readers
-  always go through :func:`decode_blob`.
+  payload.  Codec 0 is raw, 1 is zstd (its level chosen per chunk, see
+  :func:`encode_blob`); readers always go through :func:`decode_blob`.
+  Encrypted repositories seal blob and envelope alike (:class:`RepoCodec`).
 * An *envelope* wraps every other object (catalogs, manifests, indexes):
   the magic ``OGRF``, a version byte, a codec byte, the BLAKE3 digest of the
   plaintext (so a truncated or bit-flipped object is caught), then the payload.
