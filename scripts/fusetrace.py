@@ -27,7 +27,11 @@ from typing import Iterable
 #: ``perf script -F comm,pid,tid,time,event,trace`` lines of the two tracepoints
 _LINE = re.compile(r"\s*(?P<comm>.+?)\s+(?P<pid>\d+)/(?P<tid>\d+)\s+(?P<time>\d+\.\d+):"
                    r"\s+fuse:(?P<event>fuse_request_\w+):\s+connection (?P<conn>\d+) req (?P<req>\d+)"
-                   r"(?: opcode \d+ \((?P<op>\w+)\))?")
+                   r"(?: opcode \d+ \((?P<op>\w+)\))? len (?P<len>\d+)")
+
+
+#: struct fuse_out_header: len, error, unique
+REPLY_HEADER = 16
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class Request:
     comm: str
     pid: int
     connection: int
+    reply_bytes: int = 0  # the answer's length less its 16-byte header: a READ's data
 
 
 @dataclass
@@ -68,7 +73,7 @@ def parse(lines: Iterable[str]) -> Parsed:
                 out.unmatched_ends += 1
                 continue
             t0, op, comm, pid = sent
-            out.requests.append(Request(t0, t - t0, op, comm, pid, key[0]))
+            out.requests.append(Request(t0, t - t0, op, comm, pid, key[0], max(0, int(m["len"]) - REPLY_HEADER)))
     out.unanswered = len(pending)
     out.requests.sort(key=lambda r: r.sent)
     return out
@@ -82,18 +87,21 @@ class OpSummary:
     median_us: float
     p90_us: float
     max_ms: float
+    reply_bytes: int  # summed: for READ, the data it returned
 
 
 def by_opcode(requests: Iterable[Request]) -> list[OpSummary]:
     """Per opcode, the largest summed latency first."""
     groups: dict[str, list[float]] = {}
+    replied: dict[str, int] = {}
     for r in requests:
         groups.setdefault(r.opcode, []).append(r.latency)
+        replied[r.opcode] = replied.get(r.opcode, 0) + r.reply_bytes
     rows = []
     for op, lat in groups.items():
         lat.sort()
         rows.append(OpSummary(op, len(lat), sum(lat), statistics.median(lat) * 1e6,
-                              lat[min(len(lat) - 1, int(len(lat) * 0.9))] * 1e6, lat[-1] * 1e3))
+                              lat[min(len(lat) - 1, int(len(lat) * 0.9))] * 1e6, lat[-1] * 1e3, replied[op]))
     rows.sort(key=lambda s: (-s.total_s, s.opcode))
     return rows
 

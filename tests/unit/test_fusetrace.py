@@ -16,8 +16,9 @@ def send(comm: str, pid: int, t: float, conn: int, req: int, opcode: int, name: 
             f"opcode {opcode} ({name}) len 56 ")
 
 
-def end(comm: str, pid: int, t: float, conn: int, req: int) -> str:
-    return f"  {comm} {pid}/{pid} {t:.6f}: fuse:fuse_request_end: connection {conn} req {req} len 16 error 0"
+def end(comm: str, pid: int, t: float, conn: int, req: int, data: int = 0) -> str:
+    return (f"  {comm} {pid}/{pid} {t:.6f}: fuse:fuse_request_end: connection {conn} req {req} "
+            f"len {16 + data} error 0")
 
 
 def test_sends_and_ends_pair_by_connection_and_id():
@@ -46,7 +47,7 @@ def test_summary_per_opcode_largest_total_first():
     lines = []
     for i, lat in enumerate([0.001, 0.002, 0.003, 0.004, 0.100]):  # READs
         lines += [send("python", 5, 10.0 + i, 40, 2 * i + 2, 15, "FUSE_READ"),
-                  end("ogrefs", 4, 10.0 + i + lat, 40, 2 * i + 2)]
+                  end("ogrefs", 4, 10.0 + i + lat, 40, 2 * i + 2, data=131072)]
     lines += [send("python", 5, 20.0, 40, 100, 1, "FUSE_LOOKUP"), end("ogrefs", 4, 20.0005, 40, 100)]
     rows = by_opcode(parse(lines).requests)
     assert [r.opcode for r in rows] == ["READ", "LOOKUP"]
@@ -55,6 +56,8 @@ def test_summary_per_opcode_largest_total_first():
     assert read.total_s == pytest.approx(0.110)
     assert read.median_us == pytest.approx(3000, rel=1e-3)
     assert read.p90_us == pytest.approx(100_000, rel=1e-3) and read.max_ms == pytest.approx(100, rel=1e-3)
+    assert read.reply_bytes == 5 * 131072  # the data, without the answers' 16-byte headers
+    assert rows[1].reply_bytes == 0
 
 
 def test_buckets_split_reads_from_the_rest():
