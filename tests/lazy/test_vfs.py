@@ -524,3 +524,99 @@ def test_an_inline_local_read_never_waits_for_the_disk(tmp_path):
         assert got == data[65536:131072]
     finally:
         os.close(fd)
+
+
+class CountingCatalog:
+    """The catalog, counting the per-name questions a lookup asks (everything else passes through)."""
+
+    def __init__(self, cat: Catalog) -> None:
+        self._cat = cat
+        self.asked: list[str] = []
+
+    def lookup(self, parent, name):
+        self.asked.append("lookup")
+        return self._cat.lookup(parent, name)
+
+    def data_bytes(self, ino):
+        self.asked.append("data_bytes")
+        return self._cat.data_bytes(ino)
+
+    def children(self, parent, after=None, limit=-1):
+        self.asked.append("children")
+        return self._cat.children(parent, after=after, limit=limit)
+
+    def __getattr__(self, name):
+        return getattr(self._cat, name)
+
+
+def test_a_directory_looked_up_in_twice_answers_from_memory(snap):
+    """A cold import probes many names, present or not, in one directory: from its second lookup on, none is a
+    query (each query releases the GIL, and winning it back behind the fetch threads takes milliseconds)."""
+    repo, cat, src = snap
+    counting = CountingCatalog(cat)
+    names = sorted(os.listdir(os.fsencode(src)))
+
+    async def body(fs):
+        d = await walk_to(fs, src)
+        counting.asked.clear()
+        got = {}
+        for name in names + [b"no-such-file", b"x" * 300]:
+            try:
+                got[name] = await fs.lookup(d.node.ino, name)
+            except FsError as e:
+                got[name] = e.errno
+        # the first lookup asks for its name; the second reads the directory whole, once; the rest ask nothing
+        assert counting.asked.count("lookup") == 1 and counting.asked.count("children") == 1
+        assert counting.asked.count("data_bytes") <= 1
+        assert got[b"no-such-file"] == errno.ENOENT and got[b"x" * 300] == errno.ENOENT
+        for name in names:  # the same answers the catalog gives name by name
+            node = cat.lookup(d.node.ino, name)
+            assert got[name].node == node, name
+            blocks = (cat.data_bytes(node.ino) + 511) // 512 if stat.S_ISREG(node.mode) else got[name].blocks
+            assert got[name].blocks == blocks, name
+        assert fs.lookup_count(got[names[0]].node.ino) == 1  # each answer still counts a kernel reference
+        # the open after a lookup asks no row: the lookup's is remembered
+        counting.asked.clear()
+        small = got[b"small.txt"].node.ino
+        fs.release(await fs.open(small, os.O_RDONLY))
+        assert counting.asked == []
+
+    fetcher = Fetcher(repo.read_pack_range, None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            await body(SnapshotFS(counting, fetcher))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_directory_over_the_bound_goes_on_asking_name_by_name(snap, monkeypatch):
+    """A dataset's shard directory is not read whole for a lookup: 1,300 entries, the bound set to 1,000."""
+    from ogrefs.lazy import metacache
+    monkeypatch.setattr(metacache, "DIR_INDEX_MAX", 1000)
+    repo, cat, src = snap
+    counting = CountingCatalog(cat)
+
+    async def body(fs):
+        d = await walk_to(fs, src / "bigdir")
+        counting.asked.clear()
+        for i in range(0, 1300, 100):
+            a = await fs.lookup(d.node.ino, b"f%05d" % i)
+            assert a.node.size == len(b"%d" % i)
+        with pytest.raises(FsError) as e:
+            await fs.lookup(d.node.ino, b"f99999")
+        assert e.value.errno == errno.ENOENT
+        # one listing, found too big (and remembered so), then a query per name
+        assert counting.asked.count("children") == 1 and counting.asked.count("lookup") == 14
+
+    fetcher = Fetcher(repo.read_pack_range, None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            await body(SnapshotFS(counting, fetcher))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -9,6 +9,14 @@ the page cache, and each of those requests asked SQLite for the same inode
 row or the same first page of a directory.  The answers never change, so
 the vfs keeps them here and a warm request costs no query.
 
+A cold step asks too: ~2,900 lookups for the hf shape's step, each a query
+for the entry and one for its size in blocks, and a query releases the GIL
+and must win it back, which behind the mount's own fetch and materializer
+threads takes milliseconds (a lazy run's lookups waited 2.5x as long as a
+bare mount's).  A directory looked up in a second time is therefore read
+whole, once, with its entries' attributes (:meth:`Remembered.child`): the
+names an import probes next, present or not, are answered from a dict.
+
 :class:`BoundedCache` is a plain dict with first-in-first-out eviction by
 weight (an inode weighs 1, a page of a listing its entries): old entries go
 first, and the bound holds memory to a few MiB whatever the tree's size.
@@ -31,6 +39,15 @@ if TYPE_CHECKING:
 #: several times what a training step opens and lists (the pointer box: 1,674 files, 220 directories).
 NODE_CACHE_ENTRIES = 16384
 LISTING_CACHE_ENTRIES = 16384
+#: A directory is read whole for lookups at its second lookup, when it holds at most DIR_INDEX_MAX entries
+#: (a larger one, a dataset's shards, goes on being asked name by name); DIR_INDEX_ENTRIES bound them all.
+DIR_INDEX_AFTER = 2
+DIR_INDEX_MAX = 2048
+DIR_INDEX_ENTRIES = 32768
+
+#: :meth:`Remembered.child`'s answer when the directory is not read whole (ask the catalog)
+NOT_INDEXED: Any = object()
+_TOO_BIG: dict = {}
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -79,10 +96,14 @@ class Remembered:
     """
 
     def __init__(self, catalog: "Catalog", local: "LocalCopy | None",
-                 first_page: Callable[[int], list[tuple[bytes, Any]]]) -> None:
+                 first_page: Callable[[int], list[tuple[bytes, Any]]],
+                 listing: Callable[[int, int], list[tuple[bytes, Any]]] | None = None) -> None:
         self.catalog = catalog
         self.local = local
         self._read_first_page = first_page
+        self._read_listing = listing  # (directory, at most n entries) -> [(name, attributes)] in name order
+        self._indexes: BoundedCache[int, dict[bytes, Any]] = BoundedCache(DIR_INDEX_ENTRIES)
+        self._lookups_in: BoundedCache[int, int] = BoundedCache(NODE_CACHE_ENTRIES)
         self._nodes: BoundedCache[int, Inode] = BoundedCache(NODE_CACHE_ENTRIES)
         self._pages: BoundedCache[int, list[tuple[bytes, Any]]] = BoundedCache(LISTING_CACHE_ENTRIES)
         self._local_paths: BoundedCache[int, bytes] = BoundedCache(NODE_CACHE_ENTRIES)
@@ -92,6 +113,36 @@ class Remembered:
         if node is None and (node := self.catalog.get(ino)) is not None:
             self._nodes.put(ino, node)
         return node
+
+    def remember(self, node: Inode) -> None:
+        """An inode row the vfs has just read (a lookup's): the open that follows asks no query."""
+        self._nodes.put(node.ino, node)
+
+    def child(self, parent: int, name: bytes) -> Any:
+        """``name``'s attributes in directory ``parent`` from the directory read whole; None: no such entry.
+
+        NOT_INDEXED when the directory is not read whole (its first lookup, a
+        directory over DIR_INDEX_MAX entries, no ``listing``): the caller
+        asks the catalog for this one name.
+        """
+        index = self._indexes.get(parent)
+        if index is None:
+            if self._read_listing is None:
+                return NOT_INDEXED
+            seen = (self._lookups_in.get(parent) or 0) + 1
+            if seen < DIR_INDEX_AFTER:
+                self._lookups_in.put(parent, seen)
+                return NOT_INDEXED
+            entries = self._read_listing(parent, DIR_INDEX_MAX + 1)
+            if len(entries) > DIR_INDEX_MAX:
+                index = _TOO_BIG
+                self._indexes.put(parent, index, 1)
+            else:
+                index = dict(entries)
+                self._indexes.put(parent, index, len(index) + 1)
+        if index is _TOO_BIG:
+            return NOT_INDEXED
+        return index.get(name)
 
     def first_page(self, ino: int) -> list[tuple[bytes, Any]]:
         page = self._pages.get(ino)

@@ -57,7 +57,7 @@ from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
 from ogrefs.lazy.localread import LocalReads, pread
-from ogrefs.lazy.metacache import Remembered
+from ogrefs.lazy.metacache import NOT_INDEXED, Remembered
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
 from ogrefs.store.base import StoreError
@@ -235,7 +235,8 @@ class SnapshotFS:
                         if page_cache is not None and local is not None else None)
         self._files: dict[int, _OpenFile] = {}
         # the answers every open and listing asks for, asked of the catalog once (a snapshot never changes)
-        self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE))
+        self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE),
+                                lambda ino, n: self._page(ino, None, 0, n))
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
         self._last_request = -float("inf")  # trio time of the latest application request
@@ -278,17 +279,19 @@ class SnapshotFS:
         self.stats.lookups += 1
         self._busy()
         if name == b".":
-            node = self._node(parent)
+            attr = self._attr(self._node(parent))
         elif name == b"..":
-            node = self._node(self.catalog.parent_of(parent))
-        else:
+            attr = self._attr(self._node(self.catalog.parent_of(parent)))
+        elif (attr := self._memo.child(parent, name)) is NOT_INDEXED:
             node = self.catalog.lookup(parent, name)
-        if node is None:
+            attr = self._attr(node) if node is not None else None
+        if attr is None:
             if not self._node(parent).is_dir:
                 raise FsError(errno.ENOTDIR)
             raise FsError(errno.ENOENT)
-        self._ref(node.ino)
-        return self._attr(node)
+        self._memo.remember(attr.node)
+        self._ref(attr.node.ino)
+        return attr
 
     def _ref(self, ino: int) -> None:
         self._lookups[ino] = self._lookups.get(ino, 0) + 1
