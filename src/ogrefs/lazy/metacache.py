@@ -10,10 +10,10 @@ row or the same first page of a directory.  The answers never change, so
 the vfs keeps them here and a warm request costs no query.
 
 A cold step asks too: ~2,900 lookups for the hf shape's step, each a query
-for the entry and one for its size in blocks, and a query releases the GIL
-and must win it back, which behind the mount's own fetch and materializer
-threads takes milliseconds (a lazy run's lookups waited 2.5x as long as a
-bare mount's).  A directory looked up in a second time is therefore read
+for the entry and one for its size in blocks, and a query gives up the GIL:
+when one of the mount's fetch or materializer threads takes it, the loop
+sleeps until it is handed back and then waits for a core (a lazy run's
+lookups waited 2.5x as long as a bare mount's).  A directory looked up in a second time is therefore read
 whole, once, with its entries' attributes (:meth:`Remembered.child`): the
 names an import probes next, present or not, are answered from a dict.
 
