@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from ogrefs.repo.catalog import ROOT_INO
+from ogrefs.lazy import threadnice
 from ogrefs.lazy.chunkcache import ChunkCache
 from ogrefs.lazy.fetcher import Fetcher, Priority
 from ogrefs.lazy.materialize.build import prepare
@@ -115,6 +116,29 @@ def test_materialized_tree_equals_the_source_and_skips_the_chunk_cache(box, tmp_
     log = CallLog(box.repo.read_pack_range)
     m2, f2 = materialize(box, state, log)
     assert m2.complete and m2.state == "done" and log.calls == []
+
+
+@pytest.mark.skipif(not threadnice.may_renice(), reason="this process may not raise a thread's priority back")
+def test_tree_writes_run_niced_and_the_fetches_do_not(box, tmp_path, monkeypatch):
+    """The copy into the local tree is background work: its batches run at nice +10, so the loop and the
+    application win the cores; the GETs (which a reader may be waiting on) run at the daemon's priority."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, set[int]] = {"write": set(), "fetch": set()}
+    original = TreeWriter.write_batch
+
+    def write_batch(self, batch):
+        seen["write"].add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return original(self, batch)
+
+    def read_range(pack, off, n):
+        seen["fetch"].add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return box.repo.read_pack_range(pack, off, n)
+
+    monkeypatch.setattr(TreeWriter, "write_batch", write_batch)
+    m, _f = materialize(box, tmp_path / "state", read_range)
+    assert m.complete
+    assert seen == {"write": {min(19, base + threadnice.BACKGROUND_NICE)}, "fetch": {base}}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
 
 
 class _LoopOnly(Materializer):

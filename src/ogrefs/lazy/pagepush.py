@@ -29,6 +29,7 @@ import trio
 
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.metacache import BoundedCache
+from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 
 if TYPE_CHECKING:
@@ -117,11 +118,11 @@ class PagePusher:
                 self.in_flight -= 1
 
     async def _push_dir(self, parent: int, opened: int) -> None:
-        rows = await trio.to_thread.run_sync(self.catalog.small_files, parent, PUSH_FILE_MAX)
+        rows = await to_background_thread(self.catalog.small_files, parent, PUSH_FILE_MAX)
         candidates = tuple((ino, size) for ino, size in rows
                            if ino != opened and ino not in self._kernel_read and self._kernel_holds(ino))
         if candidates:
-            self.stats.page_cache_pushed += await trio.to_thread.run_sync(
+            self.stats.page_cache_pushed += await to_background_thread(
                 push_files, self.page_cache, self.local.local_paths, candidates, self._holds_catalog_bytes)
 
     def _holds_catalog_bytes(self, ino: int, data: bytes) -> bool:

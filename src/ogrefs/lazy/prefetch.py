@@ -43,6 +43,7 @@ from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.materialize.plan import CLASSES
 from ogrefs.units import human_bytes
 from ogrefs.lazy.replay import Replayer
+from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.repo.traces import Entry
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ class Prefetch:
                 await self._replay_hints_in_memory(room)
             room = min(self.fetcher.residency.hold_bytes - self.fetcher.residency.held_size, self.rest_hold_bytes)
             if room > 0:
-                refs = await trio.to_thread.run_sync(rest_refs, self.catalog, self.fetcher.residency.held_chunks(), room)
+                refs = await to_background_thread(rest_refs, self.catalog, self.fetcher.residency.held_chunks(), room)
                 rest = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.BACKGROUND,
                                           window_bytes=self.window_bytes, keep=Keep.MEMORY, bridge=True, hold=True,
                                           pace=self.spare_cpu())
@@ -285,7 +286,7 @@ class Prefetch:
         return room
 
     async def _replay_hints_in_memory(self, room: int) -> Replayer:
-        refs = await trio.to_thread.run_sync(hint_refs, self.catalog, room)
+        refs = await to_background_thread(hint_refs, self.catalog, room)
         hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,
                                    window_bytes=self.window_bytes, keep=Keep.MEMORY, bridge=True, hold=True)
         self._replays["hint"] = hints
@@ -313,7 +314,7 @@ class Prefetch:
             await self._settle()  # then the start-up is over: the disk cache serves the trace from now on
             self.fetcher.residency.hold(0)
         if budget > 0:
-            refs = await trio.to_thread.run_sync(hint_refs, self.catalog, budget)
+            refs = await to_background_thread(hint_refs, self.catalog, budget)
             hints = Replayer.from_refs(self.catalog, self.fetcher, refs, priority=Priority.HINT,
                                        window_bytes=self.window_bytes, bridge=True)
             self._replays["hint"] = hints

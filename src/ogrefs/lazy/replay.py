@@ -22,6 +22,7 @@ import trio
 
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Keep, Priority, Ticket
 from ogrefs.lazy.resolve import EntryResolver
+from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.lazy.window import RequestWindow, groups
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo.traces import Entry
@@ -101,7 +102,7 @@ class Replayer:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> ReplayStats:
         task_status.started()
-        refs, self.stats.dropped = await trio.to_thread.run_sync(self._plan)
+        refs, self.stats.dropped = await to_background_thread(self._plan)
         self.stats.chunks = len(refs)
         self.stats.bytes_total = sum(r.raw_len for r in refs)
         window = RequestWindow(self.window_bytes)

@@ -48,6 +48,7 @@ from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
 from ogrefs.lazy.materialize.plan import CLASSES, Plan
 from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory
 from ogrefs.lazy.residency import Residency
+from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.repo.traces import Entry
 from ogrefs.repo.catalog import Catalog
 from ogrefs.units import human_bytes as human
@@ -212,7 +213,7 @@ class Materializer:
             self._sample()
             await self._passes()
             assert self._writer is not None
-            self.complete = await trio.to_thread.run_sync(self._finish, self._writer)
+            self.complete = await to_background_thread(self._finish, self._writer)
         except space.Stop as exc:
             self.state = "stopped"
             self.reason = space.stop_reason(exc.cause, exc.what, self.state_dir, sum(self._class_done),
@@ -234,7 +235,7 @@ class Materializer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.gate.watch)
             try:
-                result.append(await trio.to_thread.run_sync(self._prepare, trace))
+                result.append(await to_background_thread(self._prepare, trace))
             except Exception as exc:  # raised below, outside the nursery (which would wrap it in a group)
                 failure.append(exc)
             nursery.cancel_scope.cancel()

@@ -42,6 +42,7 @@ from ogrefs.lazy.fetcher import ChunkMissing, FetchError, Fetcher, Priority, Sto
 from ogrefs.lazy.materialize.pacing import Pacer
 from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, TRACE, Item, Plan
 from ogrefs.lazy.residency import Residency
+from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.lazy.window import RequestWindow, groups
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Pass:
         async with send:
             after = None
             while not self._abort:
-                page, after = await trio.to_thread.run_sync(self.plan.page, after, _PAGE)
+                page, after = await to_background_thread(self.plan.page, after, _PAGE)
                 if not page:
                     return
                 for group in self._groups(page):
@@ -251,7 +252,7 @@ class Pass:
         """Write one batch (taking turns with the other writer) and record it; False if the pass stops."""
         try:
             async with self._write_lock:
-                newly = await trio.to_thread.run_sync(self._write_batch, batch)
+                newly = await to_background_thread(self._write_batch, batch)
         except (OSError, sqlite3.Error, OgrefsError) as exc:
             self.stopped = exc
             assert self._scope is not None
@@ -265,7 +266,7 @@ class Pass:
         """Write adopted chunks into the tree in batches until the pass ends and nothing is left."""
         res, s = self.residency, self.settings
         while (take := await res.next_adoptions(s.batch_bytes, s.batch_chunks)) is not None:
-            items = await trio.to_thread.run_sync(self.plan.items_for, tuple(r for r, _ in take))
+            items = await to_background_thread(self.plan.items_for, tuple(r for r, _ in take))
             batch: Batch = []
             for (ref, data), item in zip(take, items):
                 if item is None:
