@@ -155,6 +155,31 @@ def test_program_runs_from_mount_and_imports_a_compiled_extension(tmp_path, tree
     assert st["errors"] == 0 and st["bytes_fetched"] > 0
 
 
+def test_the_loop_profile_is_in_the_status_only_when_asked_for(tmp_path, tree_repo, mounter):
+    """``OGREFS_PROFILE_LOOP=1``: the status shows the loop's steps per FUSE operation, its wake-up lateness and
+    its threads' run-queue waits; without it, nothing is timed and the status has no such entry."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"f{i}").write_bytes(os.urandom(300_000))
+    m = snapshot(tree_repo, src)
+    profiled = Mounter(tmp_path / "p", tree_repo.store.url, extra_env={"OGREFS_PROFILE_LOOP": "1"})
+    try:
+        mp = profiled.mount(m["id"], tmp_path / "mnt-profiled")
+        for i in range(5):
+            assert (under(mp, src) / f"f{i}").read_bytes() == (src / f"f{i}").read_bytes()
+        p = profiled.status(mp)["loop_profile"]
+        steps = p["steps"]
+        assert steps["lookup"]["count"] >= 5 and steps["read"]["count"] >= 5 and steps["open"]["count"] >= 5
+        assert all(s["wall_s"] >= 0 and s["cpu_s"] >= 0 for s in steps.values())
+        assert p["wakeup_late_ms"]["samples"] > 0 and p["threads"]["loop"]["cpu_s"] > 0
+    finally:
+        profiled.cleanup()
+    plain = mounter.mount(m["id"], tmp_path / "mnt-plain")
+    assert (under(plain, src) / "f0").read_bytes() == (src / "f0").read_bytes()
+    assert "loop_profile" not in mounter.status(plain)
+
+
 def test_concurrent_readers_get_correct_bytes_and_each_chunk_is_fetched_once(tmp_path, any_repo, any_mounter):
     mounter = any_mounter
     src = tmp_path / "data"

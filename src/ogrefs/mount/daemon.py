@@ -50,7 +50,7 @@ from ogrefs.lazy.prefetch import Prefetch
 from ogrefs.lazy.recorder import Recorder, quiet_from_env, save_trace, save_when_recorded
 from ogrefs.lazy.snapshotgate import SnapshotGate
 from ogrefs.lazy.vfs import SnapshotFS
-from ogrefs.mount import fuse_ops, keeper, mountsys
+from ogrefs.mount import fuse_ops, keeper, loopprofile, mountsys
 from ogrefs.mount.hostpaths import HostView
 from ogrefs.mount.plan import MountPlan
 from ogrefs.mount.status import STATUS_INTERVAL
@@ -85,6 +85,7 @@ class Daemon:
         self.initialized = trio.Event()  # set by the kernel's INIT request
         self.nursery: trio.Nursery | None = None
         self.info: dict[str, Any] = {}
+        self.profile = loopprofile.LoopProfile() if loopprofile.enabled() else None  # OGREFS_PROFILE_LOOP
 
     def run(self) -> int:
         """Serve until unmounted or signalled: 0, or 1 when serving failed (logged).
@@ -117,6 +118,9 @@ class Daemon:
             self.serving = True
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
+                if self.profile is not None:
+                    trio.lowlevel.add_instrument(self.profile)
+                    nursery.start_soon(self.profile.sample_wakeups)
                 await nursery.start(self.fetcher.run)
                 nursery.start_soon(self._on_signals)
                 nursery.start_soon(self._announce)
@@ -167,7 +171,8 @@ class Daemon:
         """The FUSE mount, this process's own namespace (with a keeper), the lock's heartbeat, the registration."""
         plan = self.plan
         self.info = self._registration_info()
-        ops = fuse_ops.FuseOps(self.fs, on_init=self.initialized.set)
+        ops = fuse_ops.FuseOps(self.fs, on_init=self.initialized.set,
+                               on_request=self.profile.serving if self.profile is not None else None)
         fuse_ops.fuse_mount(ops, str(plan.mountpoint), fuse_ops.mount_options(allow_other=plan.opts.allow_other))
         # With a keeper this namespace has no mount left to unmount: the box's unmount of the lower ends the session.
         stack.callback(_quietly, fuse_ops.fuse_close, unmount=self.keeper is None)
@@ -281,7 +286,8 @@ class Daemon:
                 "page_cache_pushed": vs.page_cache_pushed,
                 "materialize": self.prefetch.stats(), "trace_replayed": len(self.plan.trace_entries or []),
                 "snapshot_yield": self.snapshot_gate.stats() if self.snapshot_gate is not None else None,
-                "trace_recording": bool(self.recorder and self.recorder.active)}
+                "trace_recording": bool(self.recorder and self.recorder.active),
+                **({"loop_profile": self.profile.report()} if self.profile is not None else {})}
 
     # -- teardown (registered on the exit stack) ------------------------------------------------------
     def _save_trace_unless_saved(self) -> None:

@@ -33,6 +33,8 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 def _replies_errno(method: F) -> F:
     @functools.wraps(method)
     async def handler(self, *args):
+        if self.on_request is not None:
+            self.on_request(method.__name__)
         try:
             return await method(self, *args)
         except pyfuse3.FUSEError:
@@ -78,10 +80,12 @@ class FuseOps(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, fs: SnapshotFS, on_init: Callable[[], None] | None = None) -> None:
+    def __init__(self, fs: SnapshotFS, on_init: Callable[[], None] | None = None,
+                 on_request: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.fs = fs
         self._on_init = on_init
+        self.on_request = on_request  # told each request's operation (mount/loopprofile.py), on the loop
 
     def init(self) -> None:
         if self._on_init is not None:
