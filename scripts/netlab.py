@@ -11,13 +11,16 @@ everywhere; tbf is). With ``rtt_ms`` the clients reach the store through scripts
 inside the namespace on the store's address, which holds each direction's
 bytes for half the round trip (this kernel has no netem, and tbf shapes rate
 only); the relay's output still leaves through the shaped veth.
-Everything is torn down on exit, also after errors.
+Everything is torn down on exit, also after errors and on SIGTERM or
+SIGHUP (turned into SystemExit while the store is up, in the main thread:
+a killed benchmark leaves no namespace, veth or SeaweedFS behind).
 Only addresses created here are ever contacted.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +31,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.seaweed import SeaweedServer, find_weed, free_ports  # noqa: E402
+
+
+_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+class ExitOnSignals:
+    """While entered (main thread only), SIGTERM and SIGHUP raise SystemExit, so ``with`` blocks unwind."""
+
+    def __init__(self) -> None:
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> "ExitOnSignals":
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for sig in _EXIT_SIGNALS:
+                self._old[sig] = signal.signal(sig, _exit_on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+        self._old.clear()
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -47,8 +76,10 @@ class ShapedStore:
         self.host_ip, self.store_ip = f"10.231.{n}.1", f"10.231.{n}.2"
         self._tmp = tempfile.TemporaryDirectory(prefix="ogrefs-bench-s3-")
         self.server: SeaweedServer | None = None
+        self._signals = ExitOnSignals()
 
     def __enter__(self) -> "ShapedStore":
+        self._signals.__enter__()
         try:
             _ip("netns", "add", self.ns)
             _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
@@ -96,6 +127,7 @@ class ShapedStore:
         _ip("link", "del", self.host_if, check=False)
         _ip("netns", "del", self.ns, check=False)
         self._tmp.cleanup()
+        self._signals.__exit__()
 
     @property
     def endpoint(self) -> str:
