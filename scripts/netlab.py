@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +48,6 @@ class ExitOnSignals:
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> "ExitOnSignals":
-        import threading
         if threading.current_thread() is threading.main_thread():
             for sig in _EXIT_SIGNALS:
                 self._old[sig] = signal.signal(sig, _exit_on_signal)

@@ -13,9 +13,11 @@ A cold step asks too: ~2,900 lookups for the hf shape's step, each a query
 for the entry and one for its size in blocks, and a query gives up the GIL:
 when one of the mount's fetch or materializer threads takes it, the loop
 sleeps until it is handed back and then waits for a core (a lazy run's
-lookups waited 2.5x as long as a bare mount's).  A directory looked up in a second time is therefore read
-whole, once, with its entries' attributes (:meth:`Remembered.child`): the
-names an import probes next, present or not, are answered from a dict.
+lookups waited 2.5x as long as a bare mount's).  A directory looked up in a
+second time is therefore read whole, once, in a worker thread, with its
+entries' attributes (:meth:`Remembered.index_wanted`, :meth:`~Remembered.add_index`):
+the names an import probes next, present or not, are answered from a dict
+(:meth:`Remembered.child`).
 
 :class:`BoundedCache` is a plain dict with first-in-first-out eviction by
 weight (an inode weighs 1, a page of a listing its entries): old entries go
@@ -39,15 +41,15 @@ if TYPE_CHECKING:
 #: several times what a training step opens and lists (the pointer box: 1,674 files, 220 directories).
 NODE_CACHE_ENTRIES = 16384
 LISTING_CACHE_ENTRIES = 16384
-#: A directory is read whole for lookups at its second lookup, when it holds at most DIR_INDEX_MAX entries
-#: (a larger one, a dataset's shards, goes on being asked name by name); DIR_INDEX_ENTRIES bound them all.
+#: A directory is read whole for lookups at its second lookup and kept when it holds at most DIR_INDEX_MAX
+#: entries (a larger one, a dataset's shards, goes on being asked name by name); DIR_INDEX_ENTRIES bound them all.
 DIR_INDEX_AFTER = 2
 DIR_INDEX_MAX = 2048
 DIR_INDEX_ENTRIES = 32768
 
 #: :meth:`Remembered.child`'s answer when the directory is not read whole (ask the catalog)
 NOT_INDEXED: Any = object()
-_TOO_BIG: dict = {}
+_NOT_KEPT: dict = {}  # the index of a directory over DIR_INDEX_MAX entries, or one that could not be read
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -96,12 +98,10 @@ class Remembered:
     """
 
     def __init__(self, catalog: "Catalog", local: "LocalCopy | None",
-                 first_page: Callable[[int], list[tuple[bytes, Any]]],
-                 listing: Callable[[int, int], list[tuple[bytes, Any]]] | None = None) -> None:
+                 first_page: Callable[[int], list[tuple[bytes, Any]]]) -> None:
         self.catalog = catalog
         self.local = local
         self._read_first_page = first_page
-        self._read_listing = listing  # (directory, at most n entries) -> [(name, attributes)] in name order
         self._indexes: BoundedCache[int, dict[bytes, Any]] = BoundedCache(DIR_INDEX_ENTRIES)
         self._lookups_in: BoundedCache[int, int] = BoundedCache(NODE_CACHE_ENTRIES)
         self._nodes: BoundedCache[int, Inode] = BoundedCache(NODE_CACHE_ENTRIES)
@@ -119,30 +119,26 @@ class Remembered:
         self._nodes.put(node.ino, node)
 
     def child(self, parent: int, name: bytes) -> Any:
-        """``name``'s attributes in directory ``parent`` from the directory read whole; None: no such entry.
-
-        NOT_INDEXED when the directory is not read whole (its first lookup, a
-        directory over DIR_INDEX_MAX entries, no ``listing``): the caller
-        asks the catalog for this one name.
-        """
+        """``name``'s attributes in directory ``parent`` read whole; None: no such entry; NOT_INDEXED: not read
+        whole (not yet, or over DIR_INDEX_MAX entries): the caller asks the catalog for this one name."""
         index = self._indexes.get(parent)
-        if index is None:
-            if self._read_listing is None:
-                return NOT_INDEXED
-            seen = (self._lookups_in.get(parent) or 0) + 1
-            if seen < DIR_INDEX_AFTER:
-                self._lookups_in.put(parent, seen)
-                return NOT_INDEXED
-            entries = self._read_listing(parent, DIR_INDEX_MAX + 1)
-            if len(entries) > DIR_INDEX_MAX:
-                index = _TOO_BIG
-                self._indexes.put(parent, index, 1)
-            else:
-                index = dict(entries)
-                self._indexes.put(parent, index, len(index) + 1)
-        if index is _TOO_BIG:
+        if index is None or index is _NOT_KEPT:
             return NOT_INDEXED
         return index.get(name)
+
+    def index_wanted(self, parent: int) -> bool:
+        """Counts a lookup in ``parent`` not answered by :meth:`child`: True once, at DIR_INDEX_AFTER (the
+        caller reads the directory and gives it to :meth:`add_index`; lookups meanwhile ask name by name)."""
+        seen = (self._lookups_in.get(parent) or 0) + 1
+        self._lookups_in.put(parent, seen)
+        return seen == DIR_INDEX_AFTER
+
+    def add_index(self, parent: int, entries: list[tuple[bytes, Any]] | None) -> None:
+        """Directory ``parent``'s entries in name order, at most DIR_INDEX_MAX + 1 of them (None: unreadable)."""
+        if entries is None or len(entries) > DIR_INDEX_MAX:
+            self._indexes.put(parent, _NOT_KEPT, 1)
+        else:
+            self._indexes.put(parent, dict(entries), len(entries) + 1)
 
     def first_page(self, ino: int) -> list[tuple[bytes, Any]]:
         page = self._pages.get(ino)

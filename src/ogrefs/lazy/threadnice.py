@@ -66,6 +66,8 @@ def _renice_and_back(result: list[bool]) -> None:
 def may_renice() -> bool:
     """Whether this process may lower a thread's priority and raise it back (checked once, in a throwaway thread)."""
     global _may
+    if _may is not None:  # every job asks: no lock once it is known
+        return _may
     with _lock:
         if _may is None:
             result: list[bool] = []
