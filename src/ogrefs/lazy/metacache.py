@@ -15,22 +15,25 @@ when one of the mount's fetch or materializer threads takes it, the loop
 sleeps until it is handed back and then waits for a core (a lazy run's
 lookups waited 2.5x as long as a bare mount's).  A directory looked up in a
 second time is therefore read whole, once, in a worker thread, with its
-entries' attributes (:meth:`Remembered.index_wanted`, :meth:`~Remembered.add_index`):
-the names an import probes next, present or not, are answered from a dict
-(:meth:`Remembered.child`).
+entries' attributes (:meth:`Remembered.child`): the names an import probes
+next, present or not, are answered from a dict.
 
 :class:`BoundedCache` is a plain dict with first-in-first-out eviction by
 weight (an inode weighs 1, a page of a listing its entries): old entries go
 first, and the bound holds memory to a few MiB whatever the tree's size.
 
 Who owns what: a cache belongs to its owner's trio loop (the SnapshotFS or
-the PagePusher); worker threads never touch it.
+the PagePusher); worker threads never touch it (a directory read whole is
+read in one and handed back; the loop keeps it).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
+import trio
+
+from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Inode
 
 if TYPE_CHECKING:
@@ -98,10 +101,12 @@ class Remembered:
     """
 
     def __init__(self, catalog: "Catalog", local: "LocalCopy | None",
-                 first_page: Callable[[int], list[tuple[bytes, Any]]]) -> None:
+                 first_page: Callable[[int], list[tuple[bytes, Any]]],
+                 listing: Callable[[int, int], list[tuple[bytes, Any]]]) -> None:
         self.catalog = catalog
         self.local = local
         self._read_first_page = first_page
+        self._read_listing = listing  # blocking: (directory, at most n) -> [(name, attributes)] in name order
         self._indexes: BoundedCache[int, dict[bytes, Any]] = BoundedCache(DIR_INDEX_ENTRIES)
         self._lookups_in: BoundedCache[int, int] = BoundedCache(NODE_CACHE_ENTRIES)
         self._nodes: BoundedCache[int, Inode] = BoundedCache(NODE_CACHE_ENTRIES)
@@ -118,27 +123,35 @@ class Remembered:
         """An inode row the vfs has just read (a lookup's): the open that follows asks no query."""
         self._nodes.put(node.ino, node)
 
-    def child(self, parent: int, name: bytes) -> Any:
+    async def child(self, parent: int, name: bytes) -> Any:
         """``name``'s attributes in directory ``parent`` read whole; None: no such entry; NOT_INDEXED: not read
-        whole (not yet, or over DIR_INDEX_MAX entries): the caller asks the catalog for this one name."""
+        whole (its first lookup, over DIR_INDEX_MAX entries, a damaged row, or being read by another lookup):
+        the caller asks the catalog for this one name.
+
+        The second lookup in a directory reads it, in a worker thread: up to
+        DIR_INDEX_MAX + 1 rows are more than the loop reads inline.
+        """
         index = self._indexes.get(parent)
+        if index is None:
+            seen = (self._lookups_in.get(parent) or 0) + 1
+            self._lookups_in.put(parent, seen)
+            if seen == DIR_INDEX_AFTER:
+                index = await self._read_whole(parent)
         if index is None or index is _NOT_KEPT:
             return NOT_INDEXED
         return index.get(name)
 
-    def index_wanted(self, parent: int) -> bool:
-        """Counts a lookup in ``parent`` not answered by :meth:`child`: True once, at DIR_INDEX_AFTER (the
-        caller reads the directory and gives it to :meth:`add_index`; lookups meanwhile ask name by name)."""
-        seen = (self._lookups_in.get(parent) or 0) + 1
-        self._lookups_in.put(parent, seen)
-        return seen == DIR_INDEX_AFTER
-
-    def add_index(self, parent: int, entries: list[tuple[bytes, Any]] | None) -> None:
-        """Directory ``parent``'s entries in name order, at most DIR_INDEX_MAX + 1 of them (None: unreadable)."""
+    async def _read_whole(self, parent: int) -> dict[bytes, Any]:
+        try:
+            entries = await trio.to_thread.run_sync(self._read_listing, parent, DIR_INDEX_MAX + 1)
+        except CorruptObject:  # one malformed row: the names that are fine are still found one by one
+            entries = None
         if entries is None or len(entries) > DIR_INDEX_MAX:
-            self._indexes.put(parent, _NOT_KEPT, 1)
+            index, weight = _NOT_KEPT, 1
         else:
-            self._indexes.put(parent, dict(entries), len(entries) + 1)
+            index, weight = dict(entries), len(entries) + 1
+        self._indexes.put(parent, index, weight)
+        return index
 
     def first_page(self, ino: int) -> list[tuple[bytes, Any]]:
         page = self._pages.get(ino)

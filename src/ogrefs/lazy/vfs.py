@@ -54,10 +54,9 @@ import trio
 
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog, Extent, Inode
-from ogrefs.errors import CorruptObject, OgrefsError
+from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
 from ogrefs.lazy.localread import LocalReads, pread
-from ogrefs.lazy import metacache
 from ogrefs.lazy.metacache import NOT_INDEXED, Remembered
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
@@ -236,7 +235,8 @@ class SnapshotFS:
                         if page_cache is not None and local is not None else None)
         self._files: dict[int, _OpenFile] = {}
         # the answers every open and listing asks for, asked of the catalog once (a snapshot never changes)
-        self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE))
+        self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE),
+                                lambda ino, n: self._page(ino, None, 0, n))
         self._dirs: dict[int, _OpenDir] = {}
         self._next_fh = 1
         self._last_request = -float("inf")  # trio time of the latest application request
@@ -282,13 +282,9 @@ class SnapshotFS:
             attr = self._attr(self._node(parent))
         elif name == b"..":
             attr = self._attr(self._node(self.catalog.parent_of(parent)))
-        elif (attr := self._memo.child(parent, name)) is NOT_INDEXED:
-            if self._memo.index_wanted(parent):  # the second lookup here: read the directory whole, once
-                await self._read_whole(parent)
-                attr = self._memo.child(parent, name)
-            if attr is NOT_INDEXED:
-                node = self.catalog.lookup(parent, name)
-                attr = self._attr(node) if node is not None else None
+        elif (attr := await self._memo.child(parent, name)) is NOT_INDEXED:
+            node = self.catalog.lookup(parent, name)
+            attr = self._attr(node) if node is not None else None
         if attr is None:
             if not self._node(parent).is_dir:
                 raise FsError(errno.ENOTDIR)
@@ -296,16 +292,6 @@ class SnapshotFS:
         self._memo.remember(attr.node)
         self._ref(attr.node.ino)
         return attr
-
-    async def _read_whole(self, parent: int) -> None:
-        """Directory ``parent``'s entries for lookups (lazy/metacache.py), read in a worker thread: up to
-        DIR_INDEX_MAX + 1 rows are more than the loop reads inline.  A directory that cannot be read whole
-        (a damaged row) is not indexed: its names are asked one by one, as before."""
-        try:
-            entries = await trio.to_thread.run_sync(self._page, parent, None, 0, metacache.DIR_INDEX_MAX + 1)
-        except CorruptObject:
-            entries = None
-        self._memo.add_index(parent, entries)
 
     def _ref(self, ino: int) -> None:
         self._lookups[ino] = self._lookups.get(ino, 0) + 1
