@@ -43,6 +43,25 @@ def test_a_step_is_charged_to_its_operation_with_its_wall_and_cpu_time():
     assert r["read"]["longest_ms"] >= 25
 
 
+def test_the_step_that_adds_the_profile_is_not_counted_from_the_epoch():
+    """The daemon adds the instrument from inside a running task: that step's end comes without its
+    beginning, and must not count as a step as long as the machine's uptime."""
+    profile = LoopProfile()
+    began = time.perf_counter()
+
+    async def main():
+        trio.lowlevel.add_instrument(profile)
+        await trio.sleep(0)
+        spin(0.01)
+        await trio.sleep(0)
+
+    trio.run(main)
+    took = time.perf_counter() - began
+    r = profile.report()["steps"]
+    assert r["other"]["count"] >= 2
+    assert r["other"]["wall_s"] <= took and r["other"]["longest_ms"] <= took * 1e3
+
+
 def test_a_blocked_loop_shows_as_late_wake_ups():
     profile = LoopProfile()
 

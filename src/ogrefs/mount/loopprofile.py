@@ -64,7 +64,9 @@ class LoopProfile(trio.abc.Instrument):
 
     def __init__(self) -> None:
         self._op = "other"
-        self._started: tuple[float, float] = (0.0, 0.0)
+        #: when the running step began (wall, CPU); None between steps, and during the step that added the
+        #: instrument, whose beginning it never saw
+        self._started: tuple[float, float] | None = None
         self.steps: dict[str, _Steps] = {}
         self.late = [0] * (len(LATE_BOUNDS) + 1)  # wake-ups per bucket of lateness (the last: later than 1 s)
         self.latest = 0.0
@@ -75,8 +77,11 @@ class LoopProfile(trio.abc.Instrument):
         self._started = (time.perf_counter(), time.thread_time())
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._started is None:
+            return
         wall = time.perf_counter() - self._started[0]
         cpu = time.thread_time() - self._started[1]
+        self._started = None
         s = self.steps.get(self._op)
         if s is None:
             s = self.steps[self._op] = _Steps()
