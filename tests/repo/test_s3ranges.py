@@ -208,6 +208,7 @@ def test_a_server_that_ignores_the_range_is_asked_through_botocore(
     assert store.get_range("k", 1000, 500) == DATA[1000:1500]
     assert len(handler.seen) == 2
     assert "X-Amz-Signature=" in handler.seen[0] and "X-Amz-Signature=" not in handler.seen[1]
+    assert not store._ranges._urls  # signed again next time (a redirect's region learnt meanwhile)
 
 
 # -- the URL cache ------------------------------------------------------------------------------------

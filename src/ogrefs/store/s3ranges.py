@@ -18,10 +18,11 @@ What it keeps from botocore, by construction rather than by copying:
   (``URLLib3Session``): the same connection pool, TLS verification and CA
   bundle, proxies and timeouts.
 
-What stays with botocore: every answer that is not the range asked for.  A
-``403`` (an expired URL or credential) drops the URL and the caller asks
-botocore, which refreshes and, if it is refused too, says why in its own
-words; so do ``404``, ``416``, a redirect and a server that ignored the
+What stays with botocore: every answer that is not the range asked for.
+The URL is dropped and the caller asks botocore, which says what went wrong
+in its own words: a ``403`` (an expired URL or credentials; botocore
+refreshes them), ``404``, ``416``, a redirect (botocore learns the bucket's
+region, which the next URL is signed for) and a server that ignored the
 range.  A ``5xx``/``429``/``408`` is a TransientError at once (asking again
 would double the load on a server that is shedding it).  A failure to
 connect or a broken body is the caller's to translate, with the URL's query
@@ -137,10 +138,10 @@ class PresignedRanges:
             return raw
         detail = _error_code(raw) if status >= 400 else ""
         _discard(raw)
-        if status == 403:
-            self.forget(full_key)
         if status >= 500 or status in _RETRY_LATER:
             raise TransientError(f"server said {detail or status} (HTTP {status})")
+        # Signed again next time: after botocore has refreshed credentials or learnt the bucket's region.
+        self.forget(full_key)
         return None
 
 
