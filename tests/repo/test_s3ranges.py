@@ -37,6 +37,7 @@ class GetObjectCalls:
 
 @pytest.fixture
 def s3(seaweed: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Store]:
+    monkeypatch.delenv(SWITCH, raising=False)  # on, whatever the caller's environment says
     seaweed.ensure_running()
     for k, v in seaweed.env().items():
         monkeypatch.setenv(k, v)
@@ -127,6 +128,7 @@ def test_switched_off_every_range_goes_through_botocore(seaweed: Any, monkeypatc
 
 def test_a_store_that_cannot_be_reached_says_where_without_the_signature(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SWITCH, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDSECRETIDENTITY")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
     with socket.socket() as s:
@@ -177,6 +179,7 @@ class _Answers(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def answering(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Store, type[_Answers]]]:
+    monkeypatch.delenv(SWITCH, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
     handler = type("Answers", (_Answers,), {"seen": []})
