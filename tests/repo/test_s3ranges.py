@@ -228,7 +228,7 @@ class _Signer:
 def test_a_url_is_reused_until_its_reuse_time_then_signed_again() -> None:
     now = [1000.0]
     signer = _Signer()
-    ranges = PresignedRanges(signer, http=None, request_class=None, bucket="b", clock=lambda: now[0])
+    ranges = PresignedRanges(signer, http=None, bucket="b", clock=lambda: now[0])
     first = ranges._url("k")
     now[0] += URL_REUSE_S - 1
     assert ranges._url("k") == first and signer.n == 1

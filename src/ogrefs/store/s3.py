@@ -67,7 +67,7 @@ from ogrefs.store.base import (
     validate_key,
     validate_prefix,
 )
-from ogrefs.store.s3ranges import PresignedRanges, RangeBody, scrub_signed
+from ogrefs.store.s3ranges import CONTENT_RANGE_RE, PresignedRanges, scrub_signed
 
 __all__ = ["S3Store", "parse_s3_url"]
 
@@ -92,7 +92,6 @@ _TRANSIENT_CODES = frozenset({
     "OperationAborted", "RequestThrottled", "BandwidthLimitExceeded", "EC2ThrottledException",
     "PriorRequestNotComplete",
 })
-_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -200,7 +199,7 @@ class S3Store(Store):
             raise type(err)(scrubbed) from None
         raise err from exc
 
-    def _open_presigned(self, key: str, offset: int, length: int) -> RangeBody | None:
+    def _open_presigned(self, key: str, offset: int, length: int) -> _S3Range | None:
         """The range's body fetched on a presigned URL; None: ask botocore (see store/s3ranges.py)."""
         if self._ranges is None:
             return None
@@ -210,7 +209,7 @@ class S3Store(Store):
             raise TransientError(f"{self._where(key)}: get_range: {exc}") from None
         except Exception as exc:
             self._fail(exc, "get_range", key)
-        return None if raw is None else RangeBody(raw, length)
+        return None if raw is None else _S3Range(self, raw, key, length)
 
     # -- the interface ----------------------------------------------------
 
@@ -238,7 +237,12 @@ class S3Store(Store):
             return b""
         fast = self._open_presigned(key, offset, length)
         if fast is not None:
-            return self._read_whole(fast, key, length)
+            with fast:
+                data = fast.read(length)  # one read: urllib3 reads until ``length`` bytes or the body's end
+            if len(data) != length:
+                raise TransientError(f"{self._where(key)}: get_range: the connection closed after "
+                                     f"{len(data)} of {length} bytes")
+            return data
         want = f"bytes={offset}-{offset + length - 1}"
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), Range=want)
@@ -254,7 +258,7 @@ class S3Store(Store):
             return data[offset:offset + length]
         if len(data) == length:
             return data
-        m = _CONTENT_RANGE_RE.fullmatch(content_range.strip())
+        m = CONTENT_RANGE_RE.fullmatch(content_range.strip())
         total = int(m.group(3)) if m and m.group(3) != "*" else None
         if total is not None and offset + length > total:
             raise ShortRead(f"{self._where(key)}: range {offset}+{length} is past the end "
@@ -270,7 +274,7 @@ class S3Store(Store):
             return BytesRange(self.get_range(key, offset, length))
         fast = self._open_presigned(key, offset, length)
         if fast is not None:
-            return _S3Range(self, fast, key, length)
+            return fast
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key),
                                            Range=f"bytes={offset}-{offset + length - 1}")
@@ -282,18 +286,6 @@ class S3Store(Store):
             body.close()
             return BytesRange(self.get_range(key, offset, length))
         return _S3Range(self, body, key, length)
-
-    def _read_whole(self, body: RangeBody, key: str, length: int) -> bytes:
-        try:
-            data = body.read(length)
-        except Exception as exc:
-            body.close()
-            self._fail(exc, "get_range", key)
-        body.close()
-        if len(data) != length:
-            raise TransientError(f"{self._where(key)}: get_range: the connection closed after {len(data)} "
-                                 f"of {length} bytes")
-        return data
 
     def _head_size(self, key: str, op: str) -> int:
         try:

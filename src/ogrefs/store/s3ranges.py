@@ -46,9 +46,11 @@ import threading
 import time
 from typing import Any
 
+from botocore.awsrequest import AWSRequest
+
 from ogrefs.store.base import TransientError
 
-__all__ = ["PresignedRanges", "SWITCH", "scrub_signed"]
+__all__ = ["CONTENT_RANGE_RE", "PresignedRanges", "SWITCH", "scrub_signed"]
 
 #: Environment variable; ``0`` sends every GET through botocore.
 SWITCH = "OGREFS_S3_PRESIGNED_READS"
@@ -63,18 +65,16 @@ MAX_URLS = 4096
 
 _RETRY_LATER = frozenset({408, 429})
 _CODE_RE = re.compile(rb"<Code>([^<]{1,64})</Code>")
-_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _SIGNED_QUERY_RE = re.compile(r"\?[^\s\"'<>]*(?:X-Amz-|Signature=|AWSAccessKeyId=)[^\s\"'<>]*")
 
 
 class PresignedRanges:
     """Ranged GETs of ``bucket``'s objects through ``client``'s presigned URLs (see the module docstring)."""
 
-    def __init__(self, client: Any, http: Any, request_class: Any, bucket: str,
-                 clock: Any = time.monotonic) -> None:
+    def __init__(self, client: Any, http: Any, bucket: str, clock: Any = time.monotonic) -> None:
         self._client = client
         self._http = http
-        self._request_class = request_class
         self._bucket = bucket
         self._clock = clock
         self._lock = threading.Lock()
@@ -90,8 +90,7 @@ class PresignedRanges:
         if http is None or not callable(getattr(http, "send", None)) \
                 or not callable(getattr(client, "generate_presigned_url", None)):
             return None
-        from botocore.awsrequest import AWSRequest
-        return cls(client, http, AWSRequest, bucket)
+        return cls(client, http, bucket)
 
     # -- URLs ---------------------------------------------------------------
 
@@ -118,7 +117,8 @@ class PresignedRanges:
     # -- GETs ---------------------------------------------------------------
 
     def open(self, full_key: str, offset: int, length: int) -> Any | None:
-        """The body (a urllib3 response, not yet read) of bytes ``offset``..``offset+length-1``.
+        """The body (a urllib3 response, not yet read) of bytes ``offset``..``offset+length-1``: read to its
+        end it gives its connection back to the pool by itself; closed early, it closes the connection.
 
         None: ask botocore instead (the answer was not that range: refused,
         missing, past the end, redirected, or the whole object).  Raises
@@ -127,11 +127,9 @@ class PresignedRanges:
         caller translates it and cuts the query with :func:`scrub_signed`).
         """
         url = self._url(full_key)
-        request = self._request_class(method="GET", url=url,
-                                      headers={"Range": f"bytes={offset}-{offset + length - 1}"})
-        prepared = request.prepare()
-        prepared.stream_output = True
-        answer = self._http.send(prepared)
+        request = AWSRequest(method="GET", url=url, headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+                             stream_output=True)
+        answer = self._http.send(request.prepare())
         raw = answer.raw
         status = answer.status_code
         if status == 206 and _is_range(answer.headers, offset, length):
@@ -146,7 +144,7 @@ class PresignedRanges:
 
 
 def _is_range(headers: Any, offset: int, length: int) -> bool:
-    m = _CONTENT_RANGE_RE.fullmatch((headers.get("Content-Range") or "").strip())
+    m = CONTENT_RANGE_RE.fullmatch((headers.get("Content-Range") or "").strip())
     if m is None or int(m.group(1)) != offset or int(m.group(2)) != offset + length - 1:
         return False
     declared = headers.get("Content-Length")
@@ -173,23 +171,3 @@ def scrub_signed(text: str) -> str:
     """``text`` with the query of any presigned URL in it cut off (no signature, no access key id)."""
     return _SIGNED_QUERY_RE.sub("", text)
 
-
-class RangeBody:
-    """A ``206`` answer's body of ``length`` bytes, read in pieces; owned by the one thread that reads it.
-
-    A body read to its end has already given its connection back to the pool
-    (urllib3 does so when the response is complete); ``close`` closes a
-    connection cut short, whose unread bytes must not greet the next request.
-    """
-
-    def __init__(self, raw: Any, length: int) -> None:
-        self._raw = raw
-        self._left = length
-
-    def read(self, n: int) -> bytes:
-        data: bytes = self._raw.read(min(n, self._left)) if self._left > 0 else b""
-        self._left -= len(data)
-        return data
-
-    def close(self) -> None:
-        _discard(self._raw)
