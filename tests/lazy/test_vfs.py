@@ -282,10 +282,13 @@ class SourceCopy:
         return None
 
 
-def run_pushing_fs(repo: Repository, cat: Catalog, local, body, page_cache=None) -> dict[int, bytes]:
+def run_pushing_fs(repo: Repository, cat: Catalog, local, body, page_cache=None,
+                   open_push: bool = False) -> dict[int, bytes]:
     """Run ``body(fs)`` with pushes on; returns what went to the "page cache" (ino -> bytes), in order.
 
-    ``page_cache``: a store function of the test's own instead (then nothing is returned).
+    ``page_cache``: a store function of the test's own instead (then nothing is returned); ``open_push``:
+    the open-time push of small files from memory as well (lazy/openpush.py; these tests are the directory
+    pusher's unless they say so).
     """
     pushed: dict[int, bytes] = {}
     lock = threading.Lock()
@@ -300,7 +303,7 @@ def run_pushing_fs(repo: Repository, cat: Catalog, local, body, page_cache=None)
     async def main():
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
-            fs = SnapshotFS(cat, fetcher, local=local, page_cache=page_cache or collect)
+            fs = SnapshotFS(cat, fetcher, local=local, page_cache=page_cache or collect, open_push=open_push)
             nursery.start_soon(fs.run_pushes)
             await body(fs)
             nursery.cancel_scope.cancel()
@@ -624,3 +627,67 @@ def test_a_directory_that_cannot_be_read_whole_is_still_looked_up_name_by_name(s
         assert counting.asked.count("children") == 1 and counting.asked.count("lookup") >= len(names)
 
     run_fs(repo, counting, body)
+
+
+class ListRecorder:
+    """An access recorder that keeps every (inode, offset, length) it is told, in order."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.touched: list[tuple[int, int, int]] = []
+
+    def record(self, ino: int, offset: int, length: int = 0) -> None:
+        self.touched.append((ino, offset, length))
+
+
+def test_an_open_pushes_a_small_file_memory_holds_whole_and_records_it_as_read(snap):
+    """lazy/openpush.py through the vfs: the push is in the page cache before the open returns; a file memory
+    does not hold, or a large one, is read as usual."""
+    repo, cat, src = snap
+    pushed: list[tuple[int, bytes]] = []
+    fetcher = Fetcher(repo.read_pack_range, None)
+    recorder = ListRecorder()
+    seen: dict[str, object] = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            fs = SnapshotFS(cat, fetcher, recorder=recorder, page_cache=lambda ino, data: pushed.append((ino, data)))
+            nursery.start_soon(fs.run_pushes)
+            await trio.sleep(0.01)
+            d = await walk_to(fs, src / "bigdir")
+            inos = {name: ino for name, ino, _ in await list_dir(fs, d.node.ino)}
+            # f00001 is read through the store; its small neighbours come along (directory read-ahead)
+            fh = await fs.open(inos[b"f00001"], os.O_RDONLY)
+            assert await fs.read(fh, 0, 100) == b"1"
+            fs.release(fh)
+            with trio.fail_after(10):
+                while not fetcher.residency.in_memory(vfs_mod.ChunkRef.from_extent(
+                        cat.extents(inos[b"f00002"])[0]).chunk):
+                    await trio.sleep(0.01)
+            recorder.touched.clear()
+            reads = fs.stats.reads
+            fh = await fs.open(inos[b"f00002"], os.O_RDONLY)
+            seen["pushed_at_open"] = list(pushed)
+            seen["recorded"] = list(recorder.touched)
+            assert await fs.read(fh, 0, 100) == b"2"  # a read that comes anyway is served as ever
+            fs.release(fh)
+            fh = await fs.open(inos[b"f00002"], os.O_RDONLY)  # the kernel has it: not again
+            fs.release(fh)
+            seq = await walk_to(fs, src / "seq.bin")  # 9 MiB: never pushed at its open
+            fh = await fs.open(seq.node.ino, os.O_RDONLY)
+            await fs.read(fh, 0, 4096)
+            fs.release(fh)
+            fh = await fs.open(seq.node.ino, os.O_RDONLY)
+            fs.release(fh)
+            seen["inos"] = inos
+            seen["reads"] = fs.stats.reads - reads
+            seen["open_pushed"] = fs.stats.open_pushed
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    f2 = seen["inos"][b"f00002"]
+    assert seen["pushed_at_open"] == [(f2, b"2")] and pushed == [(f2, b"2")]
+    assert seen["recorded"] == [(f2, 0, 1)]
+    assert seen["open_pushed"] == 1 and seen["reads"] == 2

@@ -33,8 +33,9 @@ Who owns what: a SnapshotFS, its lookup counts and its handle tables belong to
 the trio loop; every method is called from trio tasks only.  Worker threads
 get the Catalog (thread-safe: one SQLite connection per thread) and an inode
 number or name, and return fresh lists.  The page-cache pusher
-(:class:`~ogrefs.lazy.pagepush.PagePusher`) belongs to the SnapshotFS and
-says who owns its channel.
+(:class:`~ogrefs.lazy.pagepush.PagePusher`) and the open-time push
+(:class:`~ogrefs.lazy.openpush.OpenPush`) belong to the SnapshotFS and say
+who owns their channel and nursery.
 
 Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
 place that turns any exception into an errno for an adapter.
@@ -58,6 +59,7 @@ from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
 from ogrefs.lazy.localread import LocalReads, pread
 from ogrefs.lazy.metacache import NOT_INDEXED, Remembered
+from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
 from ogrefs.store.base import StoreError
@@ -135,6 +137,7 @@ class VfsStats:
     local_reads: int = 0
     local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
     page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
+    open_pushed: int = 0  # small files put into the kernel's page cache from memory at their open (lazy/openpush.py)
 
 
 class AccessRecorder(Protocol):
@@ -175,7 +178,7 @@ async def _extents_of(catalog: Catalog, ino: int, size: int) -> list[Extent]:
 
 class _OpenFile:
     __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
-                 "partial_fd", "verified", "local_pending")
+                 "partial_fd", "verified", "local_pending", "store_read")
 
     def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
         self.ino = ino
@@ -190,6 +193,7 @@ class _OpenFile:
         # the complete local copy, opened at the first read: a file opened again whose pages the kernel
         # caches (an import run a second time) is never read, so its open costs no query and no fd
         self.local_pending: bytes | None = None
+        self.store_read = False  # the handle has read through the store (its small neighbours were asked for)
 
     def set_extents(self, extents: list[Extent]) -> None:
         self.extents = extents
@@ -208,13 +212,44 @@ class _OpenDir:
         self.complete = False  # entries reach the end of the directory
 
 
+def _read_ahead(f: _OpenFile, offset: int, end: int, next_index: int, window_min: int,
+                window_max: int) -> list[ChunkRef]:
+    """On sequential reads, the chunks of the next ``window`` bytes not yet requested.
+
+    Chunks are requested a quarter window at a time, once less than three
+    quarters of a window is requested ahead of the reader: each request to
+    the fetcher is a run of neighbours it can fetch with one GET, and the
+    next run is on its way long before the reader reaches it.
+    """
+    # the kernel's own read-ahead sends several requests at once, which may arrive out of order:
+    # anything near where the reader is counts as sequential
+    slack = f.window + 2 * MiB
+    if offset == 0 or f.next_offset - slack <= offset <= f.next_offset + slack:
+        f.window = min(max(f.window * 2, window_min), window_max)
+    else:
+        f.window = 0
+        f.ahead = 0
+    f.next_offset = max(end, f.next_offset) if f.window else end
+    if not f.window:
+        return []
+    start = max(next_index, f.ahead)
+    if start < len(f.extents) and f.extents[start].offset - end >= f.window * 3 // 4:
+        return []  # still most of a window requested ahead
+    stop = start
+    limit = end + f.window
+    while stop < len(f.extents) and f.extents[stop].offset < limit:
+        stop += 1
+    f.ahead = max(f.ahead, stop)
+    return f.refs[start:stop]
+
+
 class SnapshotFS:
     """The file-system operations of one mounted snapshot."""
 
     def __init__(self, catalog: Catalog, fetcher: Fetcher, *, readahead_max: int = 32 * MiB,
                  readahead_min: int = 4 * MiB, recorder: AccessRecorder | None = None,
                  local: LocalCopy | None = None,
-                 page_cache: Callable[[int, bytes], None] | None = None,
+                 page_cache: Callable[[int, bytes], None] | None = None, open_push: bool = True,
                  chunk_id: Callable[[bytes], bytes] = codec.chunk_id) -> None:
         self.catalog = catalog
         # Names a chunk from its bytes (the repository's: keyed when encrypted); every chunk read from the
@@ -233,6 +268,8 @@ class SnapshotFS:
         self._lookups: dict[int, int] = {}
         self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__)
                         if page_cache is not None and local is not None else None)
+        # small files whose chunks memory holds go to the page cache at their open (lazy/openpush.py)
+        self.open_push = OpenPush(page_cache) if page_cache is not None and open_push else None
         self._files: dict[int, _OpenFile] = {}
         # the answers every open and listing asks for, asked of the catalog once (a snapshot never changes)
         self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE),
@@ -306,6 +343,8 @@ class SnapshotFS:
                 self._lookups.pop(ino, None)
                 if self._pusher is not None:
                     self._pusher.forgotten(ino)
+                if self.open_push is not None:
+                    self.open_push.forgotten(ino)
 
     def lookup_count(self, ino: int) -> int:
         return self._lookups.get(ino, 0)
@@ -429,9 +468,26 @@ class SnapshotFS:
         # the extents are looked up at the first read (read, _extents_of), not now: a file opened again whose
         # pages the kernel caches (the next training step's imports: ~1,700 opens) is never read
         fh = self._new_fh()
-        self._files[fh] = _OpenFile(ino, node.size, [])
+        f = self._files[fh] = _OpenFile(ino, node.size, [])
         self.stats.opens += 1
+        if self.open_push is not None and self.open_push.wanted(ino, node.size):
+            await self._push_at_open(f)
         return fh
+
+    async def _push_at_open(self, f: _OpenFile) -> None:
+        """A small file memory holds whole goes to the page cache before its open is answered (lazy/openpush.py)."""
+        assert self.open_push is not None
+        try:
+            f.set_extents(await _extents_of(self.catalog, f.ino, f.size))  # (inline: OPEN_PUSH_MAX is small)
+        except (OgrefsError, sqlite3.Error):
+            return  # the read asks again, and says what is wrong
+        data = whole_in_memory(f.size, f.extents, [r.chunk for r in f.refs], self.fetcher.residency.in_memory)
+        if data is None or not await self.open_push.push(f.ino, data):
+            return
+        self.stats.open_pushed += 1
+        if self.recorder is not None and self.recorder.active:  # what the read it replaces would have recorded
+            for ext in f.extents:
+                self.recorder.record(f.ino, ext.offset, ext.end - ext.offset)
 
     async def _prefetch_siblings(self, ino: int) -> None:
         """The first small file opened in a directory brings its small neighbours along.
@@ -456,9 +512,13 @@ class SnapshotFS:
         return self._pusher is None or self._pusher.in_flight == 0
 
     async def run_pushes(self) -> None:
-        """Serve page-cache pushes until cancelled (a task in the mount's nursery; see :mod:`ogrefs.lazy.pagepush`)."""
-        if self._pusher is not None:
-            await self._pusher.run()
+        """Serve page-cache pushes until cancelled (a task in the mount's nursery; see :mod:`ogrefs.lazy.pagepush`
+        and :mod:`ogrefs.lazy.openpush`)."""
+        async with trio.open_nursery() as nursery:
+            if self._pusher is not None:
+                nursery.start_soon(self._pusher.run)
+            if self.open_push is not None:
+                nursery.start_soon(self.open_push.run)
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
@@ -487,10 +547,12 @@ class SnapshotFS:
             if local_data is not None:
                 self._served(f)
                 return local_data
-        if not f.extents:  # the handle's first read through the store: its extents, its small neighbours
+        if not f.store_read:  # the handle's first read through the store: its extents, its small neighbours
             if f.size <= SIBLING_FILE_MAX:
                 await self._prefetch_siblings(f.ino)
-            f.set_extents(await _extents_of(self.catalog, f.ino, f.size))
+            if not f.extents:  # (an open that tried a push has them)
+                f.set_extents(await _extents_of(self.catalog, f.ino, f.size))
+            f.store_read = True
         first = max(0, bisect_right(f.starts, offset) - 1)
         last = first
         while last < len(f.extents) and f.extents[last].offset < end:
@@ -499,7 +561,7 @@ class SnapshotFS:
         if self.recorder is not None and self.recorder.active:
             for k in wanted:
                 self.recorder.record(f.ino, f.extents[k].offset, f.extents[k].end - f.extents[k].offset)
-        ahead = self._read_ahead(f, offset, end, last)
+        ahead = _read_ahead(f, offset, end, last, self.readahead_min, self.readahead_max)
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together (the
             # fetcher skips what the residency has: in memory, in the materializer's hand, in the local tree)
@@ -541,6 +603,8 @@ class SnapshotFS:
     def _served(self, f: _OpenFile) -> None:
         if self._pusher is not None and f.size <= PUSH_FILE_MAX:
             self._pusher.served(f.ino)
+        if self.open_push is not None and f.size <= OPEN_PUSH_MAX:
+            self.open_push.served(f.ino)
 
     async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
         """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
@@ -579,32 +643,3 @@ class SnapshotFS:
             f.verified.add(k)
         self.stats.local_reads += 1
         return data
-
-    def _read_ahead(self, f: _OpenFile, offset: int, end: int, next_index: int) -> list[ChunkRef]:
-        """On sequential reads, the chunks of the next ``window`` bytes not yet requested.
-
-        Chunks are requested a quarter window at a time, once less than three
-        quarters of a window is requested ahead of the reader: each request to
-        the fetcher is a run of neighbours it can fetch with one GET, and the
-        next run is on its way long before the reader reaches it.
-        """
-        # the kernel's own read-ahead sends several requests at once, which may arrive out of order:
-        # anything near where the reader is counts as sequential
-        slack = f.window + 2 * MiB
-        if offset == 0 or f.next_offset - slack <= offset <= f.next_offset + slack:
-            f.window = min(max(f.window * 2, self.readahead_min), self.readahead_max)
-        else:
-            f.window = 0
-            f.ahead = 0
-        f.next_offset = max(end, f.next_offset) if f.window else end
-        if not f.window:
-            return []
-        start = max(next_index, f.ahead)
-        if start < len(f.extents) and f.extents[start].offset - end >= f.window * 3 // 4:
-            return []  # still most of a window requested ahead
-        stop = start
-        limit = end + f.window
-        while stop < len(f.extents) and f.extents[stop].offset < limit:
-            stop += 1
-        f.ahead = max(f.ahead, stop)
-        return f.refs[start:stop]

@@ -159,7 +159,9 @@ class Daemon:
             view = HostView(catalog, host_paths.hidden)  # host-owned entries: this box's show through
         self.fs = SnapshotFS(view, self.fetcher, recorder=self.recorder, local=materializer,
                              chunk_id=repo.codec.chunk_id,
-                             page_cache=fuse_ops.store_in_page_cache if materializer is not None else None)
+                             page_cache=fuse_ops.store_in_page_cache,
+                             # OGREFS_OPEN_PUSH=0: no open-time push (lazy/openpush.py), for comparisons
+                             open_push=os.environ.get("OGREFS_OPEN_PUSH", "1") != "0")
         self.prefetch = Prefetch(catalog, self.fetcher, trace_entries=plan.trace_entries, materializer=materializer,
                                  idle_for=self.fs.idle_for)
         # a snapshot of the box this writable mount runs goes first: background fetches wait (snapshotgate.py)
@@ -284,6 +286,7 @@ class Daemon:
                 "errors": st["errors"], "corrupt": st["corrupt"], "retries": st["retries"],
                 "cache_write_errors": st["cache_write_errors"], "local_opens": getattr(vs, "local_opens", 0),
                 "page_cache_pushed": vs.page_cache_pushed,
+                "open_push": fs.open_push.stats() if fs.open_push is not None else None,
                 "materialize": self.prefetch.stats(), "trace_replayed": len(self.plan.trace_entries or []),
                 "snapshot_yield": self.snapshot_gate.stats() if self.snapshot_gate is not None else None,
                 "trace_recording": bool(self.recorder and self.recorder.active),

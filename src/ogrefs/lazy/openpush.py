@@ -1,0 +1,154 @@
+"""Open-time push: a small file whose bytes the daemon holds in memory goes into the kernel's page cache
+before its open is answered, so the program's read of it never reaches the mount.
+
+A resume opens ~1,700 small files (an import's ``.pyc`` files, a tokenizer,
+configs) and reads each whole right after opening it.  With a trace replayed
+(or hints, or a directory's neighbours fetched together) their chunks are
+usually in the daemon's memory by then, and each READ is still a round trip:
+the program blocks, the daemon wakes, the loop answers, the program wakes on
+whichever core is free.  On a two-core box those round trips, not the link,
+were what a trace run's step waited for (docs/benchmarks.md, "Pushed at the
+open").  Pushing the file at its open costs one worker-thread hop inside a
+round trip the program makes anyway, and takes one away.
+
+Only files of at most ``OPEN_PUSH_MAX`` whose every chunk is in memory
+(:func:`whole_in_memory`) are pushed, whole: a small file opened is a small
+file read, so recording its chunks at the open (the vfs does, when an access
+trace is being recorded) is what its read would have recorded.  A large
+file's reads come as usual: pushing what memory holds of it would make the
+open wait for bytes the program may never read, and a recording could not
+tell which of them it read (measured: pushing large files too gave back the
+gain, docs/benchmarks.md).  Each file is pushed once while the kernel holds
+it (or had its bytes from a read, :meth:`OpenPush.served`); forgetting the
+inode forgets that (:meth:`OpenPush.forgotten`).
+
+The store runs in a worker thread, never on the loop: the kernel may hold a
+page lock of the same file while a READ from another process waits for the
+loop.  The open waits for its push at most ``wait_s``; a push that takes
+longer finishes in the background (the open's answer goes out, and the
+pyfuse3 worker tasks can never all end up waiting on pushes that wait on
+READs).  A push that fails (the kernel forgot the inode) only costs the read
+it would have saved.
+
+Who owns what: an OpenPush belongs to the trio loop, like the vfs that calls
+it; its sets and its nursery are the loop's.  A push's worker thread gets
+the inode number, an immutable ``bytes`` and the adapter's thread-safe store
+function, and returns nothing but an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import trio
+
+from ogrefs.repo.catalog import Extent
+
+log = logging.getLogger(__name__)
+
+#: Files up to this size are pushed at their open when memory holds all of their chunks.
+OPEN_PUSH_MAX = 1024 * 1024
+#: How long an open waits for its push before it is answered anyway (the push goes on).
+OPEN_PUSH_WAIT_S = 1.0
+
+
+def whole_in_memory(size: int, extents: Sequence[Extent], chunks: Sequence[bytes],
+                    in_memory: Callable[[bytes], bytes | None]) -> bytes | None:
+    """The file's whole content from memory (holes as zeros), or None if any chunk is not in memory.
+
+    ``extents`` in file order and ``chunks`` their chunk ids; ``in_memory``
+    answers a chunk's verified plaintext or None.  A chunk whose length is not
+    its extent's, or extents that overlap or run past ``size``, give None: the
+    reads then come as usual and meet the same checks as every read.
+    """
+    parts: list[bytes] = []
+    pos = 0
+    for ext, chunk in zip(extents, chunks, strict=True):
+        if ext.offset < pos or ext.end > size:
+            return None
+        data = in_memory(chunk)
+        if data is None or len(data) != ext.end - ext.offset:
+            return None
+        if ext.offset > pos:
+            parts.append(bytes(ext.offset - pos))
+        parts.append(data)
+        pos = ext.end
+    if pos < size:
+        parts.append(bytes(size - pos))
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class OpenPush:
+    """Pushes small in-memory files at their open; see the module docstring."""
+
+    def __init__(self, page_cache: Callable[[int, bytes], None], *, wait_s: float = OPEN_PUSH_WAIT_S) -> None:
+        # the adapter's: puts a file's whole content into the kernel's page cache (worker threads only)
+        self.page_cache = page_cache
+        self.wait_s = wait_s
+        # inodes whose bytes the kernel has (pushed, or answered to a read) until it forgets them
+        self._kernel_has: set[int] = set()
+        self._nursery: trio.Nursery | None = None
+        self.pushed = 0  # files pushed
+        self.pushed_bytes = 0
+        self.failed = 0  # pushes the kernel refused (it forgot the inode) or that raised
+        self.late = 0  # opens answered before their push was done (wait_s)
+
+    def wanted(self, ino: int, size: int) -> bool:
+        """Whether an open of ``ino`` (``size`` bytes) should try a push: small, and not already the kernel's."""
+        return self._nursery is not None and 0 < size <= OPEN_PUSH_MAX and ino not in self._kernel_has
+
+    def served(self, ino: int) -> None:
+        """A read of ``ino`` was answered: the kernel keeps its pages (keep_cache), nothing to push again."""
+        self._kernel_has.add(ino)
+
+    def forgotten(self, ino: int) -> None:
+        """The kernel forgot ``ino`` and its pages with it."""
+        self._kernel_has.discard(ino)
+
+    def stats(self) -> dict[str, int]:
+        return {"files": self.pushed, "bytes": self.pushed_bytes, "late": self.late, "failed": self.failed}
+
+    async def run(self) -> None:
+        """Hold the nursery pushes run in, until cancelled (a task in the mount's nursery)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    async def push(self, ino: int, data: bytes) -> bool:
+        """Put ``data`` (all of ``ino``) into the kernel's page cache; True once it is there.
+
+        Waits at most ``wait_s``; after that the push goes on in the background
+        and False is returned, as when it fails.
+        """
+        nursery = self._nursery
+        if nursery is None:
+            return False
+        self._kernel_has.add(ino)  # (a second open meanwhile does not push it again)
+        done = trio.Event()
+        outcome: list[bool] = []
+        nursery.start_soon(self._store, ino, data, done, outcome)
+        with trio.move_on_after(self.wait_s):
+            await done.wait()
+        if not done.is_set():
+            self.late += 1
+            return False
+        return outcome == [True]
+
+    async def _store(self, ino: int, data: bytes, done: trio.Event, outcome: list[bool]) -> None:
+        try:
+            await trio.to_thread.run_sync(self.page_cache, ino, data)
+        except Exception as exc:  # noqa: BLE001 - a push only saves a round trip; the read comes as usual
+            self.failed += 1
+            self._kernel_has.discard(ino)
+            log.debug("open-time push of inode %d failed: %s", ino, exc)
+            outcome.append(False)
+        else:
+            self.pushed += 1
+            self.pushed_bytes += len(data)
+            outcome.append(True)
+        finally:
+            done.set()
