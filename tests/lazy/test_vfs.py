@@ -642,10 +642,18 @@ class ListRecorder:
 
 
 def test_an_open_pushes_a_small_file_memory_holds_whole_and_records_it_as_read(snap):
-    """lazy/openpush.py through the vfs: the push is in the page cache before the open returns; a file memory
-    does not hold, or a large one, is read as usual."""
+    """lazy/openpush.py through the vfs: the push is in the page cache before the open returns, on the loop when
+    no other handle of the file is open (else in a worker thread); a file memory does not hold, or a large one, is
+    read as usual."""
     repo, cat, src = snap
     pushed: list[tuple[int, bytes]] = []
+    threads: list[bool] = []  # each store: on the loop's thread?
+    loop_thread = threading.get_ident()
+
+    def store(ino: int, data: bytes) -> None:
+        threads.append(threading.get_ident() == loop_thread)
+        pushed.append((ino, data))
+
     fetcher = Fetcher(repo.read_pack_range, None)
     recorder = ListRecorder()
     seen: dict[str, object] = {}
@@ -653,11 +661,12 @@ def test_an_open_pushes_a_small_file_memory_holds_whole_and_records_it_as_read(s
     async def main():
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
-            fs = SnapshotFS(cat, fetcher, recorder=recorder, page_cache=lambda ino, data: pushed.append((ino, data)))
+            fs = SnapshotFS(cat, fetcher, recorder=recorder, page_cache=store)
             nursery.start_soon(fs.run_pushes)
             await trio.sleep(0.01)
             d = await walk_to(fs, src / "bigdir")
             inos = {name: ino for name, ino, _ in await list_dir(fs, d.node.ino)}
+            kept = await fs.open(inos[b"f00009"], os.O_RDONLY)  # not in memory yet: nothing pushed, left open
             # f00001 is read through the store; its small neighbours come along (directory read-ahead)
             fh = await fs.open(inos[b"f00001"], os.O_RDONLY)
             assert await fs.read(fh, 0, 100) == b"1"
@@ -681,13 +690,17 @@ def test_an_open_pushes_a_small_file_memory_holds_whole_and_records_it_as_read(s
             fs.release(fh)
             fh = await fs.open(seq.node.ino, os.O_RDONLY)
             fs.release(fh)
+            fh = await fs.open(inos[b"f00009"], os.O_RDONLY)  # another handle is open: pushed from a thread
+            fs.release(fh)
+            fs.release(kept)
             seen["inos"] = inos
             seen["reads"] = fs.stats.reads - reads
             seen["open_pushed"] = fs.stats.open_pushed
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    f2 = seen["inos"][b"f00002"]
-    assert seen["pushed_at_open"] == [(f2, b"2")] and pushed == [(f2, b"2")]
+    f2, f9 = seen["inos"][b"f00002"], seen["inos"][b"f00009"]
+    assert seen["pushed_at_open"] == [(f2, b"2")] and pushed == [(f2, b"2"), (f9, b"9")]
+    assert threads == [True, False]
     assert seen["recorded"] == [(f2, 0, 1)]
-    assert seen["open_pushed"] == 1 and seen["reads"] == 2
+    assert seen["open_pushed"] == 2 and seen["reads"] == 2

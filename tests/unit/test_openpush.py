@@ -108,3 +108,33 @@ def test_without_its_task_running_nothing_is_pushed():
     push = OpenPush(lambda ino, data: None)
     assert not push.wanted(7, 100)
     assert trio.run(push.push, 7, b"x") is False
+
+
+def test_an_inline_push_is_stored_on_the_loop_before_push_returns():
+    """For a file no other handle has open (the vfs decides): no thread hop, no wait."""
+    loop_thread = threading.get_ident()
+    stored: list[bool] = []
+    push = OpenPush(lambda ino, data: stored.append(threading.get_ident() == loop_thread))
+    seen: dict[str, object] = {}
+
+    async def body():
+        seen["pushed"] = await push.push(7, b"x", inline=True)
+        seen["stored"] = list(stored)
+
+    run_with(push, body)
+    assert seen == {"pushed": True, "stored": [True]} and push.stats()["files"] == 1
+
+
+def test_an_inline_push_the_kernel_refuses_is_tried_again_at_the_next_open():
+    def refuse(ino: int, data: bytes) -> None:
+        raise FileNotFoundError(2, "the kernel does not know the inode")
+
+    push = OpenPush(refuse)
+    seen: dict[str, object] = {}
+
+    async def body():
+        seen["pushed"] = await push.push(7, b"x", inline=True)
+        seen["again"] = push.wanted(7, 1)
+
+    run_with(push, body)
+    assert seen == {"pushed": False, "again": True} and push.stats()["failed"] == 1

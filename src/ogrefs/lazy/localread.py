@@ -52,6 +52,7 @@ class LocalHandle(Protocol):
     extents: list[Extent]
     starts: list[int]
     verified: set[int]  # indices of extents whose local bytes were read and found right
+    partial_fd: int | None  # the incomplete local copy (done_chunk), -1 when it cannot be opened
 
     def set_extents(self, extents: list[Extent]) -> None: ...
 
@@ -171,6 +172,43 @@ class LocalReads:
         self.stats.bytes_read += len(data)
         return data
 
+    async def done_chunk(self, f: "LocalHandle", ext: Extent, k: int,
+                         tree_path: Callable[[int], bytes | None]) -> bytes | None:
+        """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
+        or not the chunk's bytes (then it comes from the store).
+
+        The materializer records a chunk done only once it is durable at
+        every place it belongs, and its bytes were verified before they were
+        written; a disk may still change them afterwards, so the bytes read
+        back are named again (BLAKE3, in a worker thread) the first time this
+        handle reads them.
+        """
+        if f.partial_fd is None:
+            path = tree_path(f.ino)
+            try:
+                f.partial_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) if path else -1
+            except OSError as exc:
+                log.warning("local copy of inode %d cannot be opened (%s); reading from the store", f.ino,
+                            exc.strerror)
+                f.partial_fd = -1
+        if f.partial_fd < 0:
+            return None
+        try:
+            data = await pread(f.partial_fd, ext.length, ext.offset)
+        except OSError as exc:
+            log.warning("local copy of inode %d: read failed (%s); reading from the store", f.ino, exc.strerror)
+            return None
+        if len(data) != ext.length:
+            return None
+        if k not in f.verified:
+            if await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
+                self.stats.local_corrupt += 1
+                log.error("local copy of inode %d: the chunk at offset %d is damaged; reading it from the store",
+                          f.ino, ext.offset)
+                return None
+            f.verified.add(k)
+        self.stats.local_reads += 1
+        return data
 
 class _CachestatRange(ctypes.Structure):
     _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]

@@ -22,16 +22,25 @@ gain, docs/benchmarks.md).  Each file is pushed once while the kernel holds
 it (or had its bytes from a read, :meth:`OpenPush.served`); forgetting the
 inode forgets that (:meth:`OpenPush.forgotten`).
 
-The store runs in a worker thread, never on the loop: the kernel may hold a
-page lock of the same file while a READ from another process waits for the
-loop.  The open waits for its push at most ``wait_s``; a push that takes
-longer finishes in the background (the open's answer goes out, and the
-pyfuse3 worker tasks can never all end up waiting on pushes that wait on
-READs).  A push that fails (the kernel forgot the inode) only costs the read
-it would have saved.
+Where the store runs.  The kernel locks a page while a READ for it is on its
+way to the daemon, and a store into that page waits for the lock: on the
+loop, which alone answers the READ, that would never end.  A READ comes
+only through an open handle of the file (an mmap holds one too, and the
+kernel releases a handle only once its requests are answered), so when the
+file being opened has no other handle open in the vfs, no READ of it can be
+queued or in flight, and the store runs inline on the loop (``inline``): a
+copy into the page cache, like the answer to the READ it replaces.  In a
+worker thread (measured: one thread hop per open, waiting for the GIL behind
+the fetch threads' decoding, made a hints-only run slower than no push at
+all, docs/benchmarks.md) it runs only when another handle is open; the open
+then waits for it at most ``wait_s`` and a push that takes longer finishes
+in the background (the open's answer goes out, and the pyfuse3 worker tasks
+can never all end up waiting on pushes that wait on READs).  A push that
+fails (the kernel forgot the inode) only costs the read it would have saved.
 
 Who owns what: an OpenPush belongs to the trio loop, like the vfs that calls
-it; its sets and its nursery are the loop's.  A push's worker thread gets
+it (which counts the open handles per inode); its sets and its nursery are
+the loop's.  A push's worker thread gets
 the inode number, an immutable ``bytes`` and the adapter's thread-safe store
 function, and returns nothing but an exception.
 """
@@ -118,16 +127,26 @@ class OpenPush:
         finally:
             self._nursery = None
 
-    async def push(self, ino: int, data: bytes) -> bool:
+    async def push(self, ino: int, data: bytes, *, inline: bool = False) -> bool:
         """Put ``data`` (all of ``ino``) into the kernel's page cache; True once it is there.
 
-        Waits at most ``wait_s``; after that the push goes on in the background
-        and False is returned, as when it fails.
+        ``inline``: on the loop, for a file no other handle has open (the
+        caller knows; see the module docstring).  Otherwise in a worker thread,
+        waited for at most ``wait_s``; after that the push goes on in the
+        background and False is returned, as when it fails.
         """
         nursery = self._nursery
         if nursery is None:
             return False
         self._kernel_has.add(ino)  # (a second open meanwhile does not push it again)
+        if inline:
+            try:
+                self.page_cache(ino, data)
+            except Exception as exc:  # noqa: BLE001 - as in _store
+                self._failed(ino, exc)
+                return False
+            self._done(data)
+            return True
         done = trio.Event()
         outcome: list[bool] = []
         nursery.start_soon(self._store, ino, data, done, outcome)
@@ -142,13 +161,19 @@ class OpenPush:
         try:
             await trio.to_thread.run_sync(self.page_cache, ino, data)
         except Exception as exc:  # noqa: BLE001 - a push only saves a round trip; the read comes as usual
-            self.failed += 1
-            self._kernel_has.discard(ino)
-            log.debug("open-time push of inode %d failed: %s", ino, exc)
+            self._failed(ino, exc)
             outcome.append(False)
         else:
-            self.pushed += 1
-            self.pushed_bytes += len(data)
+            self._done(data)
             outcome.append(True)
         finally:
             done.set()
+
+    def _done(self, data: bytes) -> None:
+        self.pushed += 1
+        self.pushed_bytes += len(data)
+
+    def _failed(self, ino: int, exc: Exception) -> None:
+        self.failed += 1
+        self._kernel_has.discard(ino)
+        log.debug("open-time push of inode %d failed: %s", ino, exc)

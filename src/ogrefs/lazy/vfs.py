@@ -57,7 +57,7 @@ from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
-from ogrefs.lazy.localread import LocalReads, pread
+from ogrefs.lazy.localread import LocalReads
 from ogrefs.lazy.metacache import NOT_INDEXED, Remembered
 from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
@@ -271,6 +271,7 @@ class SnapshotFS:
         # small files whose chunks memory holds go to the page cache at their open (lazy/openpush.py)
         self.open_push = OpenPush(page_cache) if page_cache is not None and open_push else None
         self._files: dict[int, _OpenFile] = {}
+        self._handles: dict[int, int] = {}  # inode -> its open handles (a READ can only come through one)
         # the answers every open and listing asks for, asked of the catalog once (a snapshot never changes)
         self._memo = Remembered(catalog, local, lambda ino: self._page(ino, None, 0, READDIR_FIRST_PAGE),
                                 lambda ino, n: self._page(ino, None, 0, n))
@@ -459,6 +460,7 @@ class SnapshotFS:
             # a complete local copy: opened there at the first read (_open_local), not now
             fh = self._new_fh()
             f = self._files[fh] = _OpenFile(ino, node.size, [])
+            self._handles[ino] = self._handles.get(ino, 0) + 1
             f.local_pending = path
             self.stats.opens += 1
             self.stats.local_opens += 1
@@ -469,6 +471,7 @@ class SnapshotFS:
         # pages the kernel caches (the next training step's imports: ~1,700 opens) is never read
         fh = self._new_fh()
         f = self._files[fh] = _OpenFile(ino, node.size, [])
+        self._handles[ino] = self._handles.get(ino, 0) + 1
         self.stats.opens += 1
         if self.open_push is not None and self.open_push.wanted(ino, node.size):
             await self._push_at_open(f)
@@ -482,7 +485,9 @@ class SnapshotFS:
         except (OgrefsError, sqlite3.Error):
             return  # the read asks again, and says what is wrong
         data = whole_in_memory(f.size, f.extents, [r.chunk for r in f.refs], self.fetcher.residency.in_memory)
-        if data is None or not await self.open_push.push(f.ino, data):
+        # with no other handle of the file open no READ of it can be on its way, so no page of it is locked
+        # waiting for the loop: stored on the loop, like the answer to the READ it replaces (lazy/openpush.py)
+        if data is None or not await self.open_push.push(f.ino, data, inline=self._handles[f.ino] == 1):
             return
         self.stats.open_pushed += 1
         if self.recorder is not None and self.recorder.active:  # what the read it replaces would have recorded
@@ -523,6 +528,8 @@ class SnapshotFS:
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
         if f is not None:
+            if (left := self._handles.pop(f.ino) - 1) > 0:
+                self._handles[f.ino] = left
             for fd in (f.local_fd, f.partial_fd):
                 if fd is not None and fd >= 0:
                     os.close(fd)
@@ -579,7 +586,7 @@ class SnapshotFS:
                 # the copy is unreadable or damaged); in memory (cached, held, in the materializer's hand)
                 # the fetcher answers at once; absent, the fetcher gets it
                 if where is not None and where(f.refs[k].chunk) == IN_TREE and (
-                        tree := await self._read_done_chunk(f, ext, k)) is not None:
+                        tree := await self._local_reads.done_chunk(f, ext, k, self.local.tree_path)) is not None:
                     data = tree
                 else:
                     t0 = trio.current_time()
@@ -605,41 +612,3 @@ class SnapshotFS:
             self._pusher.served(f.ino)
         if self.open_push is not None and f.size <= OPEN_PUSH_MAX:
             self.open_push.served(f.ino)
-
-    async def _read_done_chunk(self, f: _OpenFile, ext: Extent, k: int) -> bytes | None:
-        """A chunk the materializer has written into this file's incomplete local copy; None if unreadable
-        or not the chunk's bytes (then it comes from the store).
-
-        The materializer records a chunk done only once it is durable at
-        every place it belongs, and its bytes were verified before they were
-        written; a disk may still change them afterwards, so the bytes read
-        back are named again (BLAKE3, in a worker thread) the first time this
-        handle reads them.
-        """
-        assert self.local is not None
-        if f.partial_fd is None:
-            path = self.local.tree_path(f.ino)
-            try:
-                f.partial_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) if path else -1
-            except OSError as exc:
-                log.warning("local copy of inode %d cannot be opened (%s); reading from the store", f.ino,
-                            exc.strerror)
-                f.partial_fd = -1
-        if f.partial_fd < 0:
-            return None
-        try:
-            data = await pread(f.partial_fd, ext.length, ext.offset)
-        except OSError as exc:
-            log.warning("local copy of inode %d: read failed (%s); reading from the store", f.ino, exc.strerror)
-            return None
-        if len(data) != ext.length:
-            return None
-        if k not in f.verified:
-            if await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
-                self.stats.local_corrupt += 1
-                log.error("local copy of inode %d: the chunk at offset %d is damaged; reading it from the store",
-                          f.ino, ext.offset)
-                return None
-            f.verified.add(k)
-        self.stats.local_reads += 1
-        return data

@@ -168,8 +168,9 @@ class FuseOps(pyfuse3.Operations):
 def store_in_page_cache(ino: int, data: bytes) -> None:
     """Put ``data`` into the kernel's page cache as the whole content of ``ino``.
 
-    Call from a worker thread, never from the trio loop: the kernel may wait
-    for a READ of the same page that the loop has yet to answer.  Raises
+    Call from a worker thread, or from the trio loop only for a file with no
+    open handle but the one being opened (lazy/openpush.py): the kernel may
+    wait for a READ of the same page that the loop has yet to answer.  Raises
     OSError when the kernel does not know ``ino`` (any more).
     """
     pyfuse3.notify_store(ino, 0, data)
