@@ -37,3 +37,14 @@ def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.Compl
     if check and proc.returncode != 0:
         raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def traced_files(box: dict) -> set[str]:
+    """The paths in the newest trace saved for the box's snapshot (asserts that there is one)."""
+    from ogrefs.repo import Repository
+    from ogrefs.repo.traces import newest_trace
+
+    repo = Repository.open(box["env"]["OGREFS_REPO"], cache_root=box["tmp"] / "cache-test")
+    found = newest_trace(repo, box["snap"])
+    assert found is not None, "no trace was saved"
+    return {os.fsdecode(path) for path, _off in found[1]}

@@ -25,10 +25,8 @@ import sys
 
 import pytest
 
-from ogrefs.repo import Repository
-from ogrefs.repo.traces import newest_trace
 from tests.daemons import kill_registered_daemons
-from tests.nsbox import OGREFS, in_namespace
+from tests.nsbox import OGREFS, in_namespace, traced_files
 
 pytestmark = [
     pytest.mark.fuse,
@@ -101,21 +99,14 @@ def _job(box: dict, *, push: bool, status: str) -> None:
     """)
 
 
-def _traced_files(box: dict) -> set[str]:
-    repo = Repository.open(box["env"]["OGREFS_REPO"], cache_root=box["tmp"] / "cache-test")
-    found = newest_trace(repo, box["snap"])
-    assert found is not None, "no trace was saved"
-    return {os.fsdecode(path) for path, _off in found[1]}
-
-
 def test_small_files_in_memory_are_served_by_the_page_cache_and_still_recorded(pkg_box):
     proj, tmp = pkg_box["proj"], pkg_box["tmp"]
     every = {str(proj / "job" / "weights.bin")} | {str(proj / "pkg" / n) for n in os.listdir(tmp / "orig")}
     _job(pkg_box, push=True, status=str(tmp / "with.json"))
     # the recording ended at the quiet period, so the saved trace is this mount's alone: the pushed files are in it
-    assert _traced_files(pkg_box) == every
+    assert traced_files(pkg_box) == every
     _job(pkg_box, push=False, status=str(tmp / "without.json"))
-    assert _traced_files(pkg_box) == every
+    assert traced_files(pkg_box) == every
     with_push, without = (json.loads((tmp / f"{n}.json").read_text()) for n in ("with", "without"))
 
     assert without["open_push"] is None

@@ -19,10 +19,8 @@ import sys
 
 import pytest
 
-from ogrefs.repo import Repository
-from ogrefs.repo.traces import newest_trace
 from tests.daemons import kill_registered_daemons
-from tests.nsbox import OGREFS, in_namespace
+from tests.nsbox import OGREFS, in_namespace, traced_files
 
 pytestmark = [
     pytest.mark.fuse,
@@ -69,25 +67,18 @@ def _resume_then_backup(box: dict, quiet: float) -> None:
     """)
 
 
-def _traced_files(box: dict) -> set[str]:
-    repo = Repository.open(box["env"]["OGREFS_REPO"], cache_root=box["tmp"] / "cache-test")
-    found = newest_trace(repo, box["snap"])
-    assert found is not None, "no trace was saved"
-    return {os.fsdecode(path) for path, _off in found[1]}
-
-
 def test_a_bulk_reader_after_the_resumes_quiet_period_is_not_recorded(job_box):
     _resume_then_backup(job_box, QUIET_S)
-    assert _traced_files(job_box) == {str(job_box["proj"] / "job" / "weights.bin")}
+    assert traced_files(job_box) == {str(job_box["proj"] / "job" / "weights.bin")}
 
 
 def test_a_trace_poisoned_by_a_bulk_reader_is_replaced_by_the_next_resumes(job_box):
     proj = job_box["proj"]
     _resume_then_backup(job_box, 0)  # the rule off: the backup is recorded, as before the rule
     everything = {os.fsdecode(os.path.join(d, f)) for d, _dirs, files in os.walk(proj) for f in files}
-    assert _traced_files(job_box) == everything
+    assert traced_files(job_box) == everything
     _resume_then_backup(job_box, QUIET_S)  # replays the poisoned trace; records the job, then goes quiet
-    assert _traced_files(job_box) == {str(proj / "job" / "weights.bin")}
+    assert traced_files(job_box) == {str(proj / "job" / "weights.bin")}
 
 
 def test_a_snapshot_of_the_box_ends_the_trace_and_a_backup_right_after_it_is_not_recorded(job_box):
@@ -105,5 +96,5 @@ def test_a_snapshot_of_the_box_ends_the_trace_and_a_backup_right_after_it_is_not
         find {proj} -type f -exec cat {{}} + > /dev/null  # the backup, at once
         {OGREFS} unmount /
     """)
-    assert _traced_files(job_box) == {str(proj / "job" / "weights.bin")}
+    assert traced_files(job_box) == {str(proj / "job" / "weights.bin")}
     assert list((tmp / "state").glob("*/snapshot-started"))  # the snapshot's mark (the next mount clears it)

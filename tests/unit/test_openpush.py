@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 
 from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
@@ -62,7 +63,8 @@ def test_a_push_happens_once_while_the_kernel_holds_the_file():
     assert push.stats() == {"files": 1, "bytes": 100, "late": 0, "failed": 0}
 
 
-def test_a_push_the_kernel_refuses_costs_only_the_read_and_is_tried_again():
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_push_the_kernel_refuses_costs_only_the_read_and_is_tried_again(inline):
     def refuse(ino: int, data: bytes) -> None:
         raise FileNotFoundError(2, "the kernel does not know the inode")
 
@@ -70,7 +72,7 @@ def test_a_push_the_kernel_refuses_costs_only_the_read_and_is_tried_again():
     seen: dict[str, object] = {}
 
     async def body():
-        seen["pushed"] = await push.push(7, b"x")
+        seen["pushed"] = await push.push(7, b"x", inline=inline)
         seen["again"] = push.wanted(7, 1)
 
     run_with(push, body)
@@ -123,18 +125,3 @@ def test_an_inline_push_is_stored_on_the_loop_before_push_returns():
 
     run_with(push, body)
     assert seen == {"pushed": True, "stored": [True]} and push.stats()["files"] == 1
-
-
-def test_an_inline_push_the_kernel_refuses_is_tried_again_at_the_next_open():
-    def refuse(ino: int, data: bytes) -> None:
-        raise FileNotFoundError(2, "the kernel does not know the inode")
-
-    push = OpenPush(refuse)
-    seen: dict[str, object] = {}
-
-    async def body():
-        seen["pushed"] = await push.push(7, b"x", inline=True)
-        seen["again"] = push.wanted(7, 1)
-
-    run_with(push, body)
-    assert seen == {"pushed": False, "again": True} and push.stats()["failed"] == 1

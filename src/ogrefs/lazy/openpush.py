@@ -7,9 +7,9 @@ configs) and reads each whole right after opening it.  With a trace replayed
 usually in the daemon's memory by then, and each READ is still a round trip:
 the program blocks, the daemon wakes, the loop answers, the program wakes on
 whichever core is free.  On a two-core box those round trips, not the link,
-were what a trace run's step waited for (docs/benchmarks.md, "Pushed at the
-open").  Pushing the file at its open costs one worker-thread hop inside a
-round trip the program makes anyway, and takes one away.
+were what a trace run's step waited for (docs/benchmarks.md, "Small files
+pushed at their open").  Pushing the file at its open costs a copy into the
+page cache inside a round trip the program makes anyway, and takes one away.
 
 Only files of at most ``OPEN_PUSH_MAX`` whose every chunk is in memory
 (:func:`whole_in_memory`) are pushed, whole: a small file opened is a small
@@ -40,9 +40,9 @@ fails (the kernel forgot the inode) only costs the read it would have saved.
 
 Who owns what: an OpenPush belongs to the trio loop, like the vfs that calls
 it (which counts the open handles per inode); its sets and its nursery are
-the loop's.  A push's worker thread gets
-the inode number, an immutable ``bytes`` and the adapter's thread-safe store
-function, and returns nothing but an exception.
+the loop's.  A push's worker thread gets the inode number, an immutable
+``bytes`` and the adapter's thread-safe store function, and returns nothing
+but an exception.
 """
 
 from __future__ import annotations
