@@ -18,19 +18,19 @@ def ext(offset: int, length: int, chunk: bytes) -> Extent:
 def test_the_whole_file_from_memory_with_its_holes_as_zeros():
     mem = {b"a": b"A" * 10, b"b": b"B" * 5}
     extents = [ext(0, 10, b"a"), ext(14, 5, b"b")]  # a hole of 4 bytes, and 3 more at the end
-    assert whole_in_memory(22, extents, [b"a", b"b"], mem.get) == b"A" * 10 + bytes(4) + b"B" * 5 + bytes(3)
-    assert whole_in_memory(10, [ext(0, 10, b"a")], [b"a"], mem.get) == b"A" * 10
-    assert whole_in_memory(7, [], [], mem.get) == bytes(7)  # all hole
+    assert whole_in_memory(22, extents, mem.get) == b"A" * 10 + bytes(4) + b"B" * 5 + bytes(3)
+    assert whole_in_memory(10, [ext(0, 10, b"a")], mem.get) == b"A" * 10
+    assert whole_in_memory(7, [], mem.get) == bytes(7)  # all hole
 
 
 def test_a_chunk_not_in_memory_or_of_the_wrong_length_gives_nothing():
     mem = {b"a": b"A" * 10, b"short": b"S" * 3}
-    assert whole_in_memory(20, [ext(0, 10, b"a"), ext(10, 10, b"gone")], [b"a", b"gone"], mem.get) is None
-    assert whole_in_memory(13, [ext(0, 10, b"a"), ext(10, 3, b"short")], [b"a", b"short"], mem.get) is not None
-    assert whole_in_memory(14, [ext(0, 10, b"a"), ext(10, 4, b"short")], [b"a", b"short"], mem.get) is None
+    assert whole_in_memory(20, [ext(0, 10, b"a"), ext(10, 10, b"gone")], mem.get) is None
+    assert whole_in_memory(13, [ext(0, 10, b"a"), ext(10, 3, b"short")], mem.get) is not None
+    assert whole_in_memory(14, [ext(0, 10, b"a"), ext(10, 4, b"short")], mem.get) is None
     # extents that overlap or run past the file's size are not the catalog's: the reads come as usual
-    assert whole_in_memory(20, [ext(0, 10, b"a"), ext(5, 10, b"a")], [b"a", b"a"], mem.get) is None
-    assert whole_in_memory(8, [ext(0, 10, b"a")], [b"a"], mem.get) is None
+    assert whole_in_memory(20, [ext(0, 10, b"a"), ext(5, 10, b"a")], mem.get) is None
+    assert whole_in_memory(8, [ext(0, 10, b"a")], mem.get) is None
 
 
 def run_with(push: OpenPush, body) -> None:
@@ -45,16 +45,17 @@ def run_with(push: OpenPush, body) -> None:
 
 def test_a_push_happens_once_while_the_kernel_holds_the_file():
     stored: list[tuple[int, bytes]] = []
-    push = OpenPush(lambda ino, data: stored.append((ino, data)))
+    kernel_pages: set[int] = set()  # the vfs's
+    push = OpenPush(lambda ino, data: stored.append((ino, data)), kernel_pages)
     seen: dict[str, object] = {}
 
     async def body():
         assert not push.wanted(7, 0) and not push.wanted(7, OPEN_PUSH_MAX + 1) and push.wanted(7, 100)
         seen["first"] = await push.push(7, b"x" * 100)
         seen["again"] = push.wanted(7, 100)  # the kernel has its pages
-        push.forgotten(7)
+        kernel_pages.discard(7)  # the kernel forgot the inode
         seen["after_forget"] = push.wanted(7, 100)
-        push.served(8)  # read through the mount: the kernel has its pages too
+        kernel_pages.add(8)  # read through the mount: the kernel has its pages too
         seen["served"] = push.wanted(8, 100)
 
     run_with(push, body)
@@ -68,7 +69,7 @@ def test_a_push_the_kernel_refuses_costs_only_the_read_and_is_tried_again(inline
     def refuse(ino: int, data: bytes) -> None:
         raise FileNotFoundError(2, "the kernel does not know the inode")
 
-    push = OpenPush(refuse)
+    push = OpenPush(refuse, set())
     seen: dict[str, object] = {}
 
     async def body():
@@ -88,7 +89,7 @@ def test_an_open_waits_for_its_push_at_most_wait_s_and_the_push_goes_on():
         assert release.wait(10)
         stored.append(ino)
 
-    push = OpenPush(stuck, wait_s=0.2)
+    push = OpenPush(stuck, set(), wait_s=0.2)
     seen: dict[str, object] = {}
 
     async def body():
@@ -107,7 +108,7 @@ def test_an_open_waits_for_its_push_at_most_wait_s_and_the_push_goes_on():
 
 
 def test_without_its_task_running_nothing_is_pushed():
-    push = OpenPush(lambda ino, data: None)
+    push = OpenPush(lambda ino, data: None, set())
     assert not push.wanted(7, 100)
     assert trio.run(push.push, 7, b"x") is False
 
@@ -116,7 +117,7 @@ def test_an_inline_push_is_stored_on_the_loop_before_push_returns():
     """For a file no other handle has open (the vfs decides): no thread hop, no wait."""
     loop_thread = threading.get_ident()
     stored: list[bool] = []
-    push = OpenPush(lambda ino, data: stored.append(threading.get_ident() == loop_thread))
+    push = OpenPush(lambda ino, data: stored.append(threading.get_ident() == loop_thread), set())
     seen: dict[str, object] = {}
 
     async def body():

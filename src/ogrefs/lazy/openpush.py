@@ -19,8 +19,9 @@ file's reads come as usual: pushing what memory holds of it would make the
 open wait for bytes the program may never read, and a recording could not
 tell which of them it read (measured: pushing large files too gave back the
 gain, docs/benchmarks.md).  Each file is pushed once while the kernel holds
-it (or had its bytes from a read, :meth:`OpenPush.served`); forgetting the
-inode forgets that (:meth:`OpenPush.forgotten`).
+its pages: the vfs's set of such inodes (a read answered, or a push), which
+it empties of an inode the kernel forgets, is shared with the directory
+pusher (:mod:`ogrefs.lazy.pagepush`).
 
 Where the store runs.  The kernel locks a page while a READ for it is on its
 way to the daemon, and a store into that page waits for the lock: on the
@@ -39,8 +40,9 @@ can never all end up waiting on pushes that wait on READs).  A push that
 fails (the kernel forgot the inode) only costs the read it would have saved.
 
 Who owns what: an OpenPush belongs to the trio loop, like the vfs that calls
-it (which counts the open handles per inode); its sets and its nursery are
-the loop's.  A push's worker thread gets the inode number, an immutable
+it (which counts the open handles per inode and owns the set of inodes whose
+pages the kernel holds: OpenPush adds the files it pushes and takes back
+those whose push failed); its nursery is the loop's.  A push's worker thread gets the inode number, an immutable
 ``bytes`` and the adapter's thread-safe store function, and returns nothing
 but an exception.
 """
@@ -62,22 +64,22 @@ OPEN_PUSH_MAX = 1024 * 1024
 OPEN_PUSH_WAIT_S = 1.0
 
 
-def whole_in_memory(size: int, extents: Sequence[Extent], chunks: Sequence[bytes],
+def whole_in_memory(size: int, extents: Sequence[Extent],
                     in_memory: Callable[[bytes], bytes | None]) -> bytes | None:
     """The file's whole content from memory (holes as zeros), or None if any chunk is not in memory.
 
-    ``extents`` in file order and ``chunks`` their chunk ids; ``in_memory``
-    answers a chunk's verified plaintext or None.  A chunk whose length is not
+    ``extents`` in file order; ``in_memory`` answers a chunk's verified
+    plaintext or None.  A chunk whose length is not
     its extent's, or extents that overlap or run past ``size``, give None: the
     reads then come as usual and meet the same checks as every read.
     """
     parts: list[bytes] = []
     pos = 0
-    for ext, chunk in zip(extents, chunks, strict=True):
+    for ext in extents:
         if ext.offset < pos or ext.end > size:
             return None
-        data = in_memory(chunk)
-        if data is None or len(data) != ext.end - ext.offset:
+        data = in_memory(ext.chunk)
+        if data is None or len(data) != ext.length:
             return None
         if ext.offset > pos:
             parts.append(bytes(ext.offset - pos))
@@ -91,12 +93,13 @@ def whole_in_memory(size: int, extents: Sequence[Extent], chunks: Sequence[bytes
 class OpenPush:
     """Pushes small in-memory files at their open; see the module docstring."""
 
-    def __init__(self, page_cache: Callable[[int, bytes], None], *, wait_s: float = OPEN_PUSH_WAIT_S) -> None:
-        # the adapter's: puts a file's whole content into the kernel's page cache (worker threads only)
+    def __init__(self, page_cache: Callable[[int, bytes], None], kernel_pages: set[int], *,
+                 wait_s: float = OPEN_PUSH_WAIT_S) -> None:
+        # the adapter's: puts a file's whole content into the kernel's page cache (see the module docstring)
         self.page_cache = page_cache
         self.wait_s = wait_s
-        # inodes whose bytes the kernel has (pushed, or answered to a read) until it forgets them
-        self._kernel_has: set[int] = set()
+        # the vfs's: inodes whose pages the kernel holds (a read answered, a push) until it forgets them
+        self.kernel_pages = kernel_pages
         self._nursery: trio.Nursery | None = None
         self.pushed = 0  # files pushed
         self.pushed_bytes = 0
@@ -105,15 +108,7 @@ class OpenPush:
 
     def wanted(self, ino: int, size: int) -> bool:
         """Whether an open of ``ino`` (``size`` bytes) should try a push: small, and not already the kernel's."""
-        return self._nursery is not None and 0 < size <= OPEN_PUSH_MAX and ino not in self._kernel_has
-
-    def served(self, ino: int) -> None:
-        """A read of ``ino`` was answered: the kernel keeps its pages (keep_cache), nothing to push again."""
-        self._kernel_has.add(ino)
-
-    def forgotten(self, ino: int) -> None:
-        """The kernel forgot ``ino`` and its pages with it."""
-        self._kernel_has.discard(ino)
+        return self._nursery is not None and 0 < size <= OPEN_PUSH_MAX and ino not in self.kernel_pages
 
     def stats(self) -> dict[str, int]:
         return {"files": self.pushed, "bytes": self.pushed_bytes, "late": self.late, "failed": self.failed}
@@ -138,7 +133,7 @@ class OpenPush:
         nursery = self._nursery
         if nursery is None:
             return False
-        self._kernel_has.add(ino)  # (a second open meanwhile does not push it again)
+        self.kernel_pages.add(ino)  # (a second open meanwhile does not push it again)
         if inline:
             try:
                 self.page_cache(ino, data)
@@ -175,5 +170,5 @@ class OpenPush:
 
     def _failed(self, ino: int, exc: Exception) -> None:
         self.failed += 1
-        self._kernel_has.discard(ino)
+        self.kernel_pages.discard(ino)
         log.debug("open-time push of inode %d failed: %s", ino, exc)

@@ -51,7 +51,8 @@ class PagePusher:
     """Sends directories' small local files to the kernel's page cache; see the module docstring."""
 
     def __init__(self, catalog: Catalog, local: "LocalCopy", page_cache: Callable[[int, bytes], None],
-                 chunk_id: Callable[[bytes], bytes], stats: "VfsStats", kernel_holds: Callable[[int], bool]) -> None:
+                 chunk_id: Callable[[bytes], bytes], stats: "VfsStats", kernel_holds: Callable[[int], bool],
+                 kernel_has_pages: Callable[[int], bool]) -> None:
         self.catalog = catalog
         self.local = local
         # the adapter's: puts a file's whole content into the kernel's page cache (thread-safe, worker threads)
@@ -60,9 +61,10 @@ class PagePusher:
         self.stats = stats
         self._kernel_holds = kernel_holds  # whether the kernel knows an inode (it drops a push for any other)
         self._dirs_pushed: set[int] = set()  # directories whose small local files went to the page cache
-        # small files whose bytes the kernel already had from a read (it keeps them: keep_cache): pushing
-        # them again is only CPU, taken from the reads of the program that opened their neighbour
-        self._kernel_read: set[int] = set()
+        # files whose pages the kernel already has (a read answered, a push at open; it keeps them: keep_cache),
+        # the vfs's answer: pushing them again is only CPU, taken from the reads of the program that opened
+        # their neighbour
+        self._kernel_has_pages = kernel_has_pages
         # each file's directory (a snapshot never changes): an open asked SQLite for it every time
         self._parents: BoundedCache[int, int] = BoundedCache(PARENT_CACHE_ENTRIES)
         self._send, self._recv = trio.open_memory_channel[tuple[int, int]](64)
@@ -93,11 +95,6 @@ class PagePusher:
     def forgotten(self, ino: int) -> None:
         """The kernel forgot inode ``ino``: a directory took its files' cached pages along, push again next time."""
         self._dirs_pushed.discard(ino)
-        self._kernel_read.discard(ino)
-
-    def served(self, ino: int) -> None:
-        """A read of small file ``ino`` was answered: its pages are the kernel's now, no push needed."""
-        self._kernel_read.add(ino)
 
     def _queue(self, parent: int, opened: int) -> None:
         try:
@@ -120,7 +117,7 @@ class PagePusher:
     async def _push_dir(self, parent: int, opened: int) -> None:
         rows = await to_background_thread(self.catalog.small_files, parent, PUSH_FILE_MAX)
         candidates = tuple((ino, size) for ino, size in rows
-                           if ino != opened and ino not in self._kernel_read and self._kernel_holds(ino))
+                           if ino != opened and not self._kernel_has_pages(ino) and self._kernel_holds(ino))
         if candidates:
             self.stats.page_cache_pushed += await to_background_thread(
                 push_files, self.page_cache, self.local.local_paths, candidates, self._holds_catalog_bytes)

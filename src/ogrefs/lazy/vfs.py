@@ -266,10 +266,15 @@ class SnapshotFS:
         # then never reach the daemon. None: no such thing, and no pushes
         self._local_reads = LocalReads(catalog, chunk_id, self.stats, recorder)
         self._lookups: dict[int, int] = {}
-        self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__)
+        # small files whose pages the kernel holds (a read answered, a push at open; keep_cache) until it forgets
+        # them: neither pusher sends them again
+        self._kernel_pages: set[int] = set()
+        self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__,
+                                   self._kernel_pages.__contains__)
                         if page_cache is not None and local is not None else None)
         # small files whose chunks memory holds go to the page cache at their open (lazy/openpush.py)
-        self.open_push = OpenPush(page_cache) if page_cache is not None and open_push else None
+        self.open_push = (OpenPush(page_cache, self._kernel_pages)
+                          if page_cache is not None and open_push else None)
         self._files: dict[int, _OpenFile] = {}
         self._handles: dict[int, int] = {}  # inode -> its open handles (a READ can only come through one)
         # the answers every open and listing asks for, asked of the catalog once (a snapshot never changes)
@@ -342,10 +347,9 @@ class SnapshotFS:
                 self._lookups[ino] = left
             else:
                 self._lookups.pop(ino, None)
+                self._kernel_pages.discard(ino)
                 if self._pusher is not None:
                     self._pusher.forgotten(ino)
-                if self.open_push is not None:
-                    self.open_push.forgotten(ino)
 
     def lookup_count(self, ino: int) -> int:
         return self._lookups.get(ino, 0)
@@ -447,6 +451,12 @@ class SnapshotFS:
         self._next_fh += 1
         return fh
 
+    def _new_file(self, ino: int, size: int) -> tuple[int, _OpenFile]:
+        fh = self._new_fh()
+        f = self._files[fh] = _OpenFile(ino, size, [])
+        self._handles[ino] = self._handles.get(ino, 0) + 1
+        return fh, f
+
     async def open(self, ino: int, flags: int) -> int:
         self._busy()
         node = self._node(ino)
@@ -458,9 +468,7 @@ class SnapshotFS:
             raise FsError(errno.ENXIO)
         if (path := self._memo.local_path(ino)) is not None:
             # a complete local copy: opened there at the first read (_open_local), not now
-            fh = self._new_fh()
-            f = self._files[fh] = _OpenFile(ino, node.size, [])
-            self._handles[ino] = self._handles.get(ino, 0) + 1
+            fh, f = self._new_file(ino, node.size)
             f.local_pending = path
             self.stats.opens += 1
             self.stats.local_opens += 1
@@ -469,9 +477,7 @@ class SnapshotFS:
             return fh
         # the extents are looked up at the first read (read, _extents_of), not now: a file opened again whose
         # pages the kernel caches (the next training step's imports: ~1,700 opens) is never read
-        fh = self._new_fh()
-        f = self._files[fh] = _OpenFile(ino, node.size, [])
-        self._handles[ino] = self._handles.get(ino, 0) + 1
+        fh, f = self._new_file(ino, node.size)
         self.stats.opens += 1
         if self.open_push is not None and self.open_push.wanted(ino, node.size):
             await self._push_at_open(f)
@@ -484,7 +490,7 @@ class SnapshotFS:
             f.set_extents(await _extents_of(self.catalog, f.ino, f.size))  # (inline: OPEN_PUSH_MAX is small)
         except (OgrefsError, sqlite3.Error):
             return  # the read asks again, and says what is wrong
-        data = whole_in_memory(f.size, f.extents, [r.chunk for r in f.refs], self.fetcher.residency.in_memory)
+        data = whole_in_memory(f.size, f.extents, self.fetcher.residency.in_memory)
         # with no other handle of the file open no READ of it can be on its way, so no page of it is locked
         # waiting for the loop: stored on the loop, like the answer to the READ it replaces (lazy/openpush.py)
         if data is None or not await self.open_push.push(f.ino, data, inline=self._handles[f.ino] == 1):
@@ -608,7 +614,5 @@ class SnapshotFS:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _served(self, f: _OpenFile) -> None:
-        if self._pusher is not None and f.size <= PUSH_FILE_MAX:
-            self._pusher.served(f.ino)
-        if self.open_push is not None and f.size <= OPEN_PUSH_MAX:
-            self.open_push.served(f.ino)
+        if f.size <= OPEN_PUSH_MAX:  # (the directory pusher's files are smaller still)
+            self._kernel_pages.add(f.ino)
