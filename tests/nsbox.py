@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from ogrefs.repo import Repository
+from ogrefs.repo.traces import newest_trace
 from tests.daemons import kill_registered_daemons
 from tests.treegen import make_fidelity_tree
 
@@ -41,9 +43,6 @@ def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.Compl
 
 def traced_files(box: dict) -> set[str]:
     """The paths in the newest trace saved for the box's snapshot (asserts that there is one)."""
-    from ogrefs.repo import Repository
-    from ogrefs.repo.traces import newest_trace
-
     repo = Repository.open(box["env"]["OGREFS_REPO"], cache_root=box["tmp"] / "cache-test")
     found = newest_trace(repo, box["snap"])
     assert found is not None, "no trace was saved"

@@ -42,9 +42,9 @@ fails (the kernel forgot the inode) only costs the read it would have saved.
 Who owns what: an OpenPush belongs to the trio loop, like the vfs that calls
 it (which counts the open handles per inode and owns the set of inodes whose
 pages the kernel holds: OpenPush adds the files it pushes and takes back
-those whose push failed); its nursery is the loop's.  A push's worker thread gets the inode number, an immutable
-``bytes`` and the adapter's thread-safe store function, and returns nothing
-but an exception.
+those whose push failed); its nursery is the loop's.  A push's worker thread
+gets the inode number, an immutable ``bytes`` and the adapter's thread-safe
+store function, and returns nothing but an exception.
 """
 
 from __future__ import annotations

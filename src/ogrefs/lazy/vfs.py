@@ -76,6 +76,8 @@ READDIR_FIRST_PAGE = 64
 READDIR_PAGE = 512
 #: Files up to this size (a few dozen chunks) load their extent list inline at open.
 INLINE_EXTENTS_BELOW = 16 * MiB
+#: A file read up to this size is marked as the kernel's (``_kernel_pages``): the largest either pusher sends.
+KERNEL_PAGES_MAX = max(OPEN_PUSH_MAX, PUSH_FILE_MAX)
 #: Directory read-ahead: files up to this size are fetched with their small neighbours ...
 SIBLING_FILE_MAX = 256 * 1024
 #: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
@@ -614,5 +616,5 @@ class SnapshotFS:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _served(self, f: _OpenFile) -> None:
-        if f.size <= OPEN_PUSH_MAX:  # (the directory pusher's files are smaller still)
+        if f.size <= KERNEL_PAGES_MAX:
             self._kernel_pages.add(f.ino)
