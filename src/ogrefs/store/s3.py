@@ -31,6 +31,14 @@ Why it looks the way it does:
   says what went wrong as it does for every other call (store/s3ranges.py).
 * put is a single PutObject: S3 makes it atomic (all or nothing) and packs
   are tens of MiB, far below the 5 GiB single-part limit.
+* A small put sends its body at once.  botocore asks every PutObject to
+  wait for the server's ``100 Continue`` before the body (``Expect:
+  100-continue``), which costs a whole round trip per put: a lock, a
+  manifest, a trace took two round trips instead of one, and a mount's
+  start has two lock writes on its path (70 ms each behind a 30 ms link,
+  docs/benchmarks.md).  The wait pays only when a refused request would
+  otherwise send a body that takes longer than a round trip, so only a
+  body above :data:`CONTINUE_ABOVE` (a pack) still waits.
 * The client's data loader knows only S3 (:class:`_S3OnlyLoader`): botocore's
   own lists every service it ships (~450 directories, each listed, a file
   stat'ed in each) only to check that "s3" is among them.  On a box that
@@ -51,6 +59,7 @@ from typing import Any, NoReturn
 import botocore.exceptions as bx
 import botocore.loaders
 import botocore.session
+import botocore.utils
 from botocore.config import Config
 
 from ogrefs.store.base import (
@@ -73,6 +82,9 @@ __all__ = ["S3Store", "parse_s3_url"]
 
 #: Ranges up to this size are read whole (one call); longer ones are streamed (open_range).
 STREAM_ABOVE = 256 * 1024
+
+#: A PutObject body above this size waits for the server's ``100 Continue``; a smaller one is sent at once.
+CONTINUE_ABOVE = 1024 * 1024
 
 #: Threads that may talk to one store at once without queueing for a connection.
 MAX_POOL_CONNECTIONS = 32
@@ -114,6 +126,16 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def _continue_only_for_large_bodies(model: Any, params: dict[str, Any], **_: Any) -> None:
+    """Drop botocore's ``Expect: 100-continue`` from a PutObject whose body is at most CONTINUE_ABOVE bytes."""
+    headers = params.get("headers") or {}
+    if getattr(model, "name", None) != "PutObject" or "Expect" not in headers:
+        return
+    size = botocore.utils.determine_content_length(params.get("body"))
+    if size is not None and size <= CONTINUE_ABOVE:
+        del headers["Expect"]
+
+
 class _S3OnlyLoader(botocore.loaders.Loader):
     """botocore's data loader, asked about S3 alone (see the module docstring).
 
@@ -153,6 +175,9 @@ class S3Store(Store):
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._key_base = f"{self.prefix}/" if self.prefix else ""
         self._client = client if client is not None else self._make_client(endpoint_url)
+        events = getattr(getattr(self._client, "meta", None), "events", None)
+        if events is not None:  # last on botocore's own event: it runs after the handler that adds the header
+            events.register_last("before-call.s3", _continue_only_for_large_bodies)
         #: ranged GETs on presigned URLs (store/s3ranges.py); None: every GET through botocore
         self._ranges = PresignedRanges.for_client(self._client, bucket)
 
