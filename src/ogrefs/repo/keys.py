@@ -135,15 +135,22 @@ def _try_unwrap(params: dict, secret: Secret) -> bytes | None:
 
 
 def list_keys(store: Store) -> list[dict]:
-    out = []
+    """The key objects' parameters; unreadable ones are left out."""
+    return read_keys(store)[1]
+
+
+def read_keys(store: Store) -> tuple[list[str], list[dict]]:
+    """(every key object's name, the parameters of the readable ones).  Blocking (a list, a get per key)."""
+    names, out = [], []
     for key in store.list("keys/"):
+        names.append(key)
         try:
             params = json.loads(store.get(key))
         except (NotFound, ValueError, RecursionError):
             continue
         if isinstance(params, dict):
             out.append(params)
-    return out
+    return names, out
 
 
 def add_key(store: Store, master: bytes, secret: Secret, label: str = "") -> dict:
@@ -152,9 +159,9 @@ def add_key(store: Store, master: bytes, secret: Secret, label: str = "") -> dic
     return params
 
 
-def open_master(store: Store, secret: Secret) -> tuple[bytes, str]:
-    """The master key and the id of the key object that opened it."""
-    keys = list_keys(store)
+def open_master(store: Store, secret: Secret, keys: list[dict] | None = None) -> tuple[bytes, str]:
+    """The master key and the id of the key object that opened it (``keys``: list_keys's, when read already)."""
+    keys = list_keys(store) if keys is None else keys
     if not keys:
         raise OgrefsError(f"{store.url}: repository is marked encrypted but has no keys")
     for params in keys:

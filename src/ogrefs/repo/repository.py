@@ -5,6 +5,8 @@ thread-safe, the manifest cache is written through atomic renames, and the
 chunk index documents its own threading rules. ``list_snapshots`` fetches the
 manifests a box has not cached in a pool of threads that each only run
 ``load_manifest``; the caller's thread alone collects and sorts them.
+``open`` reads the key objects in one thread of its own beside the config
+(the thread only reads the store and returns what it read).
 
 Nothing read back from the local cache is trusted: a cached manifest is an
 envelope that verifies itself (and is fetched again when it fails), a cached
@@ -26,6 +28,7 @@ import logging
 import os
 import re
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,7 +41,7 @@ from ogrefs.store.base import NotFound, RangeReader, Store, StoreError
 from ogrefs.repo.config import RepoConfig
 from ogrefs.repo.fetchmany import in_order
 from ogrefs.repo.index import ChunkIndex, IndexEntry, encode_index
-from ogrefs.repo.keys import Secret, add_key, open_master
+from ogrefs.repo.keys import Secret, add_key, open_master, read_keys
 from ogrefs.repo.locks import HeldLock
 from ogrefs.repo.pack import PackBuilder, pack_key, read_header
 
@@ -201,10 +204,22 @@ class Repository:
         """
         store = store or open_store(url, s3_endpoint=s3_endpoint)
         root = cache_root or default_cache_dir()
-        try:
-            raw = store.get("config")
-        except NotFound:
-            raise NoRepository(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
+        # The key objects are read beside the config, not after it: either way they are needed (to
+        # open the master key, or to refuse a plaintext config that keys contradict), and behind a
+        # far link every request that waits for the one before costs a round trip.
+        with ThreadPoolExecutor(1, thread_name_prefix="ogrefs-keys") as pool:
+            keys = pool.submit(read_keys, store)
+            try:
+                raw = store.get("config")
+            except NotFound:
+                raise NoRepository(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
+            return cls._opened(store, root, raw, keys, secret, secret_source, expect_encrypted)
+
+    @classmethod
+    def _opened(cls, store: Store, root: Path, raw: bytes, keys: "Future[tuple[list[str], list[dict]]]",
+                secret: Secret | None, secret_source: "Callable[[], Secret] | None",
+                expect_encrypted: bool) -> "Repository":
+        """The repository whose config is ``raw``; ``keys``: the key objects, being read."""
         if len(raw) > 64 * 1024:
             raise RepositoryError(f"{store.url}: config is {len(raw)} bytes, not an ogrefs config")
         config = RepoConfig.from_bytes(raw, store.url)
@@ -215,10 +230,10 @@ class Repository:
                 if secret_source is None:
                     raise RepositoryError(f"{store.url}: repository is encrypted; give a passphrase or key file")
                 secret = secret_source()
-            master, key_id = open_master(store, secret)
+            master, key_id = open_master(store, secret, keys.result()[1])
             if config.mac is not None and not hmac.compare_digest(config.mac, config_mac(config, master)):
                 raise RepositoryError(f"{store.url}: config fails its MAC (altered or replaced); refusing")
-        elif any(True for _ in store.list("keys/")):
+        elif keys.result()[0]:
             # Keys exist but the config says plaintext: someone replaced the config.
             raise RepositoryError(f"{store.url}: config says unencrypted but key objects exist; refusing "
                                   "(a replaced config would make new data leave this box in plaintext)")
