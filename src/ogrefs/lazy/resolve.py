@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from ogrefs.errors import CorruptObject
 from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
 from ogrefs.repo.catalog import Catalog, Extent
-from ogrefs.repo.traces import Entry, find_trace
+from ogrefs.repo.traces import Entry, FoundTrace, find_trace
 
 if TYPE_CHECKING:
     from ogrefs.repo import Repository
@@ -43,7 +43,12 @@ def load_trace(repo: Repository, manifest: dict[str, Any], catalog: Catalog,
     snapshot loads the newest checkpoint, not the one the trace's run loaded.
     ``notes`` receives one line per checkpoint so replaced (else they are logged).
     """
-    found = find_trace(repo, manifest)
+    return entries_to_replay(find_trace(repo, manifest), manifest, catalog, notes)
+
+
+def entries_to_replay(found: FoundTrace, manifest: dict[str, Any], catalog: Catalog,
+                      notes: list[str] | None = None) -> list[Entry]:
+    """:func:`load_trace` once the trace is found (a mount finds it beside fetching the catalog).  Blocking."""
     if not found.entries:
         return []
     return replace_stale_checkpoints(found.entries, manifest, found.recorded_on, lambda p: _chunk_starts(catalog, p),
