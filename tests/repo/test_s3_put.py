@@ -8,12 +8,13 @@ the server first (``Expect: 100-continue``), as botocore does for every put.
 from __future__ import annotations
 
 import http.server
-import threading
 from typing import Any, Iterator
 
 import pytest
 
 from ogrefs.store.s3 import CONTINUE_ABOVE, S3Store
+
+from tests.loopback_s3 import loopback_store
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -37,17 +38,8 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Store, type[_
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
     handler = type("Recorder", (_Recorder,), {"seen": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    store = S3Store("bkt", "p", endpoint_url=f"http://127.0.0.1:{server.server_address[1]}")
-    try:
+    with loopback_store(handler) as store:
         yield store, handler
-    finally:
-        store.close()
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 def _expects_continue(headers: dict[str, str]) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.server
 import random
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,8 @@ import pytest
 from ogrefs.store import NotFound, ShortRead, TransientError, open_store
 from ogrefs.store.s3 import S3Store
 from ogrefs.store.s3ranges import SWITCH, URL_REUSE_S, PresignedRanges, scrub_signed
+
+from tests.loopback_s3 import loopback_store
 
 MiB = 1 << 20
 DATA = random.Random(7).randbytes(3 * MiB)
@@ -183,17 +184,8 @@ def answering(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Store, type[_
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
     handler = type("Answers", (_Answers,), {"seen": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    store = S3Store("bkt", "p", endpoint_url=f"http://127.0.0.1:{server.server_address[1]}")
-    try:
+    with loopback_store(handler) as store:
         yield store, handler
-    finally:
-        store.close()
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 def test_a_server_error_is_transient_at_once_not_asked_twice(answering: tuple[S3Store, type[_Answers]]) -> None:
