@@ -2,10 +2,11 @@
 
 The pipeline (docs/architecture.md has the picture):
 
-0. Under the run's shared lock the main thread lists the live packs and finds
-   the parent; an *index thread* (snapshot/indexsync.py) then merges the index
-   objects this box has not seen while the walk starts, and every lookup
-   waits for it.
+0. Under the run's shared lock the main thread finds the parent while two
+   *start threads* list the live packs and read the trash beside it (each only
+   reads the store and returns what it read; joined before the walk); an
+   *index thread* (snapshot/indexsync.py) then merges the index objects this
+   box has not seen while the walk starts, and every lookup waits for it.
 1. The *main thread* walks the tree in sorted order, stats every entry and
    decides whether a file is unchanged since the parent snapshot (or taken
    unchanged from the snapshot the box runs from: snapshot/frommount.py). It
@@ -20,7 +21,15 @@ The pipeline (docs/architecture.md has the picture):
    thread then records the pack in the local index.
 4. When the walk ends, the environment probe's reads run in a *probe thread*
    (:class:`ObserverRun`) while the last packs upload; the main thread then
-   turns its hints into catalog rows and writes catalog and manifest.
+   turns its hints into catalog rows, writes the run's consolidated index
+   object while a *commit thread* puts the catalog and then deletes the
+   per-pack index objects it replaces side by side (the threads get names and
+   a closed file; joined before the manifest), and writes the manifest.
+
+Behind a far link every store request that waits for another costs a round
+trip, and a snapshot at a preemption notice has seconds: only what needs
+another's answer waits for it (docs/benchmarks.md, "A snapshot's fixed
+requests behind a far link").
 
 Nothing is visible as a snapshot until the manifest is written, last, after
 every pack, index and the catalog are in the store.  An interrupted run leaves
@@ -40,6 +49,7 @@ import stat
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,6 +68,9 @@ from ogrefs.snapshot.untouched import KnownDir, UntouchedDirs
 from ogrefs.snapshot.walk import WalkRules
 
 log = logging.getLogger(__name__)
+
+#: Store requests of a snapshot's commit in flight at once (the catalog, the per-pack index deletions).
+_COMMIT_THREADS = 8
 
 EXIT_PARTIAL = 3  # snapshot written, but some files could not be read
 
@@ -456,9 +469,11 @@ class Snapshotter:
         # anything it marks as trash after this moment may still be referenced by us.
         self._lock = self.repo.lock("shared", "snapshot").acquire()
         try:
-            self._live_packs = {k.rsplit("/", 1)[1] for k in self.repo.store.list("packs/")}
-            self._live_packs -= set(read_trash(self.repo)[0])
-            self._find_parent(roots)
+            with ThreadPoolExecutor(2, thread_name_prefix="ogrefs-start") as pool:
+                packs = pool.submit(_pack_names, self.repo)
+                trash = pool.submit(read_trash, self.repo)
+                self._find_parent(roots)
+                self._live_packs = packs.result() - set(trash.result()[0])
             self._index = IndexSync(self.repo, frozenset(self._live_packs))  # beside the walk's start
         except BaseException:
             self._lock.release()
@@ -527,13 +542,16 @@ class Snapshotter:
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
-        if self._packer.run_index:  # one consolidated index object replaces this run's per-pack ones
-            self.repo.write_index(snap_id, self._packer.run_index)
-            self.repo.index.add([], merged_name=snap_id)
-            for name in self._packer.run_packs:
-                self.repo.store.delete(f"index/{name}")
-            self.repo.index.forget_merged(self._packer.run_packs)
-        catalog_size = self.repo.put_catalog(snap_id, cat_path)
+        with ThreadPoolExecutor(_COMMIT_THREADS, thread_name_prefix="ogrefs-commit") as pool:
+            catalog_put = pool.submit(self.repo.put_catalog, snap_id, cat_path)
+            if self._packer.run_index:  # one consolidated index object replaces this run's per-pack ones
+                self.repo.write_index(snap_id, self._packer.run_index)
+                self.repo.index.add([], merged_name=snap_id)
+                # only once the consolidated object is stored: a pack's entries are always in one of the two
+                for done in [pool.submit(self.repo.store.delete, f"index/{name}") for name in self._packer.run_packs]:
+                    done.result()
+                self.repo.index.forget_merged(self._packer.run_packs)
+            catalog_size = catalog_put.result()
         s = self.stats
         manifest: dict[str, Any] = {
             "id": snap_id,
@@ -565,6 +583,11 @@ class Snapshotter:
             manifest["environment"] = environment
         self.repo.put_manifest(manifest)
         return manifest
+
+
+def _pack_names(repo: Repository) -> set[str]:
+    """The names of the packs in the store (a listing).  Blocking; run beside the parent's search."""
+    return {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
 
 
 class ObserverRun:

@@ -1,7 +1,8 @@
-"""The store requests of a command's start that need no answer of each other are in flight together.
+"""The store requests of a command's start and a snapshot's commit that need no answer of each other overlap.
 
 Behind a far link each request that waits for another costs a round trip
-(docs/benchmarks.md, "A mount's start behind a far link"). A store that holds
+(docs/benchmarks.md, "A mount's start behind a far link", "A snapshot's fixed
+requests behind a far link"). A store that holds
 one request until the ones it should overlap with have started proves they
 overlap: done one after the other, the held request waits out its timeout and
 the test fails, whatever the machine's speed.
@@ -39,11 +40,14 @@ class Rendezvous(FileStore):
         self.started = {c: threading.Event() for c in companions}
         self.missed: list[tuple[str, str]] = []  # companions not started when the held request gave up waiting
         self.holds = 0
+        self.armed = True  # False: requests pass without waiting (what a test does before the part it checks)
 
     def _call(self, op: str, key: str) -> None:
         for (c_op, prefix), event in self.started.items():
             if op == c_op and key.startswith(prefix):
                 event.set()
+        if not self.armed:
+            return
         if op in (self.held[0], "get_range" if self.held[0] == "get" else "") and key.startswith(self.held[1]):
             self.holds += 1
             for c, event in self.started.items():
@@ -66,6 +70,30 @@ class Rendezvous(FileStore):
         self._call("list", prefix)
         return super().list(prefix)
 
+    def delete(self, key: str) -> None:
+        self._call("delete", key)
+        super().delete(key)
+
+
+class TwoAtOnce(FileStore):
+    """A file store whose deletions of ``prefix`` each wait until two of them have started."""
+
+    def __init__(self, root: str, prefix: str) -> None:
+        super().__init__(root)
+        self.prefix = prefix
+        self.started = 0
+        self.alone = 0  # deletions that waited HOLD_S for a second one in vain
+        self._cond = threading.Condition()
+
+    def delete(self, key: str) -> None:
+        if key.startswith(self.prefix):
+            with self._cond:
+                self.started += 1
+                self._cond.notify_all()
+                if not self._cond.wait_for(lambda: self.started >= 2, HOLD_S):
+                    self.alone += 1
+        super().delete(key)
+
 
 @pytest.mark.parametrize("encrypted", [False, True])
 def test_open_reads_the_key_objects_beside_the_config(tmp_path, encrypted):
@@ -86,7 +114,9 @@ def test_a_plaintext_config_beside_key_objects_is_still_refused(tmp_path):
         Repository.open(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache2")
 
 
-def test_a_mount_narrows_its_lock_fetches_the_catalog_and_finds_the_trace_side_by_side(tmp_path):
+@pytest.mark.parametrize("held, companion", [(("put", "locks/"), ("get", "catalogs/")),
+                                             (("get", "catalogs/"), ("list", "traces/"))])
+def test_a_mount_narrows_its_lock_fetches_the_catalog_and_finds_the_trace_side_by_side(tmp_path, held, companion):
     src = tmp_path / "src"
     (src / "lib").mkdir(parents=True)
     (src / "lib" / "a.bin").write_bytes(os.urandom(300_000))
@@ -98,12 +128,11 @@ def test_a_mount_narrows_its_lock_fetches_the_catalog_and_finds_the_trace_side_b
     rec.record(cat.resolve(os.fsencode(src / "lib" / "a.bin")).ino, 0)
     save_trace(repo, m["id"], rec, None)
 
-    store = Rendezvous(str(tmp_path / "repo"), held=("get", "catalogs/"),
-                       companions=[("put", "locks/"), ("list", "traces/")])
+    store = Rendezvous(str(tmp_path / "repo"), held=held, companions=[companion])
     opened = Repository.open(store.url, store=store, cache_root=tmp_path / "cache-b")  # a fresh box: no catalog
+    store.armed = False  # the lock's first put does not count: only the narrowing in the plan does
     lock = opened.lock("shared", "mount").acquire()
-    for event in store.started.values():
-        event.clear()  # the lock's first put does not count: only the narrowing in the plan does
+    store.armed = True
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     try:
@@ -130,3 +159,41 @@ def test_the_narrowed_lock_is_written_before_the_plan_returns(tmp_path):
         assert [lk.snapshot for lk in read_locks(repo.store)] == [m["id"]]
     finally:
         lock.release()
+
+
+def _data_tree(src: Path, mib: int) -> None:
+    (src / "ckpt").mkdir(parents=True, exist_ok=True)
+    (src / "ckpt" / f"step-{mib}.bin").write_bytes(os.urandom(mib * 1024 * 1024))
+    (src / "train.log").write_text(f"{mib}\n")
+
+
+@pytest.mark.parametrize("listing", ["packs/", "trash/"])
+def test_a_snapshot_lists_packs_and_trash_beside_the_parents_search(tmp_path, listing):
+    Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    _data_tree(tmp_path / "src", 1)
+    store = Rendezvous(str(tmp_path / "repo"), held=("list", listing), companions=[("list", "snapshots/")])
+    repo = Repository.open(store.url, store=store, cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(tmp_path / "src")]))
+    assert store.holds == 1 and store.missed == []
+    assert m["totals"]["files"] == 2
+
+
+def test_a_snapshots_commit_puts_the_catalog_beside_the_index_clean_up(tmp_path):
+    Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache", pack_target_size=2 * 1024 * 1024)
+    _data_tree(tmp_path / "src", 7)  # several packs: several per-pack index objects to replace
+    store = Rendezvous(str(tmp_path / "repo"), held=("delete", "index/"), companions=[("put", "catalogs/")])
+    repo = Repository.open(store.url, store=store, cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(tmp_path / "src")]))
+    assert store.holds == m["totals"]["packs"] >= 3 and store.missed == []
+    # what the commit left: the consolidated index object only, the catalog, the manifest
+    assert sorted(store.list("index/")) == [f"index/{m['id']}"]
+    assert store.exists(f"catalogs/{m['id']}") and store.exists(f"snapshots/{m['id']}")
+
+
+def test_a_snapshots_per_pack_index_objects_are_deleted_side_by_side(tmp_path):
+    Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache", pack_target_size=2 * 1024 * 1024)
+    _data_tree(tmp_path / "src", 7)
+    store = TwoAtOnce(str(tmp_path / "repo"), "index/")
+    repo = Repository.open(store.url, store=store, cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(tmp_path / "src")]))
+    assert store.started == m["totals"]["packs"] >= 3 and store.alone == 0
