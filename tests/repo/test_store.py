@@ -401,6 +401,13 @@ def test_faulty_store_write_faults() -> None:
         f.put("b", b"2")
     f.put("c", b"3")
     assert sorted(f.inner.list()) == ["a", "c"]
+    seen = []
+    f = FaultyStore(MemoryStore(), fail_put_where=lambda key: seen.append(key) or key.startswith("cat"))
+    f.put("pack", b"1")
+    with pytest.raises(TransientError, match=r"put #2 \(cat/1\)"):
+        f.put("cat/1", b"2")
+    f.put("cat/2", b"3")  # once: the next put it would accept is written
+    assert sorted(f.inner.list()) == ["cat/2", "pack"] and seen == ["pack", "cat/1"]
     f = FaultyStore(MemoryStore(), lost_ack_rate=1.0)
     with pytest.raises(TransientError, match="lost acknowledgement"):
         f.put("x", b"written anyway")

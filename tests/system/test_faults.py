@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import blake3
 import pytest
@@ -123,23 +124,43 @@ def rerun_reuses(url: str, tmp: Path, src: Path) -> dict:
 
 # -- snapshot: a failing put anywhere ------------------------------------------------------------------
 
-PUT_POINTS = {  # name -> position of the failing put, from the put count of a clean run
-    "lock": lambda n: 1,
-    "first-pack": lambda n: 2,
-    "early": lambda n: 3,
-    "middle": lambda n: n // 2,
-    "late": lambda n: n - 4,
-    "consolidated-index": lambda n: n - 2,
-    "catalog": lambda n: n - 1,
-    "manifest": lambda n: n,
+def _consolidated_index() -> Callable[[str], bool]:
+    """The run's consolidated index object: the first ``index/`` key that names no pack put before it."""
+    packs: set[str] = set()
+
+    def where(key: str) -> bool:
+        if key.startswith("packs/"):
+            packs.add(key.rsplit("/", 1)[1])
+        return key.startswith("index/") and key[len("index/"):] not in packs
+
+    return where
+
+
+# name -> the faults that fail that put, from the put count of a clean run: a position where the order of the puts
+# is fixed, the object itself where threads put side by side (the catalog beside the consolidated index)
+PUT_POINTS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "lock": lambda n: {"fail_puts": {1}},
+    "first-pack": lambda n: {"fail_puts": {2}},
+    "early": lambda n: {"fail_puts": {3}},
+    "middle": lambda n: {"fail_puts": {n // 2}},
+    "late": lambda n: {"fail_puts": {n - 4}},
+    "consolidated-index": lambda n: {"fail_put_where": _consolidated_index()},
+    "catalog": lambda n: {"fail_put_where": lambda key: key.startswith("catalogs/")},
+    "manifest": lambda n: {"fail_puts": {n}},
 }
 
 
-def _fail_put_then_rerun(url: str, tmp: Path, tree: Path, position: int) -> None:
+#: the points named by their object: the failed put's key (in the injected error's message) starts with this
+NAMED_BY_KEY = {"consolidated-index": "index/", "catalog": "catalogs/"}
+
+
+def _fail_put_then_rerun(url: str, tmp: Path, tree: Path, faults: dict[str, Any], named: str | None = None) -> None:
     Repository.init(url, cache_root=tmp / "c0", pack_target_size=PACK)
-    repo, faulty = _faulty_repo(url, tmp / "c1", fail_puts={position})
-    with pytest.raises(TransientError, match=f"put #{position}"):
+    repo, faulty = _faulty_repo(url, tmp / "c1", **faults)
+    with pytest.raises(TransientError, match="injected failure of put #") as failed:
         _snap(repo, tree)
+    if named is not None:  # the object the point names failed, not another put at the same moment
+        assert str(failed.value).rsplit("(", 1)[1].startswith(named)
     assert faulty.injected["put"] == 1
     clean = Repository.open(url, cache_root=tmp / "c2")
     assert clean.snapshot_ids() == [], "a failed run must not leave a manifest"
@@ -149,7 +170,8 @@ def _fail_put_then_rerun(url: str, tmp: Path, tree: Path, position: int) -> None
 
 @pytest.mark.parametrize("point", list(PUT_POINTS))
 def test_put_failure_at_each_point_then_rerun_file(point, tree, put_count, tmp_path):
-    _fail_put_then_rerun(f"file://{tmp_path}/repo", tmp_path, tree, PUT_POINTS[point](put_count))
+    _fail_put_then_rerun(f"file://{tmp_path}/repo", tmp_path, tree, PUT_POINTS[point](put_count),
+                         NAMED_BY_KEY.get(point))
 
 
 @pytest.mark.s3
@@ -159,7 +181,7 @@ def test_put_failure_at_each_point_then_rerun_s3(point, tree, put_count, tmp_pat
     for key, value in seaweed.env().items():
         monkeypatch.setenv(key, value)
     url = f"s3://{seaweed.new_bucket()}/repo"
-    _fail_put_then_rerun(url, tmp_path, tree, PUT_POINTS[point](put_count))
+    _fail_put_then_rerun(url, tmp_path, tree, PUT_POINTS[point](put_count), NAMED_BY_KEY.get(point))
 
 
 def test_delete_failure_at_commit_then_rerun(store_url, tree, tmp_path):

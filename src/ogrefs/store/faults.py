@@ -24,6 +24,11 @@ them.  This wrapper reproduces them on demand, on top of any store:
   operations) raise ``exc`` -- "fail twice, then succeed".
 * ``fail_puts={3, 5}`` -- the 3rd and 5th put (1-based, counted over the
   store's life) raise TransientError without writing.
+* ``fail_put_where=pred`` -- the first put whose key ``pred`` accepts raises
+  TransientError without writing; ``pred`` sees every put's key, in the
+  order the puts reach the store (under the wrapper's lock), so it can
+  name an object by what came before it where threads put side by side
+  and a position would not say which object it is.
 * ``break_next_list(after=n)`` -- the next listing raises TransientError
   after yielding ``n`` keys (a connection dying between pages); a listing
   with ``n`` keys or fewer completes normally.
@@ -67,7 +72,8 @@ class FaultyStore(Store):
     def __init__(self, inner: Store, *, seed: int = 0, error_rate: float = 0.0, lost_ack_rate: float = 0.0,
                  latency: float | tuple[float, float] = 0.0, truncate_rate: float = 0.0,
                  corrupt_rate: float = 0.0, fail_puts: Collection[int] = (), streak_limit: int | None = None,
-                 ops: Collection[str] = ALL_OPS, sleep: Callable[[float], None] = time.sleep) -> None:
+                 ops: Collection[str] = ALL_OPS, sleep: Callable[[float], None] = time.sleep,
+                 fail_put_where: Callable[[str], bool] | None = None) -> None:
         unknown = set(ops) - ALL_OPS
         if unknown:
             raise ValueError(f"unknown store operations: {sorted(unknown)}")
@@ -79,6 +85,7 @@ class FaultyStore(Store):
         self.truncate_rate = truncate_rate
         self.corrupt_rate = corrupt_rate
         self.fail_puts = frozenset(fail_puts)
+        self._fail_put_where = fail_put_where  # None once it has failed a put
         self.streak_limit = streak_limit
         self._streaks: Counter[str] = Counter()  # key -> calls failed in a row by the rates
         self.ops = frozenset(ops)
@@ -171,6 +178,9 @@ class FaultyStore(Store):
                 error = TransientError(f"{self.url}: store is down (injected) in {op}")
             if error is None and op == "put" and self._puts in self.fail_puts:
                 error = TransientError(f"{self.url}: injected failure of put #{self._puts}")
+            if error is None and op == "put" and self._fail_put_where is not None and self._fail_put_where(key or ""):
+                self._fail_put_where = None
+                error = TransientError(f"{self.url}: injected failure of put #{self._puts} ({key})")
             if error is None and op in self.ops and self._rate_fault(self.error_rate, key):
                 error = TransientError(f"{self.url}: injected transient error in {op}")
             if error is not None:
