@@ -542,16 +542,8 @@ class Snapshotter:
         snap_id = secrets.token_hex(32)
         self.cat.set_meta("snapshot_id", snap_id)
         self.cat.close()
-        with ThreadPoolExecutor(_COMMIT_THREADS, thread_name_prefix="ogrefs-commit") as pool:
-            catalog_put = pool.submit(self.repo.put_catalog, snap_id, cat_path)
-            if self._packer.run_index:  # one consolidated index object replaces this run's per-pack ones
-                self.repo.write_index(snap_id, self._packer.run_index)
-                self.repo.index.add([], merged_name=snap_id)
-                # only once the consolidated object is stored: a pack's entries are always in one of the two
-                for done in [pool.submit(self.repo.store.delete, f"index/{name}") for name in self._packer.run_packs]:
-                    done.result()
-                self.repo.index.forget_merged(self._packer.run_packs)
-            catalog_size = catalog_put.result()
+        catalog_size = _store_index_and_catalog(self.repo, snap_id, cat_path, self._packer.run_index,
+                                                self._packer.run_packs)
         s = self.stats
         manifest: dict[str, Any] = {
             "id": snap_id,
@@ -583,6 +575,28 @@ class Snapshotter:
             manifest["environment"] = environment
         self.repo.put_manifest(manifest)
         return manifest
+
+
+def _store_index_and_catalog(repo: Repository, snap_id: str, cat_path: Path,
+                             run_index: list[tuple[bytes, str, int, int, int]],
+                             run_packs: list[str]) -> int:
+    """The run's consolidated index object and its catalog, side by side; returns the catalog's stored size.
+
+    The catalog goes to a pool thread at once; the consolidated index object
+    is written here and only once it is stored are the per-pack index objects
+    it replaces deleted (side by side): a pack's entries are always in one of
+    the two. Everything is joined before this returns, so the manifest, which
+    the caller writes next, comes last.
+    """
+    with ThreadPoolExecutor(_COMMIT_THREADS, thread_name_prefix="ogrefs-commit") as pool:
+        catalog_put = pool.submit(repo.put_catalog, snap_id, cat_path)
+        if run_index:  # one consolidated index object replaces this run's per-pack ones
+            repo.write_index(snap_id, run_index)
+            repo.index.add([], merged_name=snap_id)
+            for done in [pool.submit(repo.store.delete, f"index/{name}") for name in run_packs]:
+                done.result()
+            repo.index.forget_merged(run_packs)
+        return catalog_put.result()
 
 
 def _pack_names(repo: Repository) -> set[str]:
