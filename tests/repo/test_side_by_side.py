@@ -2,10 +2,10 @@
 
 Behind a far link each request that waits for another costs a round trip
 (docs/benchmarks.md, "A mount's start behind a far link", "A snapshot's fixed
-requests behind a far link"). A store that holds
-one request until the ones it should overlap with have started proves they
-overlap: done one after the other, the held request waits out its timeout and
-the test fails, whatever the machine's speed.
+requests behind a far link"). A store that holds one request until the ones
+it should overlap with have started proves they overlap: done one after the
+other, the held request waits out its timeout and the test fails, whatever
+the machine's speed.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ class Rendezvous(FileStore):
 
     def __init__(self, root: str, held: tuple[str, str], companions: list[tuple[str, str]]) -> None:
         super().__init__(root)
-        self.held, self.companions = held, companions
+        self.held = held
         self.started = {c: threading.Event() for c in companions}
         self.missed: list[tuple[str, str]] = []  # companions not started when the held request gave up waiting
-        self.holds = 0
+        self.holds = 0  # held requests seen (several at once: the snapshot deletes its index objects side by side)
+        self._count = threading.Lock()
         self.armed = True  # False: requests pass without waiting (what a test does before the part it checks)
 
     def _call(self, op: str, key: str) -> None:
@@ -49,7 +50,8 @@ class Rendezvous(FileStore):
         if not self.armed:
             return
         if op in (self.held[0], "get_range" if self.held[0] == "get" else "") and key.startswith(self.held[1]):
-            self.holds += 1
+            with self._count:
+                self.holds += 1
             for c, event in self.started.items():
                 if not event.wait(HOLD_S):
                     self.missed.append(c)

@@ -21,10 +21,11 @@ The pipeline (docs/architecture.md has the picture):
    thread then records the pack in the local index.
 4. When the walk ends, the environment probe's reads run in a *probe thread*
    (:class:`ObserverRun`) while the last packs upload; the main thread then
-   turns its hints into catalog rows, writes the run's consolidated index
-   object while a *commit thread* puts the catalog and then deletes the
-   per-pack index objects it replaces side by side (the threads get names and
-   a closed file; joined before the manifest), and writes the manifest.
+   turns its hints into catalog rows and writes the run's consolidated index
+   object while a *commit thread* puts the catalog; once that object is
+   stored, commit threads delete the per-pack index objects it replaces side
+   by side (the threads get names and a closed file; all joined before the
+   manifest), and the main thread writes the manifest.
 
 Behind a far link every store request that waits for another costs a round
 trip, and a snapshot at a preemption notice has seconds: only what needs

@@ -177,7 +177,8 @@ class S3Store(Store):
         self._client = client if client is not None else self._make_client(endpoint_url)
         events = getattr(getattr(self._client, "meta", None), "events", None)
         if events is not None:  # last on botocore's own event: it runs after the handler that adds the header
-            events.register_last("before-call.s3", _continue_only_for_large_bodies)
+            # (once per client, however many stores share it)
+            events.register_last("before-call.s3", _continue_only_for_large_bodies, unique_id="ogrefs-small-puts")
         #: ranged GETs on presigned URLs (store/s3ranges.py); None: every GET through botocore
         self._ranges = PresignedRanges.for_client(self._client, bucket)
 
