@@ -175,6 +175,79 @@ def test_the_tree_keeps_its_layers():
     assert found == [], "\n".join(found)
 
 
+def module_graph(tree: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the ogrefs modules it imports (every import: deferred, type-only, of a package's ``__init__``)."""
+    modules = set(tree)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, (source, is_package) in tree.items():
+        for e in imports_of(module, source, is_package):
+            target = _imported_module(e, modules)
+            if target in modules and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45: three circles in lazy/ are being broken")
+def test_no_import_cycle_between_any_two_modules():
+    assert cycles(module_graph(_tree())) == []
+
+
+def test_the_cycle_finder_finds_type_only_and_deferred_circles():
+    tree = {
+        "ogrefs.a": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ogrefs.b import B\n", False),
+        "ogrefs.b": ("def f():\n    from ogrefs import c\n", False),
+        "ogrefs.c": ("from ogrefs.a import x\n", False),
+        "ogrefs.d": ("from ogrefs.a import x\n", False),
+        "ogrefs.p": ("from ogrefs.p.q import y\n", True),
+        "ogrefs.p.q": ("from ogrefs import p\n", False),
+    }
+    assert cycles(module_graph(tree)) == [["ogrefs.a", "ogrefs.b", "ogrefs.c"], ["ogrefs.p", "ogrefs.p.q"]]
+    del tree["ogrefs.c"], tree["ogrefs.p.q"]
+    assert cycles(module_graph(tree)) == []
+
+
 def test_every_unit_of_the_tree_has_a_level():
     units = {unit_of(m) for m in _tree()}
     assert {u for u in units if level_of(u) is None} == set()
