@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -53,10 +53,10 @@ from typing import Callable
 import blake3
 
 from ogrefs.repo.localdb import wal_connect
+from ogrefs.units import GiB
 
 log = logging.getLogger(__name__)
 
-GiB = 1024**3
 DEFAULT_MAX_BYTES = 10 * GiB
 
 #: After an eviction the cache holds at most this fraction of its bound, so that

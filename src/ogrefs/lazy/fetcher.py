@@ -88,10 +88,10 @@ from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's cal
 )
 from ogrefs.errors import CorruptObject
 from ogrefs.store.base import BytesRange
+from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
 
 #: A failing cache never fails a read: it only costs a fetch.
 _CACHE_ERRORS = (OSError, sqlite3.Error)

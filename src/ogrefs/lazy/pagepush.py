@@ -31,13 +31,13 @@ from ogrefs.errors import OgrefsError
 from ogrefs.lazy.metacache import BoundedCache
 from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.units import MiB
 
 if TYPE_CHECKING:
     from ogrefs.lazy.vfs import LocalCopy, VfsStats
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
 
 #: Page-cache push: complete local copies of files up to this size ...
 PUSH_FILE_MAX = 128 * 1024

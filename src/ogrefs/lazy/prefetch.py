@@ -41,15 +41,13 @@ from ogrefs.lazy.boxcpu import SpareCpu
 from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Keep, Priority
 from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.materialize.plan import CLASSES
-from ogrefs.units import human_bytes
+from ogrefs.units import GiB, MiB, human_bytes
 from ogrefs.lazy.replay import Replayer
 from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.repo.traces import Entry
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
 #: The materializer starts once the mount has had no request for this long ...
 SETTLE_QUIET_S = 1.0
 #: ... or this long after it could have started (see Prefetch._settle) ...

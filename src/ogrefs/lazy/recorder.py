@@ -69,13 +69,13 @@ from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Catalog, paths_of
 from ogrefs.repo.traces import Entry, encode_trace, merge_traces, store_trace
 from ogrefs.store.base import StoreError
+from ogrefs.units import MiB
 
 if TYPE_CHECKING:
     from ogrefs.repo import Repository
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
 DEFAULT_WINDOW_S = 300.0
 DEFAULT_MAX_ENTRIES = 200_000
 DEFAULT_QUIET_S = 5.0

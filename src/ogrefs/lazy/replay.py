@@ -26,10 +26,9 @@ from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.lazy.window import RequestWindow, groups
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo.traces import Entry
+from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
-
-MiB = 1024 * 1024
 
 
 @dataclass

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import trio
 
+from ogrefs.units import MiB
+
 if TYPE_CHECKING:
     from ogrefs.lazy.fetcher import ChunkRef, Ticket
 
-MiB = 1024 * 1024
 
 #: Where a chunk is (:meth:`Residency.where`).
 IN_MEMORY, IN_TREE, COMING, ABSENT = 0, 1, 2, 3

@@ -63,10 +63,10 @@ from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
 from ogrefs.store.base import StoreError
+from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
 
 #: The snapshot never changes, so the kernel may cache names and attributes "forever".
 CACHE_TIMEOUT = 24 * 3600.0

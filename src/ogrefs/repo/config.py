@@ -8,6 +8,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 
 from ogrefs.errors import RepositoryError
+from ogrefs.units import MiB
 
 FORMAT_NAME = "ogrefs-repository"
 #: Version 2 (encrypted repositories only): the config carries a MAC under a key derived from the
@@ -15,7 +16,6 @@ FORMAT_NAME = "ogrefs-repository"
 FORMAT_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 
-MiB = 1024 * 1024
 
 _ID = re.compile(r"[0-9a-f]{8,64}")
 

@@ -51,11 +51,9 @@ from ogrefs.lazy.residency import Residency
 from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.repo.traces import Entry
 from ogrefs.repo.catalog import Catalog
-from ogrefs.units import human_bytes as human
+from ogrefs.units import MiB, human_bytes as human
 
 log = logging.getLogger(__name__)
-
-MiB = 1024 * 1024
 
 
 class Materializer:

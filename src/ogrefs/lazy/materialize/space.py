@@ -16,10 +16,7 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from ogrefs.units import human_bytes as human
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+from ogrefs.units import GiB, MiB, human_bytes as human
 
 #: (path) -> (bytes free for an unprivileged user, size of the file system): ``statvfs`` unless a test injects one.
 FreeBytes = Callable[[Path], tuple[int, int]]
