@@ -1,5 +1,5 @@
 """The tree build's child process: its priority, its failures as the materializer reports them, its end with
-the daemon.  Real processes throughout (the child is buildproc.main, with a prelude to slow it or break it)."""
+the daemon.  Real processes throughout (the child is buildchild.main, with a prelude to slow it or break it)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import trio
 
 from ogrefs.repo import codec
 from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.lazy.fetcher import (ChunkCorrupt, ChunkMissing, ChunkRef, FetchError, Fetcher, Keep, Priority,
-                                 StoreUnavailable)
+from ogrefs.lazy.fetcher import ChunkCorrupt, ChunkMissing, FetchError, Fetcher, Keep, Priority, StoreUnavailable
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.fetchio import PackReads
 from ogrefs.repo.pack import pack_key
 from ogrefs.store import FaultyStore, MemoryStore, RetryingStore

@@ -46,7 +46,7 @@ def box(tmp_path_factory) -> Box:
 
 def all_refs(box: Box):
     """Every distinct chunk of the snapshot, by chunk id."""
-    from ogrefs.lazy.fetcher import ChunkRef
+    from ogrefs.repo.chunkref import ChunkRef
 
     out = {}
     for _ino, off, length, chunk, pack, poff, slen in box.catalog.all_extents():

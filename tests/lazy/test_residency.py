@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from ogrefs.lazy.fetcher import ChunkRef, Fetcher
+from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.residency import ABSENT, COMING, IN_MEMORY, IN_TREE, Residency
 
 

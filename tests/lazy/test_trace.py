@@ -11,7 +11,8 @@ import trio
 
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject
-from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Priority
+from ogrefs.lazy.fetcher import Fetcher, Priority
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot

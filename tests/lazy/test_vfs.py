@@ -22,7 +22,8 @@ from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
-from ogrefs.lazy.vfs import FsError, SnapshotFS
+from ogrefs.lazy.fs.types import FsError
+from ogrefs.lazy.vfs import SnapshotFS
 
 from tests.pagecache import drop_pages, resident_bytes
 from tests.treegen import make_fidelity_tree
@@ -251,16 +252,18 @@ def test_lost_pack_fails_only_its_files_with_eio(snap, caplog):
 
 
 def test_errno_mapping_is_total():
-    from ogrefs.lazy.fetcher import ChunkRef, StoreUnavailable
+    from ogrefs.lazy.fetcher import StoreUnavailable
+    from ogrefs.repo.chunkref import ChunkRef
+    from ogrefs.lazy.fs.types import errno_for
     from ogrefs.store.base import StoreError
 
     ref = ChunkRef(b"\0" * 32, "p", 0, 1, 1)
-    assert vfs_mod.errno_for(FsError(errno.ENOENT)) == errno.ENOENT
-    assert vfs_mod.errno_for(StoreUnavailable(ref, "down")) == errno.EIO
-    assert vfs_mod.errno_for(CorruptObject("x")) == errno.EIO
-    assert vfs_mod.errno_for(StoreError("x")) == errno.EIO
-    assert vfs_mod.errno_for(PermissionError(errno.EACCES, "x")) == errno.EACCES
-    assert vfs_mod.errno_for(ZeroDivisionError()) == errno.EIO
+    assert errno_for(FsError(errno.ENOENT)) == errno.ENOENT
+    assert errno_for(StoreUnavailable(ref, "down")) == errno.EIO
+    assert errno_for(CorruptObject("x")) == errno.EIO
+    assert errno_for(StoreError("x")) == errno.EIO
+    assert errno_for(PermissionError(errno.EACCES, "x")) == errno.EACCES
+    assert errno_for(ZeroDivisionError()) == errno.EIO
 
 
 # -- page-cache push: small local files of a crawled directory go to the kernel's page cache -------------------

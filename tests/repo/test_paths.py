@@ -31,7 +31,8 @@ from ogrefs.lazy.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.restore import Restorer
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
-from ogrefs.lazy.vfs import FsError, SnapshotFS
+from ogrefs.lazy.fs.types import FsError
+from ogrefs.lazy.vfs import SnapshotFS
 
 pytestmark = pytest.mark.timeout(60)  # a directory loop must not make a walk endless
 

@@ -229,7 +229,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45: three circles in lazy/ are being broken")
 def test_no_import_cycle_between_any_two_modules():
     assert cycles(module_graph(_tree())) == []
 

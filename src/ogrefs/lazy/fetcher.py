@@ -77,15 +77,8 @@ from ogrefs.lazy.chunkcache import ChunkCache
 from ogrefs.lazy.residency import IN_MEMORY, IN_TREE, Residency
 from ogrefs.lazy.fetchqueue import Priority, RequestQueue
 from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
-    ChunkCorrupt,
-    ChunkMissing,
-    ChunkRef,
-    DecodeBlob,
-    FetchError,
-    OpenRange,
-    ReadRange,
-    StoreUnavailable,
-)
+    ChunkCorrupt, ChunkMissing, DecodeBlob, FetchError, OpenRange, ReadRange, StoreUnavailable)
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.errors import CorruptObject
 from ogrefs.store.base import BytesRange
 from ogrefs.units import MiB

@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ogrefs.errors import CorruptObject, OgrefsError
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.repo.pack import pack_key
 from ogrefs.store.base import NotFound, PermissionDenied, RangeReader, ShortRead, Store, StoreError, TransientError
 from ogrefs.store.retry import RetryingStore
 
 if TYPE_CHECKING:
     from ogrefs.lazy.chunkcache import ChunkCache
-    from ogrefs.repo.catalog import Extent
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +58,6 @@ Delivery = list[tuple[int, "bytes | CorruptObject | int"]]
 DELIVER_BYTES = 256 * 1024
 #: ... and reads its body at least this much at a time (small blobs are cut from the piece).
 READ_PIECE = 256 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
-    """Everything needed to fetch and verify one chunk; well-formed or it does not exist.
-
-    The fields come from a catalog, which may be forged: a location of the
-    wrong type (text where an offset belongs) would break the fetcher's
-    bookkeeping far from its cause, so it is refused here (ValueError).
-    """
-
-    chunk: bytes  # BLAKE3-256 of the plaintext
-    pack: str
-    offset: int  # of the blob in the pack
-    stored_len: int
-    raw_len: int
-
-    def __post_init__(self) -> None:
-        if not (type(self.chunk) is bytes and type(self.pack) is str and type(self.offset) is int
-                and type(self.stored_len) is int and type(self.raw_len) is int
-                and self.offset >= 0 and self.stored_len >= 0 and self.raw_len >= 0):
-            raise ValueError(f"malformed chunk location {self.pack!r} at {self.offset!r}")
-
-    @classmethod
-    def from_extent(cls, ext: "Extent") -> "ChunkRef":
-        """The chunk behind a catalog extent (an extent is always one whole chunk)."""
-        return cls(ext.chunk, ext.pack, ext.pack_offset, ext.stored_len, ext.length)
 
 
 class FetchError(OgrefsError):

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import trio
 
-from ogrefs.lazy.fetchio import ChunkRef
+from ogrefs.repo.chunkref import ChunkRef
 
 #: After an application's last store read, hints and background wait this long before taking the link back.
 READ_QUIET_S = 0.05

@@ -34,7 +34,7 @@ import trio
 from ogrefs.repo.catalog import Catalog, Extent
 
 if TYPE_CHECKING:
-    from ogrefs.lazy.vfs import AccessRecorder, VfsStats
+    from ogrefs.lazy.fs.types import AccessRecorder, VfsStats
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Inode
 
 if TYPE_CHECKING:
-    from ogrefs.lazy.vfs import LocalCopy
+    from ogrefs.lazy.fs.types import LocalCopy
     from ogrefs.repo.catalog import Catalog
 
 #: Inode rows and complete local paths kept, and entries of first listing pages kept: a few MiB each at most,

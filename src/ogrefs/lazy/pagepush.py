@@ -34,7 +34,7 @@ from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.units import MiB
 
 if TYPE_CHECKING:
-    from ogrefs.lazy.vfs import LocalCopy, VfsStats
+    from ogrefs.lazy.fs.types import LocalCopy, VfsStats
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ import trio
 from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Catalog
 from ogrefs.lazy.boxcpu import SpareCpu
-from ogrefs.lazy.fetcher import ChunkRef, Fetcher, Keep, Priority
+from ogrefs.lazy.fetcher import Fetcher, Keep, Priority
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.materialize.materializer import Materializer
 from ogrefs.lazy.materialize.plan import CLASSES
 from ogrefs.units import GiB, MiB, human_bytes

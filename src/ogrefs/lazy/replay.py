@@ -20,7 +20,8 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Keep, Priority, Ticket
+from ogrefs.lazy.fetcher import FetchError, Fetcher, Keep, Priority, Ticket
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.resolve import EntryResolver
 from ogrefs.lazy.threadnice import to_background_thread
 from ogrefs.lazy.window import RequestWindow, groups

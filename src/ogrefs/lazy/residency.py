@@ -35,14 +35,20 @@ the loop (:meth:`Residency.recorded`).  It needs no locks.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import trio
 
 from ogrefs.units import MiB
 
 if TYPE_CHECKING:
-    from ogrefs.lazy.fetcher import ChunkRef, Ticket
+    from ogrefs.repo.chunkref import ChunkRef
+
+
+class Ticket(Protocol):
+    """A chunk the feeder asked the fetcher for (``ogrefs.lazy.fetcher.Ticket``): its bytes once arrived."""
+
+    def peek(self) -> bytes | None: ...
 
 
 #: Where a chunk is (:meth:`Residency.where`).

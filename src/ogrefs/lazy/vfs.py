@@ -37,7 +37,7 @@ number or name, and return fresh lists.  The page-cache pusher
 (:class:`~ogrefs.lazy.openpush.OpenPush`) belong to the SnapshotFS and say
 who owns their channel and nursery.
 
-Errors: methods raise :class:`FsError` (an errno); :func:`errno_for` is the one
+Errors: methods raise :class:`~.fs.types.FsError` (an errno); :func:`~.fs.types.errno_for` is the one
 place that turns any exception into an errno for an adapter.
 """
 
@@ -48,21 +48,21 @@ import logging
 import os
 import sqlite3
 from bisect import bisect_right
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable
 
 import trio
 
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetcher import ChunkRef, FetchError, Fetcher, Priority
+from ogrefs.lazy.fetcher import FetchError, Fetcher, Priority
+from ogrefs.lazy.fs.types import AccessRecorder, Attr, FsError, LocalCopy, StatFs, VfsStats
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.localread import LocalReads
 from ogrefs.lazy.metacache import NOT_INDEXED, Remembered
 from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
 from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
 from ogrefs.lazy.residency import IN_TREE
-from ogrefs.store.base import StoreError
 from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
@@ -90,84 +90,6 @@ BLOCK_SIZE = 4096
 #: overlayfs read a file as a metadata-only copy (EPERM) or follow a redirect. The mount never
 #: serves them (restore still writes them); docs/mount.md.
 OVERLAY_XATTRS = (b"trusted.overlay.", b"user.overlay.")
-
-class FsError(Exception):
-    """A file-system answer that is an errno (ENOENT, EIO, ...)."""
-
-    def __init__(self, err: int, detail: str = "") -> None:
-        super().__init__(err, detail or os.strerror(err))
-        self.errno = err
-
-
-def errno_for(exc: BaseException) -> int:
-    """The errno an adapter replies for ``exc``: the single exception-to-errno mapping."""
-    if isinstance(exc, FsError):
-        return exc.errno
-    if isinstance(exc, (FetchError, StoreError, OgrefsError, sqlite3.Error)):
-        return errno.EIO
-    if isinstance(exc, OSError) and exc.errno:
-        return exc.errno
-    return errno.EIO
-
-
-class Attr(NamedTuple):
-    """What stat() shows for an inode: the catalog row plus the blocks its data occupies."""
-
-    node: Inode
-    blocks: int  # 512-byte blocks of data; holes take none
-
-
-class StatFs(NamedTuple):
-    bsize: int
-    blocks: int
-    files: int
-    namemax: int
-
-
-@dataclass
-class VfsStats:
-    lookups: int = 0
-    getattrs: int = 0
-    dir_opens: int = 0  # opendir: one per listing (a snapshot's walk of the mount shows here)
-    xattr_lists: int = 0  # listxattr
-    opens: int = 0
-    reads: int = 0
-    bytes_read: int = 0  # bytes returned to applications (the kernel)
-    read_errors: int = 0
-    read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
-    local_opens: int = 0  # opens served from the local copy (materialization)
-    local_reads: int = 0
-    local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
-    page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
-    open_pushed: int = 0  # small files put into the kernel's page cache from memory at their open (lazy/openpush.py)
-
-
-class AccessRecorder(Protocol):
-    """What the vfs tells about reads (``ogrefs.lazy.recorder.Recorder``): first touches of chunks."""
-
-    active: bool
-
-    def record(self, ino: int, offset: int, length: int = 0) -> None: ...
-
-
-class LocalCopy(Protocol):
-    """Where the local copy of a file is (``ogrefs.lazy.materialize.materializer.Materializer``).
-
-    Which chunks of it are in place is the fetcher's residency's to say
-    (:meth:`~ogrefs.lazy.residency.Residency.where`).
-    """
-
-    def local_path(self, ino: int) -> bytes | None:
-        """The complete local copy of ``ino`` (data durable, metadata applied), or None."""
-        ...
-
-    def tree_path(self, ino: int) -> bytes | None:
-        """The local copy of ``ino``, complete or not (the residency says which chunks are in it)."""
-        ...
-
-    def local_paths(self, inos: list[int]) -> dict[int, bytes]:
-        """Blocking, thread-safe (worker threads): the complete local copies among ``inos``."""
-        ...
 
 
 async def _extents_of(catalog: Catalog, ino: int, size: int) -> list[Extent]:

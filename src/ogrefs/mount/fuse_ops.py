@@ -1,7 +1,7 @@
 """The pyfuse3 adapter: the only module that imports pyfuse3.
 
 It translates between pyfuse3's types and :class:`~ogrefs.lazy.vfs.SnapshotFS` and
-maps exceptions to errnos (through :func:`ogrefs.lazy.vfs.errno_for`), nothing
+maps exceptions to errnos (through :func:`ogrefs.lazy.fs.types.errno_for`), nothing
 else.  pyfuse3 ends the whole mount on any exception that is not a
 ``FUSEError``, so every handler goes through :func:`_replies_errno`; an
 unexpected exception is logged with its traceback and answered with EIO.
@@ -20,7 +20,8 @@ import pyfuse3
 
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetcher import FetchError
-from ogrefs.lazy.vfs import CACHE_TIMEOUT, Attr, FsError, SnapshotFS, errno_for
+from ogrefs.lazy.fs.types import Attr, FsError, errno_for
+from ogrefs.lazy.vfs import CACHE_TIMEOUT, SnapshotFS
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,6 @@ fail, in a real process).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -62,8 +61,8 @@ from ogrefs.errors import CorruptObject, OgrefsError
 
 log = logging.getLogger(__name__)
 
-#: How the daemon starts the child: its own interpreter, this module.
-COMMAND: tuple[str, ...] = (sys.executable, "-m", "ogrefs.lazy.materialize.buildproc")
+#: How the daemon starts the child: its own interpreter, :mod:`.buildchild`.
+COMMAND: tuple[str, ...] = (sys.executable, "-m", "ogrefs.lazy.materialize.buildchild")
 #: The child runs this long between two looks at the gate.
 PIECE_S = 0.05
 #: A child that got less than FLOOR_SHARE of a core over STARVED_S at idle priority (every core kept busy by
@@ -72,7 +71,6 @@ PIECE_S = 0.05
 STARVED_S = 0.3
 FLOOR_SHARE = 0.05
 BOOST_S = 0.1
-_PR_SET_PDEATHSIG = 1
 
 
 class BuildStopped(Exception):
@@ -178,18 +176,19 @@ class _Floor:
             return
         cpu = self._cpu_s()
         starved = cpu is not None and self.cpu0 is not None and cpu - self.cpu0 < FLOOR_SHARE * (now - self.since)
-        if starved and _set_policy(self.pid, os.SCHED_OTHER):
+        if starved and set_policy(self.pid, os.SCHED_OTHER):
             self.boosted_until = now + BOOST_S
         else:
             self.restart()
 
     def idle(self) -> None:
         if self.boosted_until is not None:
-            _set_policy(self.pid, os.SCHED_IDLE)
+            set_policy(self.pid, os.SCHED_IDLE)
             self.boosted_until = None
 
 
-def _set_policy(pid: int, policy: int) -> bool:
+def set_policy(pid: int, policy: int) -> bool:
+    """Give ``pid`` a scheduling policy; False where it is gone or that is not permitted."""
     try:
         os.sched_setscheduler(pid, policy, os.sched_param(0))
         return True
@@ -212,58 +211,3 @@ def _raise_for(status: int, line: str) -> None:
         raise OgrefsError(result["error"])
     how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
     raise OgrefsError(f"the tree build process {how}; its messages are in the mount's log")
-
-
-# -- the child --------------------------------------------------------------------------------------
-def _idle_priority() -> None:
-    """SCHED_IDLE, else the lowest nice value: a core only when nothing else wants it."""
-    if not _set_policy(0, os.SCHED_IDLE):
-        log.info("tree build: SCHED_IDLE refused; running at nice 19 instead")
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        log.warning("tree build: cannot ask to die with the daemon; it stops on its own when the daemon is gone")
-    if os.getppid() != parent:  # the daemon died before the prctl
-        os._exit(1)
-
-
-def main() -> int:
-    """The child: build the tree and the plan described on stdin; one JSON line on stdout."""
-    spec = json.loads(sys.stdin.read())
-    logging.basicConfig(level=spec.get("level", logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _die_with_parent(spec["parent"])
-    _idle_priority()
-    import sqlite3
-
-    from ogrefs.lazy.materialize.build import build
-    from ogrefs.lazy.materialize.plan import Plan
-    from ogrefs.lazy.materialize.writer import TreeWriter
-    from ogrefs.localtree import LocalTree
-    from ogrefs.repo.catalog import Catalog
-
-    result: dict
-    try:
-        tree_root = os.fsencode(spec["tree"])
-        plan = Plan(Path(spec["plan"]))
-        writer = TreeWriter(Catalog(Path(spec["catalog"])), LocalTree(tree_root, create=True), plan)
-        build(writer, tree_root)
-        result = {"ok": True}
-    except OSError as exc:
-        result = {"error": exc.strerror or str(exc), "errno": exc.errno or 0}
-    except CorruptObject as exc:
-        result = {"corrupt": str(exc)}
-    except (sqlite3.Error, OgrefsError) as exc:
-        result = {"error": str(exc)}
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
-    return 0 if result.get("ok") else 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ogrefs.lazy.fetcher import ChunkRef
+from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.repo.localdb import wal_connect
 
 CLASSES = ("trace", "hint", "background")
