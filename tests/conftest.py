@@ -126,7 +126,7 @@ def small_fs(tmp_path):
 #         expect_log(r"skipped trash record")           # WARNING or above, any logger
 #         expect_log(r"read of .* failed", level=logging.ERROR, logger="ogrefs.lazy")
 #
-#     @pytest.mark.expect_log(r"store request failed|store unreachable", logger="ogrefs.lazy.fetcher")
+#     @pytest.mark.expect_log(r"store request failed|store unreachable", logger="ogrefs.lazy.fetch.fetcher")
 #     def test_y(): ...                                  # the same, as a marker (also for a whole module)
 #
 # Each announced pattern must then appear at least once, at that level or

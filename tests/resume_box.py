@@ -20,7 +20,7 @@ from typing import Callable
 import trio
 
 from ogrefs.repo.catalog import Catalog
-from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.fetch.fetcher import Fetcher
 from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.repo import Repository
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
@@ -165,7 +165,7 @@ def run_trio(fetcher: Fetcher, body) -> None:
 def build_child(prelude: str) -> tuple[str, ...]:
     """The argv of a tree-build child (buildchild.main) that runs ``prelude`` first: a real process a test
     slows down, spies on or breaks (the Materializer's ``build_command``)."""
-    return (sys.executable, "-c", textwrap.dedent(prelude) + "\nfrom ogrefs.lazy.materialize.buildchild import main\n"
+    return (sys.executable, "-c", textwrap.dedent(prelude) + "\nfrom ogrefs.lazy.background.materialize.buildchild import main\n"
             "raise SystemExit(main())")
 
 

@@ -7,9 +7,9 @@ keeper completes the registration once, ``unmount``/``finalize`` update overlays
 ``snapshot/`` (a box running from a mount), ``agent/`` and ``ogrefs mounts`` only read
 them, with one exception: a snapshot of a box running from a writable mount leaves
 ``<state>/snapshot-started`` (:func:`mark_snapshot_started`), which the daemon's access-trace
-recorder reads (``lazy/recorder.py``: a snapshot marks the end of the resume), and
+recorder reads (``lazy/trace/recorder.py``: a snapshot marks the end of the resume), and
 ``<state>/snapshot-running.<pid>`` for as long as it runs (:func:`mark_snapshot_running`),
-which makes the daemon's background fetches wait (``lazy/snapshotgate.py``). So the records'
+which makes the daemon's background fetches wait (``lazy/background/snapshotgate.py``). So the records'
 format lives here, below every layer that reads it, and reading
 them needs nothing of the mount machinery. No locks: every write is an atomic rename.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.lazy.boxcpu import OthersCpu
+from ogrefs.lazy.background.boxcpu import OthersCpu
 
 
 class FakeProc:

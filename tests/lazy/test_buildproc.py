@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize.materializer import Materializer
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.background.materialize.materializer import Materializer
 
 from tests.resume_box import Box, build_child, make_box, run_trio, spinning_build_child
 from tests.treegen import compare_trees
@@ -30,7 +30,7 @@ def test_the_build_runs_in_a_child_at_idle_priority(box, tmp_path):
     seen = tmp_path / "seen"
     spy = build_child(f"""
         import os
-        from ogrefs.lazy.materialize import build
+        from ogrefs.lazy.background.materialize import build
         real = build.build
         def spying(*args):
             open({str(seen)!r}, "w").write(f"{{os.getpid()}} {{os.sched_getscheduler(0)}}")
@@ -86,7 +86,7 @@ def test_the_child_dies_with_the_daemon(box, tmp_path):
     pid_file = tmp_path / "child.pid"
     slow = build_child(f"""
         import os, time
-        from ogrefs.lazy.materialize import build
+        from ogrefs.lazy.background.materialize import build
         def sleeping(*args):  # (the build itself: the child has asked to die with its parent by then)
             open({str(pid_file)!r}, "w").write(str(os.getpid()))
             time.sleep(60)
@@ -95,8 +95,8 @@ def test_the_child_dies_with_the_daemon(box, tmp_path):
     daemon = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from ogrefs.lazy.materialize.buildproc import build_in_child
-        from ogrefs.lazy.materialize.plan import Plan
+        from ogrefs.lazy.background.materialize.buildproc import build_in_child
+        from ogrefs.lazy.background.materialize.plan import Plan
         plan = Plan(Path({str(tmp_path / "plan.sqlite")!r}))
         plan.open("x")
         build_in_child(plan.path, Path({str(box.catalog.path)!r}), {os.fsencode(tmp_path / "tree")!r},

@@ -13,10 +13,10 @@ import pytest
 import trio
 
 from ogrefs.repo import codec
-from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.lazy.fetcher import ChunkCorrupt, ChunkMissing, FetchError, Fetcher, Keep, Priority, StoreUnavailable
+from ogrefs.lazy.fetch.chunkcache import ChunkCache
+from ogrefs.lazy.fetch.fetcher import ChunkCorrupt, ChunkMissing, FetchError, Fetcher, Keep, Priority, StoreUnavailable
 from ogrefs.repo.chunkref import ChunkRef
-from ogrefs.lazy.fetchio import PackReads
+from ogrefs.lazy.fetch.blobio import PackReads
 from ogrefs.repo.pack import pack_key
 from ogrefs.store import FaultyStore, MemoryStore, RetryingStore
 from ogrefs.store.base import NotFound, RangeReader, ShortRead, TransientError
@@ -516,7 +516,7 @@ def test_a_malformed_chunk_location_is_refused_where_it_is_made(field, value):
         ChunkRef(**{**fields, field: value})
 
 
-@pytest.mark.expect_log(r"is damaged .*dropping it", logger="ogrefs.lazy.chunkcache")
+@pytest.mark.expect_log(r"is damaged .*dropping it", logger="ogrefs.lazy.fetch.chunkcache")
 def test_disk_cache_serves_a_new_fetcher_and_drops_damaged_files(tmp_path):
     fake = FakePacks()
     data = payloads(3)
@@ -647,7 +647,7 @@ def test_prefetch_pauses_while_a_reader_has_enough_on_its_way(read_size, priorit
 def test_blob_reader_cuts_exact_blobs_from_pieces_of_any_size():
     import random
 
-    from ogrefs.lazy.fetchio import BlobReader
+    from ogrefs.lazy.fetch.blobio import BlobReader
 
     data = os.urandom(3 * 1024 * KiB)
     rng = random.Random(5)

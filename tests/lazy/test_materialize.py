@@ -21,14 +21,14 @@ import pytest
 import trio
 
 from ogrefs.repo.catalog import ROOT_INO
-from ogrefs.lazy import threadnice
-from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.lazy.fetcher import Fetcher, Priority
-from ogrefs.lazy.materialize.build import prepare
-from ogrefs.lazy.materialize.materializer import Materializer
-from ogrefs.lazy.materialize.writer import Disk, TreeWriter
-from ogrefs.lazy.prefetch import Prefetch
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.fetch import threadnice
+from ogrefs.lazy.fetch.chunkcache import ChunkCache
+from ogrefs.lazy.fetch.fetcher import Fetcher, Priority
+from ogrefs.lazy.background.materialize.build import prepare
+from ogrefs.lazy.background.materialize.materializer import Materializer
+from ogrefs.lazy.background.materialize.writer import Disk, TreeWriter
+from ogrefs.lazy.background.prefetch import Prefetch
+from ogrefs.lazy.fs.vfs import SnapshotFS
 
 from tests.pagecache import resident_bytes
 from tests.resume_box import Box, CallLog, make_box, run_trio
@@ -220,8 +220,8 @@ _CHILD = r"""
 import sys, time, trio
 from pathlib import Path
 from ogrefs.repo.catalog import Catalog
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize.materializer import Materializer
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.background.materialize.materializer import Materializer
 from ogrefs.repo import Repository
 
 url, cache_root, snap, state = sys.argv[1:5]
@@ -361,8 +361,8 @@ def test_cancelled_mid_way_resumes_where_it_stopped(box, tmp_path):
 
 
 # -- the store goes away ----------------------------------------------------------------------------------
-@pytest.mark.expect_log(r"the store is unavailable; trying again", logger="ogrefs.lazy.materialize")
-@pytest.mark.expect_log(r"store request failed|store unreachable", logger="ogrefs.lazy.fetcher")
+@pytest.mark.expect_log(r"the store is unavailable; trying again", logger="ogrefs.lazy.background.materialize")
+@pytest.mark.expect_log(r"store request failed|store unreachable", logger="ogrefs.lazy.fetch.fetcher")
 def test_an_unreachable_store_pauses_materialization_which_then_resumes(box, tmp_path):
     from ogrefs.store.base import TransientError
 
@@ -605,7 +605,7 @@ def test_without_materialization_trace_and_hints_warm_the_cache(box, tmp_path):
     assert st["classes"]["hint"]["bytes_done"] == st["classes"]["hint"]["bytes_total"] > 4 * MiB
     assert st["classes"]["background"]["bytes_total"] == 0
     # a budget bounds what is prefetched (room for the first hint chunk, whatever its random size)
-    from ogrefs.lazy.prefetch import hint_refs
+    from ogrefs.lazy.background.prefetch import hint_refs
 
     first = hint_refs(box.catalog)[0].raw_len
     fetcher2 = Fetcher(box.repo.read_pack_range, ChunkCache(tmp_path / "c2", 1 << 30))
@@ -619,9 +619,9 @@ def test_the_trace_or_the_hints_stream_into_memory_before_the_tree_is_built_and_
         box, tmp_path, with_trace):
     """Materializing mounts stream the trace at once (the tree takes seconds to build) and write it from memory;
     without a trace the hints (python, checkpoint) stream the same way."""
-    from ogrefs.lazy.prefetch import hint_refs
+    from ogrefs.lazy.background.prefetch import hint_refs
 
-    from ogrefs.lazy import prefetch
+    from ogrefs.lazy.background import prefetch
 
     cache = ChunkCache(tmp_path / "chunks", 1 << 30)
     log = CallLog(box.repo.read_pack_range)
@@ -767,8 +767,8 @@ def test_the_traces_chunks_stay_in_the_page_cache(box, tmp_path):
 
 def test_a_backlog_from_memory_does_not_hold_the_link_back(box, tmp_path):
     """Chunks streamed into memory before the tree existed are written while the link fetches what follows."""
-    from ogrefs.lazy.fetcher import Keep
-    from ogrefs.lazy.prefetch import hint_refs
+    from ogrefs.lazy.fetch.fetcher import Keep
+    from ogrefs.lazy.background.prefetch import hint_refs
 
     window = 1 * MiB
     log = CallLog(box.repo.read_pack_range)
@@ -966,11 +966,11 @@ import os, sys, trio
 from pathlib import Path
 from ogrefs.mount import fuse_ops
 from ogrefs.repo.catalog import Catalog
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize.materializer import Materializer
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.background.materialize.materializer import Materializer
 from ogrefs.repo import Repository
 from ogrefs.store.base import NotFound
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.fs.vfs import SnapshotFS
 
 url, cache_root, snap, state, mp = sys.argv[1:6]
 repo = Repository.open(url, cache_root=Path(cache_root))
@@ -1073,7 +1073,7 @@ def _crawl_a_real_mount(box: Box, state: Path, mp: Path, *, push: bool) -> dict[
 @pytest.mark.expect_log(r"stopped: preparing the local tree failed", level=logging.ERROR)
 def test_a_preparation_that_stops_leaves_the_materializer_stopped_with_its_reason(box, tmp_path):
     """What the tree build raises reaches the materializer as itself (not wrapped by the gate's nursery)."""
-    from ogrefs.lazy.materialize import space
+    from ogrefs.lazy.background.materialize import space
 
     def failing(*_args):
         raise space.Stop(OSError(errno.EIO, "Input/output error"), "preparing the local tree")

@@ -11,11 +11,11 @@ import pytest
 import trio
 import trio.testing
 
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize.materializer import Materializer
-from ogrefs.lazy.materialize.build import prepare
-from ogrefs.lazy.materialize.pacing import BuildGate, Pacer
-from ogrefs.lazy.materialize.writer import TreeWriter
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.background.materialize.materializer import Materializer
+from ogrefs.lazy.background.materialize.build import prepare
+from ogrefs.lazy.background.materialize.pacing import BuildGate, Pacer
+from ogrefs.lazy.background.materialize.writer import TreeWriter
 
 from tests.resume_box import Box, build_child, make_box, run_trio, spinning_build_child
 from tests.treegen import compare_trees

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.fetch.fetcher import Fetcher
 from ogrefs.repo.chunkref import ChunkRef
-from ogrefs.lazy.residency import ABSENT, COMING, IN_MEMORY, IN_TREE, Residency
+from ogrefs.lazy.fetch.residency import ABSENT, COMING, IN_MEMORY, IN_TREE, Residency
 
 
 def ref(n: int, size: int = 10) -> ChunkRef:

@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from ogrefs.boxmounts import clear_snapshot_running, mark_snapshot_running, snapshot_running
-from ogrefs.lazy.fetcher import Fetcher, Priority
-from ogrefs.lazy.materialize.pacing import BuildGate, Pacer
-from ogrefs.lazy.snapshotgate import SnapshotGate
+from ogrefs.lazy.fetch.fetcher import Fetcher, Priority
+from ogrefs.lazy.background.materialize.pacing import BuildGate, Pacer
+from ogrefs.lazy.background.snapshotgate import SnapshotGate
 from tests.lazy.test_fetcher import FakePacks, payloads, run_with_fetcher
 
 
@@ -155,7 +155,7 @@ def test_a_mark_counts_only_while_its_process_lives(tmp_path):
 
 
 def test_while_yielding_fetched_chunks_wait_to_be_written_to_the_disk_cache(tmp_path):
-    from ogrefs.lazy.chunkcache import ChunkCache
+    from ogrefs.lazy.fetch.chunkcache import ChunkCache
 
     fake = FakePacks()
     read = fake.add("read", payloads(1))[0]
@@ -176,7 +176,7 @@ def test_while_yielding_fetched_chunks_wait_to_be_written_to_the_disk_cache(tmp_
 
 
 def test_while_yielding_a_hint_replay_asks_the_fetcher_nothing():
-    from ogrefs.lazy.replay import Replayer
+    from ogrefs.lazy.trace.replay import Replayer
 
     fake = FakePacks()
     refs = [fake.add(f"p{i}", payloads(1))[0] for i in range(8)]
@@ -223,7 +223,7 @@ def test_ogrefs_status_says_when_the_mount_steps_aside(capsys):
 
 @pytest.mark.timeout(30)  # without the release at the fetcher's end, the shielded write waits forever
 def test_an_unmount_during_a_snapshot_still_writes_what_was_fetched_to_the_cache(tmp_path):
-    from ogrefs.lazy.chunkcache import ChunkCache
+    from ogrefs.lazy.fetch.chunkcache import ChunkCache
 
     fake = FakePacks()
     read = fake.add("read", payloads(1))[0]

@@ -11,16 +11,16 @@ import trio
 
 from ogrefs.repo.catalog import Catalog
 from ogrefs.errors import CorruptObject
-from ogrefs.lazy.fetcher import Fetcher, Priority
+from ogrefs.lazy.fetch.fetcher import Fetcher, Priority
 from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
-from ogrefs.lazy.recorder import Recorder, save_trace, save_when_recorded
-from ogrefs.lazy.replay import Replayer
-from ogrefs.lazy.resolve import load_trace
+from ogrefs.lazy.trace.recorder import Recorder, save_trace, save_when_recorded
+from ogrefs.lazy.trace.replay import Replayer
+from ogrefs.lazy.trace.resolve import load_trace
 from ogrefs.repo.traces import decode_trace, find_trace
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.fs.vfs import SnapshotFS
 
 from tests.resume_box import CallLog, run_trio
 
@@ -257,7 +257,7 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
 
 def test_spare_cpu_waits_while_the_box_is_busy_and_goes_once_cores_are_idle(tmp_path):
     """Background streaming paces itself by the box's idle CPU (/proc/stat: idle + iowait over all)."""
-    from ogrefs.lazy.boxcpu import SpareCpu
+    from ogrefs.lazy.background.boxcpu import SpareCpu
 
     stat = tmp_path / "stat"
     counters = {"busy": 0, "idle": 0}
@@ -400,7 +400,7 @@ def _ck(path: str, step: int | None, files: dict[str, int], *, coherent: bool = 
 
 
 def test_stale_checkpoint_reads_map_to_the_corresponding_files_of_the_newest_coherent_one():
-    from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
+    from ogrefs.lazy.trace.newer_checkpoint import replace_stale_checkpoints
 
     old = _ck("/r", 100, {"/r/model_step100.pt": 10 * MiB, "/r/mp_rank_00_step100.pt": 4 * MiB,
                           "/r/extra_step100.bin": MiB})
@@ -443,8 +443,8 @@ def test_replay_of_a_trace_recorded_on_a_stale_checkpoint_never_requests_it_ahea
     checkpoint-100, C resumes from B's snapshot and reads checkpoint-200.  Replayed as recorded, the trace
     fetches all of checkpoint-100 at trace priority and checkpoint-200 only with the hints, after it; replayed
     by ogrefs, checkpoint-200 goes at trace priority and checkpoint-100 is never asked for ahead of it."""
-    from ogrefs.lazy.materialize.materializer import Materializer
-    from ogrefs.lazy.prefetch import Prefetch
+    from ogrefs.lazy.background.materialize.materializer import Materializer
+    from ogrefs.lazy.background.prefetch import Prefetch
 
     repo, _src, m_b, cat_b, stale, fresh = spot_loop
     stale_ids, fresh_ids = {r.chunk for r in stale}, {r.chunk for r in fresh}
@@ -548,7 +548,7 @@ def test_a_complete_recording_replaces_the_trace_it_replayed_and_one_cut_short_r
 
 def test_the_quiet_period_comes_from_the_environment(caplog, expect_log):
     expect_log(r"OGREFS_TRACE_QUIET='soon' is not a number of seconds")
-    from ogrefs.lazy.recorder import DEFAULT_QUIET_S, quiet_from_env
+    from ogrefs.lazy.trace.recorder import DEFAULT_QUIET_S, quiet_from_env
     assert quiet_from_env({}) == DEFAULT_QUIET_S
     assert quiet_from_env({"OGREFS_TRACE_QUIET": "2.5"}) == 2.5
     assert quiet_from_env({"OGREFS_TRACE_QUIET": "0"}) == 0

@@ -15,15 +15,15 @@ import pytest
 import trio
 
 from ogrefs.errors import CorruptObject
-from ogrefs.lazy import localread, pagepush
-from ogrefs.lazy import vfs as vfs_mod
+from ogrefs.lazy.fs import localread, pagepush
+from ogrefs.lazy.fs import vfs as vfs_mod
 from ogrefs.repo.catalog import ROOT_INO, Catalog
-from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.fetch.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.fs.types import FsError
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.fs.vfs import SnapshotFS
 
 from tests.pagecache import drop_pages, resident_bytes
 from tests.treegen import make_fidelity_tree
@@ -252,7 +252,7 @@ def test_lost_pack_fails_only_its_files_with_eio(snap, caplog):
 
 
 def test_errno_mapping_is_total():
-    from ogrefs.lazy.fetcher import StoreUnavailable
+    from ogrefs.lazy.fetch.fetcher import StoreUnavailable
     from ogrefs.repo.chunkref import ChunkRef
     from ogrefs.lazy.fs.types import errno_for
     from ogrefs.store.base import StoreError
@@ -290,7 +290,7 @@ def run_pushing_fs(repo: Repository, cat: Catalog, local, body, page_cache=None,
     """Run ``body(fs)`` with pushes on; returns what went to the "page cache" (ino -> bytes), in order.
 
     ``page_cache``: a store function of the test's own instead (then nothing is returned); ``open_push``:
-    the open-time push of small files from memory as well (lazy/openpush.py; these tests are the directory
+    the open-time push of small files from memory as well (lazy/fs/openpush.py; these tests are the directory
     pusher's unless they say so).
     """
     pushed: dict[int, bytes] = {}
@@ -595,7 +595,7 @@ def test_a_directory_looked_up_in_twice_answers_from_memory(snap):
 
 def test_a_directory_over_the_bound_goes_on_asking_name_by_name(snap, monkeypatch):
     """A dataset's shard directory is not read whole for a lookup: 1,300 entries, the bound set to 1,000."""
-    from ogrefs.lazy import metacache
+    from ogrefs.lazy.fs import metacache
     monkeypatch.setattr(metacache, "DIR_INDEX_MAX", 1000)
     repo, cat, src = snap
     counting = CountingCatalog(cat)
@@ -645,7 +645,7 @@ class ListRecorder:
 
 
 def test_an_open_pushes_a_small_file_memory_holds_whole_and_records_it_as_read(snap):
-    """lazy/openpush.py through the vfs: the push is in the page cache before the open returns, on the loop when
+    """lazy/fs/openpush.py through the vfs: the push is in the page cache before the open returns, on the loop when
     no other handle of the file is open (else in a worker thread); a file memory does not hold, or a large one, is
     read as usual."""
     repo, cat, src = snap

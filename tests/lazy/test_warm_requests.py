@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize.materializer import Materializer
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.background.materialize.materializer import Materializer
+from ogrefs.lazy.fs.vfs import SnapshotFS
 
 from tests.resume_box import Box, make_box, run_trio
 

@@ -1,10 +1,10 @@
-"""The windowed request engine (lazy/window.py) that the trace replay and the materializer's feeder share."""
+"""The windowed request engine (lazy/trace/window.py) that the trace replay and the materializer's feeder share."""
 
 from __future__ import annotations
 
 import trio
 
-from ogrefs.lazy.window import RequestWindow, groups
+from ogrefs.lazy.trace.window import RequestWindow, groups
 
 
 def test_groups_are_runs_of_neighbours_within_the_size_and_of_one_kind():

@@ -1,6 +1,6 @@
 """The mount's catalog queries (Catalog.data_bytes ... small_sibling_chunks): right answers, and validated rows.
 
-They used to be raw SQL in lazy/vfs.py (``_CatalogExtra``) with an unquoted
+They used to be raw SQL in lazy/fs/vfs.py (``_CatalogExtra``) with an unquoted
 SQLite URI; now they are Catalog methods, so a forged catalog gives
 CorruptObject or a left-out row, never a TypeError far away, and any cache
 path opens.

@@ -27,12 +27,12 @@ import trio
 
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import ROOT_INO, Catalog
-from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.fetch.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.restore import Restorer
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.lazy.fs.types import FsError
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.fs.vfs import SnapshotFS
 
 pytestmark = pytest.mark.timeout(60)  # a directory loop must not make a walk endless
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ogrefs.errors import RepositoryError
-from ogrefs.lazy.recorder import Recorder, save_trace
+from ogrefs.lazy.trace.recorder import Recorder, save_trace
 from ogrefs.mount import plan as planning
 from ogrefs.mount.options import MountOptions
 from ogrefs.repo import Repository

@@ -4,7 +4,7 @@ A real writable mount at ``/`` in a private mount namespace; the job reads
 the first small file of its package, whose neighbours come along into the
 daemon's memory (directory read-ahead), then opens and reads the others.
 Each of them goes into the kernel's page cache at its open
-(lazy/openpush.py): the bytes the job reads are the snapshot's (``cmp``),
+(lazy/fs/openpush.py): the bytes the job reads are the snapshot's (``cmp``),
 the mount answers at least one READ fewer per file than with the push
 switched off (``OGREFS_OPEN_PUSH=0``), and the trace the mount records
 holds every file, though no READ of them reached it.

@@ -615,9 +615,9 @@ def test_a_flipped_byte_in_the_local_copy_is_not_served(tmp_path_factory, tmp_pa
     """After materialization a byte of a local file changes on disk (before finalize): reads through the
     mount return the snapshot's bytes, fetched from the store, never the damaged ones; the damage is
     counted.  ``incomplete``: the file is not yet complete, its chunks are served one by one from the tree."""
-    from ogrefs.lazy.fetcher import Fetcher
-    from ogrefs.lazy.materialize.materializer import Materializer
-    from ogrefs.lazy.vfs import SnapshotFS
+    from ogrefs.lazy.fetch.fetcher import Fetcher
+    from ogrefs.lazy.background.materialize.materializer import Materializer
+    from ogrefs.lazy.fs.vfs import SnapshotFS
 
     from tests.resume_box import CallLog, make_box, run_trio
 

@@ -19,7 +19,7 @@ import zstandard
 
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog
-from ogrefs.lazy.chunkcache import ChunkCache
+from ogrefs.lazy.fetch.chunkcache import ChunkCache
 from ogrefs.repo import Repository
 from ogrefs.repo.keys import Secret
 

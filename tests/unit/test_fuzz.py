@@ -682,7 +682,7 @@ def test_sealed_pack_header(body):
         assert 0 <= off and off + slen <= len(body)
 
 
-# -- a trace's stale checkpoint reads (lazy/newer_checkpoint.py reads the manifests' checkpoint records) ------
+# -- a trace's stale checkpoint reads (lazy/trace/newer_checkpoint.py reads the manifests' checkpoint records) ------
 def _ck_record(step: int) -> dict:
     d = f"/run/checkpoint-{step}"
     return {"id": d, "path": d, "step": step, "epoch": step / 100, "coherent": True, "mtime": 1.0 * step,
@@ -690,7 +690,7 @@ def _ck_record(step: int) -> dict:
 
 
 def _replace(mounted_run: dict, recorded_ck: dict) -> None:
-    from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
+    from ogrefs.lazy.trace.newer_checkpoint import replace_stale_checkpoints
 
     def manifest(run: object) -> dict:
         return {"environment": {"checkpoints": {"runs": [run]}}}

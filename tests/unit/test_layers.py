@@ -60,7 +60,7 @@ class Edge:
 
 
 def unit_of(module: str) -> str:
-    """``ogrefs.lazy.vfs`` -> ``lazy``, ``ogrefs.restore`` -> ``restore``, ``ogrefs`` -> ``ogrefs``."""
+    """``ogrefs.lazy.fs.vfs`` -> ``lazy``, ``ogrefs.restore`` -> ``restore``, ``ogrefs`` -> ``ogrefs``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -245,6 +245,98 @@ def test_the_cycle_finder_finds_type_only_and_deferred_circles():
     assert cycles(module_graph(tree)) == [["ogrefs.a", "ogrefs.b", "ogrefs.c"], ["ogrefs.p", "ogrefs.p.q"]]
     del tree["ogrefs.c"], tree["ogrefs.p.q"]
     assert cycles(module_graph(tree)) == []
+
+
+#: The floors of the lazy engine, lowest first: a subpackage may import its own floor's modules and the
+#: floors below it, never a peer on its floor (fs and trace know nothing of each other) or one above.
+LAZY_FLOORS: list[set[str]] = [
+    {"fetch"},  # chunks: fetcher, queue, blob I/O, chunk cache, residency, background threads' priority
+    {"fs", "trace"},  # what the kernel sees; what was read and will be read (recorder, resolve, replay)
+    {"background"},  # prefetch, box CPU, the snapshot gate, materialization
+]
+
+#: Modules of the lazy engine that run in worker threads (or a child process) only: they import no trio,
+#: not even through another ogrefs module. Every other module of lazy/ runs on the trio loop.
+THREAD_SIDE: set[str] = {
+    "ogrefs.lazy.fetch.blobio",
+    "ogrefs.lazy.fetch.chunkcache",
+    "ogrefs.lazy.trace.resolve",
+    "ogrefs.lazy.trace.newer_checkpoint",
+    "ogrefs.lazy.background.proctick",
+    "ogrefs.lazy.background.materialize.build",
+    "ogrefs.lazy.background.materialize.buildchild",
+    "ogrefs.lazy.background.materialize.buildproc",
+    "ogrefs.lazy.background.materialize.plan",
+    "ogrefs.lazy.background.materialize.space",
+    "ogrefs.lazy.background.materialize.writer",
+}
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = _floor(module)
+        for target in sorted(targets):
+            there = _floor(target)
+            if here is None or there is None or module.split(".")[2] == target.split(".")[2]:
+                continue
+            if there >= here:
+                found.append(f"{module} imports {target}: floor {there} is not below floor {here}")
+    return found
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["ogrefs", "lazy"] or len(parts) < 3:
+        return None
+    return next((i for i, floor in enumerate(LAZY_FLOORS) if parts[2] in floor), -1)
+
+
+def trio_reached(module: str, tree: dict[str, tuple[str, bool]], graph: dict[str, set[str]]) -> list[str]:
+    """The chain of imports by which ``module`` reaches trio, or []."""
+    seen, todo = {module}, [[module]]
+    while todo:
+        chain = todo.pop()
+        source, is_package = tree[chain[-1]]
+        if any(e.target.split(".")[0] == "trio" for e in imports_of(chain[-1], source, is_package)):
+            return chain + ["trio"]
+        for nxt in sorted(graph[chain[-1]] - seen):
+            seen.add(nxt)
+            todo.append(chain + [nxt])
+    return []
+
+
+def test_the_lazy_engine_keeps_its_floors():
+    tree = _tree()
+    units = {m.split(".")[2] for m in tree if m.startswith("ogrefs.lazy.")}
+    assert units == {u for floor in LAZY_FLOORS for u in floor}, "every package of lazy/ is on one floor"
+    assert floor_violations(module_graph(tree)) == []
+
+
+def test_thread_side_modules_reach_no_trio():
+    tree = _tree()
+    assert THREAD_SIDE <= set(tree), THREAD_SIDE - set(tree)
+    graph = module_graph(tree)
+    assert {m: trio_reached(m, tree, graph) for m in sorted(THREAD_SIDE) if trio_reached(m, tree, graph)} == {}
+
+
+def test_the_floor_and_trio_checks_find():
+    tree = {
+        "ogrefs.lazy.fetch.a": ("from ogrefs.lazy.fs import b\n", False),
+        "ogrefs.lazy.fs.b": ("from ogrefs.lazy.trace.c import x\n", False),
+        "ogrefs.lazy.trace.c": ("def f():\n    from ogrefs.lazy.trace import d\n", False),
+        "ogrefs.lazy.trace.d": ("import trio\n", False),
+    }
+    graph = module_graph(tree)
+    assert floor_violations(graph) == [
+        "ogrefs.lazy.fetch.a imports ogrefs.lazy.fs.b: floor 1 is not below floor 0",
+        "ogrefs.lazy.fs.b imports ogrefs.lazy.trace.c: floor 1 is not below floor 1"]
+    assert trio_reached("ogrefs.lazy.fetch.a", tree, graph) == [
+        "ogrefs.lazy.fetch.a", "ogrefs.lazy.fs.b", "ogrefs.lazy.trace.c", "ogrefs.lazy.trace.d", "trio"]
+    assert trio_reached("ogrefs.lazy.trace.d", tree, {**graph, "ogrefs.lazy.trace.d": set()}) == [
+        "ogrefs.lazy.trace.d", "trio"]
+    tree["ogrefs.lazy.trace.d"] = ("import os\n", False)
+    assert trio_reached("ogrefs.lazy.fetch.a", tree, module_graph(tree)) == []
 
 
 def test_every_unit_of_the_tree_has_a_level():

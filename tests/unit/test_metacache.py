@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ogrefs.lazy.metacache import BoundedCache
+from ogrefs.lazy.fs.metacache import BoundedCache
 
 
 def test_the_oldest_entries_go_first_and_the_weight_stays_within_the_bound():

@@ -1,4 +1,4 @@
-"""The open-time push on its own: the file's bytes from memory, and the push's bounds (lazy/openpush.py)."""
+"""The open-time push on its own: the file's bytes from memory, and the push's bounds (lazy/fs/openpush.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import trio
 
-from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
+from ogrefs.lazy.fs.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
 from ogrefs.repo.catalog import Extent
 
 

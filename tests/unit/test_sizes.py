@@ -69,11 +69,11 @@ def _function(name: str, lines: int, indent: str = "") -> str:
 
 
 @pytest.mark.parametrize("rel, source, needle", [
-    ("lazy/vfs.py", _function("read", 81), "function read has 81 lines (limit 80)"),
+    ("lazy/fs/vfs.py", _function("read", 81), "function read has 81 lines (limit 80)"),
     ("mount/core.py", _function("serve", 81), "function serve has 81 lines (limit 80)"),
     ("snapshot/pipeline.py", _function("run", 101), "function run has 101 lines (limit 100)"),
-    ("lazy/vfs.py", "class SnapshotFS:\n" + _function("read", 81, "    "), "SnapshotFS.read has 81 lines"),
-    ("lazy/vfs.py", "def outer():\n" + _function("inner", 81, "    "), "outer.inner has 81 lines"),
+    ("lazy/fs/vfs.py", "class SnapshotFS:\n" + _function("read", 81, "    "), "SnapshotFS.read has 81 lines"),
+    ("lazy/fs/vfs.py", "def outer():\n" + _function("inner", 81, "    "), "outer.inner has 81 lines"),
     ("repo/catalog.py", "class Catalog:\n" + "".join(_function(f"m{i}", 50, "    ") for i in range(9)),
      "class Catalog has 451 lines (limit 400)"),
     ("inspect/probe.py", _function("scan_pickle", 101), "function scan_pickle has 101 lines"),
@@ -83,7 +83,7 @@ def test_the_checker_finds(rel, source, needle):
 
 
 @pytest.mark.parametrize("rel, source", [
-    ("lazy/vfs.py", _function("read", 80)),
+    ("lazy/fs/vfs.py", _function("read", 80)),
     ("snapshot/pipeline.py", _function("run", 100)),
     ("inspect/pickle_scan.py", _function("scan_pickle", 300)),
 ])

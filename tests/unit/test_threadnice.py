@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ogrefs.lazy import threadnice
+from ogrefs.lazy.fetch import threadnice
 
 
 def own_nice() -> int:

@@ -41,15 +41,15 @@ import trio
 
 from ogrefs.boxmounts import (MountError, Registration, atomic_json, clear_snapshot_started, snapshot_running,
                               snapshot_started)
-from ogrefs.lazy.boxcpu import OthersCpu
-from ogrefs.lazy.chunkcache import CacheCipher, ChunkCache
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.fetchio import PackReads
-from ogrefs.lazy.materialize.materializer import Materializer
-from ogrefs.lazy.prefetch import Prefetch
-from ogrefs.lazy.recorder import Recorder, quiet_from_env, save_trace, save_when_recorded
-from ogrefs.lazy.snapshotgate import SnapshotGate
-from ogrefs.lazy.vfs import SnapshotFS
+from ogrefs.lazy.background.boxcpu import OthersCpu
+from ogrefs.lazy.fetch.chunkcache import CacheCipher, ChunkCache
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.fetch.blobio import PackReads
+from ogrefs.lazy.background.materialize.materializer import Materializer
+from ogrefs.lazy.background.prefetch import Prefetch
+from ogrefs.lazy.trace.recorder import Recorder, quiet_from_env, save_trace, save_when_recorded
+from ogrefs.lazy.background.snapshotgate import SnapshotGate
+from ogrefs.lazy.fs.vfs import SnapshotFS
 from ogrefs.mount import fuse_ops, keeper, loopprofile, mountsys
 from ogrefs.mount.hostpaths import HostView
 from ogrefs.mount.plan import MountPlan
@@ -160,7 +160,7 @@ class Daemon:
         self.fs = SnapshotFS(view, self.fetcher, recorder=self.recorder, local=materializer,
                              chunk_id=repo.codec.chunk_id,
                              page_cache=fuse_ops.store_in_page_cache,
-                             # OGREFS_OPEN_PUSH=0: no open-time push (lazy/openpush.py), for comparisons
+                             # OGREFS_OPEN_PUSH=0: no open-time push (lazy/fs/openpush.py), for comparisons
                              open_push=os.environ.get("OGREFS_OPEN_PUSH", "1") != "0")
         self.prefetch = Prefetch(catalog, self.fetcher, trace_entries=plan.trace_entries, materializer=materializer,
                                  idle_for=self.fs.idle_for)

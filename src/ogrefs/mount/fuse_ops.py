@@ -1,6 +1,6 @@
 """The pyfuse3 adapter: the only module that imports pyfuse3.
 
-It translates between pyfuse3's types and :class:`~ogrefs.lazy.vfs.SnapshotFS` and
+It translates between pyfuse3's types and :class:`~ogrefs.lazy.fs.vfs.SnapshotFS` and
 maps exceptions to errnos (through :func:`ogrefs.lazy.fs.types.errno_for`), nothing
 else.  pyfuse3 ends the whole mount on any exception that is not a
 ``FUSEError``, so every handler goes through :func:`_replies_errno`; an
@@ -19,9 +19,9 @@ from typing import Any, Awaitable, Callable, TypeVar
 import pyfuse3
 
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetcher import FetchError
+from ogrefs.lazy.fetch.fetcher import FetchError
 from ogrefs.lazy.fs.types import Attr, FsError, errno_for
-from ogrefs.lazy.vfs import CACHE_TIMEOUT, SnapshotFS
+from ogrefs.lazy.fs.vfs import CACHE_TIMEOUT, SnapshotFS
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def store_in_page_cache(ino: int, data: bytes) -> None:
     """Put ``data`` into the kernel's page cache as the whole content of ``ino``.
 
     Call from a worker thread, or from the trio loop only for a file with no
-    open handle but the one being opened (lazy/openpush.py): the kernel may
+    open handle but the one being opened (lazy/fs/openpush.py): the kernel may
     wait for a READ of the same page that the loop has yet to answer.  Raises
     OSError when the kernel does not know ``ino`` (any more).
     """

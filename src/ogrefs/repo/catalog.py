@@ -674,7 +674,7 @@ class Catalog:
                 if node.is_dir:
                     stack.append((node.ino, dpath + b"/" + name))
 
-    # -- the mount's queries (lazy/vfs.py, lazy/materialize) -------------------------------------------
+    # -- the mount's queries (lazy/fs/vfs.py, lazy/background/materialize) -------------------------------------------
     def _total(self, sql: str, args: tuple = ()) -> int:
         """A sum over rows that a snapshot wrote as integers: a forged text or real column is CorruptObject."""
         value = self._rows(sql, args)[0][0]

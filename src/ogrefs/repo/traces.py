@@ -2,7 +2,7 @@
 
 A trace is a list of ``(path, file offset)`` entries: the first touch of each
 chunk of each file during a mount's first minutes, in order (recorded by
-:mod:`ogrefs.lazy.recorder`, replayed by :mod:`ogrefs.lazy.replay`).  Paths,
+:mod:`ogrefs.lazy.trace.recorder`, replayed by :mod:`ogrefs.lazy.trace.replay`).  Paths,
 not inode numbers, so a trace recorded on one snapshot also serves a *newer*
 snapshot of the same paths.
 

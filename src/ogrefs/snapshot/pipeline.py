@@ -676,7 +676,7 @@ def take_snapshot(repo: Repository, opts: SnapshotOptions,
 
 
 def _mark_snapshot_started(state_dir: bytes) -> None:
-    """Tell the mount this box runs from that a snapshot starts: its access trace ends here (lazy/recorder.py)."""
+    """Tell the mount this box runs from that a snapshot starts: its access trace ends here (lazy/trace/recorder.py)."""
     from ogrefs.boxmounts import mark_snapshot_started
 
     try:
@@ -687,7 +687,7 @@ def _mark_snapshot_started(state_dir: bytes) -> None:
 
 def _mark_snapshot_running(state_dir: bytes) -> Path | None:
     """Tell the mount this box runs from that a snapshot runs: its prefetch and materialization wait
-    (lazy/snapshotgate.py) and leave the CPU, the disk and the store to it; the mark, or None."""
+    (lazy/background/snapshotgate.py) and leave the CPU, the disk and the store to it; the mark, or None."""
     from ogrefs.boxmounts import mark_snapshot_running
 
     try:

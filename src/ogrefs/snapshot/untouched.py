@@ -58,7 +58,7 @@ from ogrefs.repo.catalog import Catalog, Inode, Listed, listing
 from ogrefs.snapshot.frommount import MountedSnapshots
 from ogrefs.snapshot.mounted import LOWER_ONLY, LOWER_OVER_OWN, Layer, OwnMount
 
-#: The xattrs the FUSE view never lists (lazy/vfs.py OVERLAY_XATTRS) and overlayfs hides from the merged view.
+#: The xattrs the FUSE view never lists (lazy/fs/vfs.py OVERLAY_XATTRS) and overlayfs hides from the merged view.
 HIDDEN_XATTRS = (b"trusted.overlay.", b"user.overlay.")
 #: An own directory with one of these is overlayfs metadata (opaque, redirect, xattr whiteouts): not merged here.
 OVERLAY_XATTR_PREFIXES = ("trusted.overlay.", "user.overlay.")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetchio import FetchError
+from ogrefs.lazy.fetch.blobio import FetchError
 from ogrefs.repo.catalog import Inode
 from ogrefs.store.base import StoreError
 
@@ -70,11 +70,11 @@ class VfsStats:
     local_reads: int = 0
     local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
     page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
-    open_pushed: int = 0  # small files put into the kernel's page cache from memory at their open (lazy/openpush.py)
+    open_pushed: int = 0  # small files put into the kernel's page cache from memory at their open (lazy/fs/openpush.py)
 
 
 class AccessRecorder(Protocol):
-    """What the vfs tells about reads (``ogrefs.lazy.recorder.Recorder``): first touches of chunks."""
+    """What the vfs tells about reads (``ogrefs.lazy.trace.recorder.Recorder``): first touches of chunks."""
 
     active: bool
 
@@ -82,10 +82,10 @@ class AccessRecorder(Protocol):
 
 
 class LocalCopy(Protocol):
-    """Where the local copy of a file is (``ogrefs.lazy.materialize.materializer.Materializer``).
+    """Where the local copy of a file is (``ogrefs.lazy.background.materialize.materializer.Materializer``).
 
     Which chunks of it are in place is the fetcher's residency's to say
-    (:meth:`~ogrefs.lazy.residency.Residency.where`).
+    (:meth:`~ogrefs.lazy.fetch.residency.Residency.where`).
     """
 
     def local_path(self, ino: int) -> bytes | None:

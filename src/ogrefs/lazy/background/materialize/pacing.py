@@ -5,7 +5,7 @@ bookkeeping around every batch; the chunks it writes were fetched and
 decoded in worker threads.  All of that shares the daemon's GIL, the trio
 loop that answers every FUSE request, the disk and, on a small box, the
 cores with the application.  The materializer waits for the application to
-settle before it starts (:meth:`ogrefs.lazy.prefetch.Prefetch._settle`), but
+settle before it starts (:meth:`ogrefs.lazy.background.prefetch.Prefetch._settle`), but
 the application does not stay settled: the second training step, an
 evaluation, a data loader opening the next shard come back to the mount
 while a pass writes gigabytes.  Measured on two cores (docs/benchmarks.md,
@@ -40,15 +40,15 @@ products started 2 s after a mount came up took 3.4-4.7x its time alone
 while the mount's background work ran beside it; 1.6x once the CPU counted,
 docs/benchmarks.md).  So a pass also counts the application as active while
 the box's other processes leave this one less than a core (``busy``:
-:meth:`ogrefs.lazy.boxcpu.OthersCpu.busy`); it then takes ``share`` of the
+:meth:`ogrefs.lazy.background.boxcpu.OthersCpu.busy`); it then takes ``share`` of the
 time as above, and a step that leaves a core idle does not slow it down.
 The build's gate has no ``busy``: the kernel already gives its idle-priority
 child only the cores nobody else wants (and the child's own CPU would count
 as the box's other processes).
 
 Both also stop while a snapshot of the box runs (``hold``: the fetcher's
-:attr:`~ogrefs.lazy.fetcher.Fetcher.yielding`, set by
-:class:`~ogrefs.lazy.snapshotgate.SnapshotGate`): a pass waits after its
+:attr:`~ogrefs.lazy.fetch.fetcher.Fetcher.yielding`, set by
+:class:`~ogrefs.lazy.background.snapshotgate.SnapshotGate`): a pass waits after its
 batch until the snapshot ends, however long, and the build pauses as it does
 for an active application.
 

@@ -55,14 +55,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from ogrefs.errors import CorruptObject, OgrefsError
+from ogrefs.lazy.background.proctick import process_ticks
 
 log = logging.getLogger(__name__)
 
 #: How the daemon starts the child: its own interpreter, :mod:`.buildchild`.
-COMMAND: tuple[str, ...] = (sys.executable, "-m", "ogrefs.lazy.materialize.buildchild")
+COMMAND: tuple[str, ...] = (sys.executable, "-m", "ogrefs.lazy.background.materialize.buildchild")
 #: The child runs this long between two looks at the gate.
 PIECE_S = 0.05
 #: A child that got less than FLOOR_SHARE of a core over STARVED_S at idle priority (every core kept busy by
@@ -73,11 +74,21 @@ FLOOR_SHARE = 0.05
 BOOST_S = 0.1
 
 
+class Gate(Protocol):
+    """Where the build waits while an application is active (``pacing.BuildGate``, the loop's): read only here."""
+
+    def stopped(self) -> bool: ...
+
+    def waiting(self) -> bool: ...
+
+    def pause(self, worked: float) -> float: ...
+
+
 class BuildStopped(Exception):
     """The materializer was cancelled while the tree was built (the gate says so); the build is undone."""
 
 
-def build_in_child(plan_path: Path, catalog_path: Path, tree_root: bytes, gate=None,
+def build_in_child(plan_path: Path, catalog_path: Path, tree_root: bytes, gate: Gate | None = None,
                    command: Sequence[str] = COMMAND) -> float:
     """Worker thread: build the tree and the plan in a child process; the seconds it was held at the gate.
 
@@ -90,7 +101,7 @@ def build_in_child(plan_path: Path, catalog_path: Path, tree_root: bytes, gate=N
                        "parent": os.getpid(), "level": logging.getLogger().getEffectiveLevel()})
     env = dict(os.environ)
     # the child imports the same ogrefs as this process (a source tree on PYTHONPATH in benchmarks, too)
-    here = str(Path(__file__).resolve().parents[3])
+    here = str(Path(__file__).resolve().parents[__name__.count(".")])  # the directory that holds ogrefs/
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     try:
         proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
@@ -133,7 +144,7 @@ def build_in_child(plan_path: Path, catalog_path: Path, tree_root: bytes, gate=N
     return paused
 
 
-def _held(proc: subprocess.Popen, gate, worked: float) -> float:
+def _held(proc: subprocess.Popen, gate: Gate, worked: float) -> float:
     """The child stopped for the gate's pause after ``worked`` seconds of its work; seconds it was held."""
     # (not reaped yet, so the pid is still the child's even if it has just exited)
     os.kill(proc.pid, signal.SIGSTOP)
@@ -147,8 +158,6 @@ class _Floor:
     """Whether the idle-priority child is starved, and its normal-priority pieces when it is (one thread)."""
 
     def __init__(self, pid: int) -> None:
-        from ogrefs.lazy.boxcpu import process_ticks  # (here: the child itself does without trio)
-
         self.stat = f"/proc/{pid}/stat"
         self.pid = pid
         self._ticks = process_ticks

@@ -21,7 +21,7 @@ finds one:
   probing and loading cached chunks, 3-6 s of the daemon's CPU during the
   snapshot, although no request started);
 * the fetcher starts no hint or background request
-  (:meth:`~ogrefs.lazy.fetcher.Fetcher.yield_to_snapshot`); requests in
+  (:meth:`~ogrefs.lazy.fetch.fetcher.Fetcher.yield_to_snapshot`); requests in
   flight finish.  Writes to the disk cache wait too: a hint replay that
   fetched a venv in seconds leaves thousands of chunk files to write behind
   it, and on box B that write-behind was the daemon's 2.1 s of CPU (its
@@ -29,8 +29,8 @@ finds one:
   trace (what it reads next), go on: they serve the training that is still
   running, and their order is the mount's priorities' (docs/architecture.md);
 * the materializer's passes and its tree build pause between batches
-  (:class:`~ogrefs.lazy.materialize.pacing.Pacer` and ``BuildGate`` ask
-  :attr:`~ogrefs.lazy.fetcher.Fetcher.yielding`).
+  (:class:`~ogrefs.lazy.background.materialize.pacing.Pacer` and ``BuildGate`` ask
+  :attr:`~ogrefs.lazy.fetch.fetcher.Fetcher.yielding`).
 
 A mark whose process is gone (killed, or a pid now another process's) is
 ignored, so a snapshot that died never stops the mount's work.  A snapshot
@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import trio
 
-from ogrefs.lazy.fetcher import Fetcher
+from ogrefs.lazy.fetch.fetcher import Fetcher
 
 #: How often the state directory is looked at: the delay before the mount yields to a snapshot.
 POLL_S = 0.1

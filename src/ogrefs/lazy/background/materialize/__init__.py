@@ -1,8 +1,8 @@
 """Background materialization: copy a mounted snapshot, all of it, into a local tree while it is in use.
 
-After a mount is ready, a :class:`~ogrefs.lazy.materialize.materializer.Materializer`
+After a mount is ready, a :class:`~ogrefs.lazy.background.materialize.materializer.Materializer`
 fetches every chunk of the snapshot through the mount's
-:class:`~ogrefs.lazy.fetcher.Fetcher` and writes it into ``<state_dir>/tree/``,
+:class:`~ogrefs.lazy.fetch.fetcher.Fetcher` and writes it into ``<state_dir>/tree/``,
 a real local copy of the snapshot tree (directories, sparse regular files,
 symlinks, FIFOs, device nodes where permitted, hardlinks as hardlinks).  Once a
 file's data is all local, its owner, mode, xattrs and times are applied and the
@@ -14,7 +14,7 @@ catalog's prefetch hints (``Priority.HINT``), then everything else in pack
 order (``Priority.BACKGROUND``); readers always go first.
 
 Adoption: a chunk fetched from the store for a reader while a pass runs is
-adopted by the :class:`~ogrefs.lazy.residency.Residency` and written into the
+adopted by the :class:`~ogrefs.lazy.fetch.residency.Residency` and written into the
 tree at once by the same durable batch write, instead of going to the chunk
 cache.  A chunk is claimed by one writer only.
 

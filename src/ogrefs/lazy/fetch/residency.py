@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 
 class Ticket(Protocol):
-    """A chunk the feeder asked the fetcher for (``ogrefs.lazy.fetcher.Ticket``): its bytes once arrived."""
+    """A chunk the feeder asked the fetcher for (``ogrefs.lazy.fetch.fetcher.Ticket``): its bytes once arrived."""
 
     def peek(self) -> bytes | None: ...
 

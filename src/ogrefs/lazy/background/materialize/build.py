@@ -29,21 +29,18 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ogrefs.errors import CorruptObject, OgrefsError
-from ogrefs.lazy.materialize import space
-from ogrefs.lazy.materialize.buildproc import COMMAND, build_in_child
-from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, Plan
-from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory, syncfs
-from ogrefs.lazy.resolve import EntryResolver
+from ogrefs.lazy.background.materialize import space
+from ogrefs.lazy.background.materialize.buildproc import COMMAND, Gate, build_in_child
+from ogrefs.lazy.background.materialize.plan import BACKGROUND, HINT, Plan
+from ogrefs.lazy.background.materialize.writer import TreeWriter, WriterFactory, syncfs
+from ogrefs.lazy.trace.resolve import EntryResolver
 from ogrefs.repo.traces import Entry
 from ogrefs.localtree import LocalTree
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.units import human_bytes as human
-
-if TYPE_CHECKING:  # (the build's child process does without trio)
-    from ogrefs.lazy.materialize.pacing import BuildGate
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +64,7 @@ class Prepared:
 
 def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
             refusal: Callable[[int], str | None], make_writer: WriterFactory = TreeWriter,
-            gate: BuildGate | None = None, build_command: Sequence[str] = COMMAND) -> Prepared | str:
+            gate: Gate | None = None, build_command: Sequence[str] = COMMAND) -> Prepared | str:
     """Worker thread: the tree and the plan ready for passes, or why materialization is refused.
 
     ``refusal(needed bytes)``: the disk-space policy (:func:`space.refusal`).
@@ -88,7 +85,7 @@ def prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
 
 
 def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
-             refusal: Callable[[int], str | None], make_writer: WriterFactory, gate: BuildGate | None,
+             refusal: Callable[[int], str | None], make_writer: WriterFactory, gate: Gate | None,
              build_command: Sequence[str]) -> Prepared | str:
     fresh = plan.meta("built") != "1"
     reason = refusal(catalog.file_data_total() if fresh else plan.bytes_needed())
@@ -110,7 +107,7 @@ def _prepare(plan: Plan, catalog: Catalog, tree_root: bytes, trace: list[Entry],
 #: The preparation as the materializer calls it, in a worker thread: ``(plan, catalog, tree_root, trace,
 #: refusal, make_writer, gate, build_command) -> Prepared | refusal reason``; :func:`prepare` unless the
 #: Materializer is given another.
-Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory, "BuildGate | None",
+Preparer = Callable[[Plan, Catalog, bytes, list[Entry], Callable[[int], str | None], WriterFactory, "Gate | None",
                      Sequence[str]], Prepared | str]
 
 

@@ -13,7 +13,7 @@ trio loop.  Worker threads (the preparation, the writers, the plan queries)
 get immutable inputs and return new objects, which the loop assigns
 (:class:`~.build.Prepared`, the inodes a batch completed); they never assign
 an attribute of a Materializer.  Where each chunk is (memory, in hand, in
-the tree) is the :class:`~ogrefs.lazy.residency.Residency`'s, also the
+the tree) is the :class:`~ogrefs.lazy.fetch.residency.Residency`'s, also the
 loop's.  :meth:`Materializer.local_paths` is the one method meant for other
 threads (the vfs's page-cache push): it reads recorded state only.
 
@@ -40,15 +40,15 @@ from typing import Any, Callable, Sequence
 import trio
 
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetcher import Fetcher
-from ogrefs.lazy.materialize import buildproc, space
-from ogrefs.lazy.materialize.build import Prepared, Preparer, prepare
-from ogrefs.lazy.materialize.pacing import BuildGate, Pacer
-from ogrefs.lazy.materialize.pipeline import Batch, Pass, PassSettings
-from ogrefs.lazy.materialize.plan import CLASSES, Plan
-from ogrefs.lazy.materialize.writer import TreeWriter, WriterFactory
-from ogrefs.lazy.residency import Residency
-from ogrefs.lazy.threadnice import to_background_thread
+from ogrefs.lazy.fetch.fetcher import Fetcher
+from ogrefs.lazy.background.materialize import buildproc, space
+from ogrefs.lazy.background.materialize.build import Prepared, Preparer, prepare
+from ogrefs.lazy.background.materialize.pacing import BuildGate, Pacer
+from ogrefs.lazy.background.materialize.pipeline import Batch, Pass, PassSettings
+from ogrefs.lazy.background.materialize.plan import CLASSES, Plan
+from ogrefs.lazy.background.materialize.writer import TreeWriter, WriterFactory
+from ogrefs.lazy.fetch.residency import Residency
+from ogrefs.lazy.fetch.threadnice import to_background_thread
 from ogrefs.repo.traces import Entry
 from ogrefs.repo.catalog import Catalog
 from ogrefs.units import MiB, human_bytes as human
@@ -84,7 +84,7 @@ class Materializer:
         self._preparer = preparer  # (worker-thread stages: see the module docstring's seams)
         self._make_writer = make_writer
         # seconds since the application's last request to the mount (the vfs's): passes yield to it (pacing.py)
-        # (both also wait while a snapshot of the box runs: the fetcher's flag, lazy/snapshotgate.py)
+        # (both also wait while a snapshot of the box runs: the fetcher's flag, lazy/background/snapshotgate.py)
         # ``cpu_busy`` makes a new "the box's other processes leave us less than a core" (boxcpu.OthersCpu's
         # busy, in the daemon): an application computing on every core is active too (pacing.py)
         self.pacer = Pacer(idle_for, hold=lambda: fetcher.yielding, busy=cpu_busy() if cpu_busy else None)

@@ -10,7 +10,7 @@ near the first in the same pack into one ranged GET
 (:meth:`RequestQueue.take_run`): packs keep the files of a directory
 together, so read-ahead and prefetch cost few requests.  While a snapshot of
 the box runs (:attr:`RequestQueue.yielding`, set by the daemon's
-:class:`~ogrefs.lazy.snapshotgate.SnapshotGate`), hints and background
+:class:`~ogrefs.lazy.background.snapshotgate.SnapshotGate`), hints and background
 requests do not start at all; reads and the trace go on.
 
 Who owns what: a RequestQueue belongs to its Fetcher and so to the trio loop;

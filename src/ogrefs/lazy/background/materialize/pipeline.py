@@ -2,7 +2,7 @@
 
 Order.  The feeder reads the plan a page at a time (in a worker thread) and
 requests chunks in pack-ordered groups of one class (16 MiB), through the
-windowed request engine the trace replay uses too (:mod:`ogrefs.lazy.window`),
+windowed request engine the trace replay uses too (:mod:`ogrefs.lazy.trace.window`),
 each class at
 its own fetcher priority (a reader, ``Priority.READ``, always goes first: the
 fetcher keeps request slots for it), while less than ``window_bytes`` are
@@ -14,7 +14,7 @@ counting them would leave the link idle while the writer works through them.
 The collector takes the tickets in order and cuts them into batches
 (``batch_bytes`` / ``batch_chunks``, or whatever has arrived when the next
 chunk is slow to come: ``flush_after``); the writer writes each batch
-durably in a worker thread (:class:`~ogrefs.lazy.materialize.writer.TreeWriter`)
+durably in a worker thread (:class:`~ogrefs.lazy.background.materialize.writer.TreeWriter`)
 and only then tells the residency the chunks are in the tree.  The adoption
 writer does the same for chunks the fetcher got for readers and the
 residency adopted; the two writers take turns under one lock.
@@ -38,12 +38,12 @@ from typing import Callable
 import trio
 
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetcher import ChunkMissing, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
-from ogrefs.lazy.materialize.pacing import Pacer
-from ogrefs.lazy.materialize.plan import BACKGROUND, HINT, TRACE, Item, Plan
-from ogrefs.lazy.residency import Residency
-from ogrefs.lazy.threadnice import to_background_thread
-from ogrefs.lazy.window import RequestWindow, groups
+from ogrefs.lazy.fetch.fetcher import ChunkMissing, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
+from ogrefs.lazy.background.materialize.pacing import Pacer
+from ogrefs.lazy.background.materialize.plan import BACKGROUND, HINT, TRACE, Item, Plan
+from ogrefs.lazy.fetch.residency import Residency
+from ogrefs.lazy.fetch.threadnice import to_background_thread
+from ogrefs.lazy.trace.window import RequestWindow, groups
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Callable
 import trio
 
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.metacache import BoundedCache
-from ogrefs.lazy.threadnice import to_background_thread
+from ogrefs.lazy.fs.metacache import BoundedCache
+from ogrefs.lazy.fetch.threadnice import to_background_thread
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.units import MiB
 

@@ -2,8 +2,8 @@
 
 :class:`Replayer` feeds a list of chunks to the fetcher at a priority, in
 order, in groups of neighbours, a bounded number of bytes outstanding (the
-windowed request engine of :mod:`ogrefs.lazy.window`).  A trace's entries are
-first resolved to the mounted catalog's chunks (:mod:`ogrefs.lazy.resolve`).
+windowed request engine of :mod:`ogrefs.lazy.trace.window`).  A trace's entries are
+first resolved to the mounted catalog's chunks (:mod:`ogrefs.lazy.trace.resolve`).
 
 Ownership: a Replayer belongs to the trio loop (its stats are read by the
 status file on the same loop).  Resolution runs in a worker thread, on the
@@ -20,11 +20,11 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ogrefs.lazy.fetcher import FetchError, Fetcher, Keep, Priority, Ticket
+from ogrefs.lazy.fetch.fetcher import FetchError, Fetcher, Keep, Priority, Ticket
 from ogrefs.repo.chunkref import ChunkRef
-from ogrefs.lazy.resolve import EntryResolver
-from ogrefs.lazy.threadnice import to_background_thread
-from ogrefs.lazy.window import RequestWindow, groups
+from ogrefs.lazy.trace.resolve import EntryResolver
+from ogrefs.lazy.fetch.threadnice import to_background_thread
+from ogrefs.lazy.trace.window import RequestWindow, groups
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo.traces import Entry
 from ogrefs.units import MiB

@@ -3,7 +3,7 @@
 The fetch path every lazy reader shares (the FUSE mount today; prefetch from a
 recorded trace, hints and background materialization next):
 
-1. ``get(ref)`` answers from memory: the :class:`~ogrefs.lazy.residency.Residency`
+1. ``get(ref)`` answers from memory: the :class:`~ogrefs.lazy.fetch.residency.Residency`
    it was given holds the LRU of verified chunks, the chunks a replay holds for
    the materializer (``Residency.hold``) and the chunks the materializer has
    in hand; the fetcher asks it first and puts what it fetches there.
@@ -14,7 +14,7 @@ recorded trace, hints and background materialization next):
 3. New entries are looked up in the disk cache (:class:`ChunkCache`) in a
    worker thread, all entries of one request at once; hits are loaded and
    verified there, a few per thread call, and finish their entries.
-4. A miss goes into the request queue (:mod:`ogrefs.lazy.fetchqueue`): the
+4. A miss goes into the request queue (:mod:`ogrefs.lazy.fetch.queue`): the
    dispatcher starts store requests in priority order, a reader never waits
    behind prefetch or materialization, and a request takes every queued
    chunk near it in the same pack into one ranged GET.
@@ -23,15 +23,15 @@ recorded trace, hints and background materialization next):
    handed to its waiters, put in the memory LRU and written to the
    disk cache (also in a thread) without delaying the readers.  The worker
    threads' side (ranged reads, blob cutting, the one error classifier) is
-   :mod:`ogrefs.lazy.fetchio`.  A blob that fails verification is fetched
+   :mod:`ogrefs.lazy.fetch.blobio`.  A blob that fails verification is fetched
    once more on its own (a bit flipped in transit: a policy about bad bytes,
    not a retry of a failing call); if it fails again the waiters get
    :class:`ChunkCorrupt`.  The fetcher itself never retries a store call:
    the store's RetryingStore does, within the budget the mount gave its
-   :class:`~ogrefs.lazy.fetchio.PackReads` (``--retry-for``; a stream that
+   :class:`~ogrefs.lazy.fetch.blobio.PackReads` (``--retry-for``; a stream that
    breaks part way is resumed there too), and an unmount ends such a wait at
    once (``stop``).  What fails after that is classified once
-   (:func:`~ogrefs.lazy.fetchio.classify`): an unreachable store is
+   (:func:`~ogrefs.lazy.fetch.blobio.classify`): an unreachable store is
    :class:`StoreUnavailable`, a pack the store no longer has
    :class:`ChunkMissing`, a location the store refuses :class:`ChunkCorrupt`,
    and an exception nobody expected is logged and a plain
@@ -47,13 +47,13 @@ objects.  :meth:`Fetcher.run` owns the nursery in which the dispatcher, every
 store request, cache probe and cache write run; cancelling it stops them all
 and sets ``stop`` (a threading.Event the store's retry waits watch).
 Where each chunk is (memory, held, in hand, coming, in the local tree) is the
-:class:`~ogrefs.lazy.residency.Residency`'s, given at construction and shared
+:class:`~ogrefs.lazy.fetch.residency.Residency`'s, given at construction and shared
 with the materializer; the fetcher only calls its mutators on the loop.  A
 chunk just fetched from the store for a caller that keeps it is offered to it
 (:meth:`Residency.adopt`); when the local tree takes the chunk, the chunk
 cache does without it.  While a snapshot of the box runs
 (:meth:`Fetcher.yield_to_snapshot`, called on the loop by the daemon's
-:class:`~ogrefs.lazy.snapshotgate.SnapshotGate`), hint and background requests
+:class:`~ogrefs.lazy.background.snapshotgate.SnapshotGate`), hint and background requests
 and every write to the disk cache wait on the loop-owned ``_not_yielding``
 event; reads and the trace are served as ever.
 """
@@ -72,11 +72,11 @@ from typing import Callable, Iterable
 import trio
 
 from ogrefs.repo import codec
-from ogrefs.lazy import fetchio
-from ogrefs.lazy.chunkcache import ChunkCache
-from ogrefs.lazy.residency import IN_MEMORY, IN_TREE, Residency
-from ogrefs.lazy.fetchqueue import Priority, RequestQueue
-from ogrefs.lazy.fetchio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
+from ogrefs.lazy.fetch import blobio as fetchio
+from ogrefs.lazy.fetch.chunkcache import ChunkCache
+from ogrefs.lazy.fetch.residency import IN_MEMORY, IN_TREE, Residency
+from ogrefs.lazy.fetch.queue import Priority, RequestQueue
+from ogrefs.lazy.fetch.blobio import (  # noqa: F401 - re-exported: the fetcher's callers name them from here
     ChunkCorrupt, ChunkMissing, DecodeBlob, FetchError, OpenRange, ReadRange, StoreUnavailable)
 from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.errors import CorruptObject
@@ -176,7 +176,7 @@ class Fetcher:
                  decode: DecodeBlob = codec.decode_blob, open_range: OpenRange | None = None,
                  stop: threading.Event | None = None, retries: Callable[[], int] | None = None,
                  residency: Residency | None = None) -> None:
-        """``read_range``/``open_range``: the packs (a :class:`~ogrefs.lazy.fetchio.PackReads`' methods
+        """``read_range``/``open_range``: the packs (a :class:`~ogrefs.lazy.fetch.blobio.PackReads`' methods
         carry the caller's retry budget); ``stop``: set when :meth:`run` ends, so that a store call waiting
         out an outage in a worker thread gives up at once; ``retries``: how many store calls were retried
         (the PackReads' count, for :attr:`stats`); ``residency``: where chunks are (memory, the local tree),
@@ -424,7 +424,7 @@ class Fetcher:
 
     # -- the queue -------------------------------------------------------------------------------
     async def _dispatch(self) -> None:
-        """Start store requests from the queue as the link allows (see :mod:`ogrefs.lazy.fetchqueue`)."""
+        """Start store requests from the queue as the link allows (see :mod:`ogrefs.lazy.fetch.queue`)."""
         assert self._nursery is not None
         while True:
             p = self._queue.peek()

@@ -21,7 +21,7 @@ tell which of them it read (measured: pushing large files too gave back the
 gain, docs/benchmarks.md).  Each file is pushed once while the kernel holds
 its pages: the vfs's set of such inodes (a read answered, or a push), which
 it empties of an inode the kernel forgets, is shared with the directory
-pusher (:mod:`ogrefs.lazy.pagepush`).
+pusher (:mod:`ogrefs.lazy.fs.pagepush`).
 
 Where the store runs.  The kernel locks a page while a READ for it is on its
 way to the daemon, and a store into that page waits for the lock: on the

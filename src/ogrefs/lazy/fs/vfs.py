@@ -4,14 +4,14 @@ Metadata comes from the snapshot's SQLite catalog alone, one query at a time:
 there is no in-memory tree, so a snapshot of a million files mounts as fast as
 one of a thousand and memory does not grow with the file count.  Inode numbers
 are the catalog's: stable across mounts, shared by hardlinks.  File data comes
-from the :class:`~ogrefs.lazy.fetcher.Fetcher`.
+from the :class:`~ogrefs.lazy.fetch.fetcher.Fetcher`.
 
 Catalog access, decided: point queries (one inode, one directory entry, the
 xattrs of one inode) run inline on the trio thread.  They are indexed lookups
 in a local, immutable SQLite file and take microseconds, less than the hop to
 a worker thread would.  Queries that scale with the data (a page of a
 directory listing, the extent list of a large file) run in a worker thread.
-The same rule holds for complete local copies (:mod:`ogrefs.lazy.localread`):
+The same rule holds for complete local copies (:mod:`ogrefs.lazy.fs.localread`):
 a small read the page cache holds is one ``pread`` inline, any other goes to
 a worker thread.
 
@@ -27,14 +27,14 @@ the fetcher coalesces into few ranged GETs.
 Fewer round trips: a snapshot without extended attributes answers getxattr
 with ENOSYS (the kernel stops asking), and the small complete local copies of
 a directory a program is crawling go into the kernel's page cache ahead of
-their reads (:mod:`ogrefs.lazy.pagepush`; docs/mount.md).
+their reads (:mod:`ogrefs.lazy.fs.pagepush`; docs/mount.md).
 
 Who owns what: a SnapshotFS, its lookup counts and its handle tables belong to
 the trio loop; every method is called from trio tasks only.  Worker threads
 get the Catalog (thread-safe: one SQLite connection per thread) and an inode
 number or name, and return fresh lists.  The page-cache pusher
-(:class:`~ogrefs.lazy.pagepush.PagePusher`) and the open-time push
-(:class:`~ogrefs.lazy.openpush.OpenPush`) belong to the SnapshotFS and say
+(:class:`~ogrefs.lazy.fs.pagepush.PagePusher`) and the open-time push
+(:class:`~ogrefs.lazy.fs.openpush.OpenPush`) belong to the SnapshotFS and say
 who owns their channel and nursery.
 
 Errors: methods raise :class:`~.fs.types.FsError` (an errno); :func:`~.fs.types.errno_for` is the one
@@ -55,14 +55,14 @@ import trio
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetcher import FetchError, Fetcher, Priority
+from ogrefs.lazy.fetch.fetcher import FetchError, Fetcher, Priority
 from ogrefs.lazy.fs.types import AccessRecorder, Attr, FsError, LocalCopy, StatFs, VfsStats
 from ogrefs.repo.chunkref import ChunkRef
-from ogrefs.lazy.localread import LocalReads
-from ogrefs.lazy.metacache import NOT_INDEXED, Remembered
-from ogrefs.lazy.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
-from ogrefs.lazy.pagepush import PUSH_FILE_MAX, PagePusher
-from ogrefs.lazy.residency import IN_TREE
+from ogrefs.lazy.fs.localread import LocalReads
+from ogrefs.lazy.fs.metacache import NOT_INDEXED, Remembered
+from ogrefs.lazy.fs.openpush import OPEN_PUSH_MAX, OpenPush, whole_in_memory
+from ogrefs.lazy.fs.pagepush import PUSH_FILE_MAX, PagePusher
+from ogrefs.lazy.fetch.residency import IN_TREE
 from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class SnapshotFS:
         self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__,
                                    self._kernel_pages.__contains__)
                         if page_cache is not None and local is not None else None)
-        # small files whose chunks memory holds go to the page cache at their open (lazy/openpush.py)
+        # small files whose chunks memory holds go to the page cache at their open (lazy/fs/openpush.py)
         self.open_push = (OpenPush(page_cache, self._kernel_pages)
                           if page_cache is not None and open_push else None)
         self._files: dict[int, _OpenFile] = {}
@@ -408,7 +408,7 @@ class SnapshotFS:
         return fh
 
     async def _push_at_open(self, f: _OpenFile) -> None:
-        """A small file memory holds whole goes to the page cache before its open is answered (lazy/openpush.py)."""
+        """A small file memory holds whole goes to the page cache before its open is answered (lazy/fs/openpush.py)."""
         assert self.open_push is not None
         try:
             f.set_extents(await _extents_of(self.catalog, f.ino, f.size))  # (inline: OPEN_PUSH_MAX is small)
@@ -416,7 +416,7 @@ class SnapshotFS:
             return  # the read asks again, and says what is wrong
         data = whole_in_memory(f.size, f.extents, self.fetcher.residency.in_memory)
         # with no other handle of the file open no READ of it can be on its way, so no page of it is locked
-        # waiting for the loop: stored on the loop, like the answer to the READ it replaces (lazy/openpush.py)
+        # waiting for the loop: stored on the loop, like the answer to the READ it replaces (lazy/fs/openpush.py)
         if data is None or not await self.open_push.push(f.ino, data, inline=self._handles[f.ino] == 1):
             return
         self.stats.open_pushed += 1
@@ -447,8 +447,8 @@ class SnapshotFS:
         return self._pusher is None or self._pusher.in_flight == 0
 
     async def run_pushes(self) -> None:
-        """Serve page-cache pushes until cancelled (a task in the mount's nursery; see :mod:`ogrefs.lazy.pagepush`
-        and :mod:`ogrefs.lazy.openpush`)."""
+        """Serve page-cache pushes until cancelled (a task in the mount's nursery; see :mod:`ogrefs.lazy.fs.pagepush`
+        and :mod:`ogrefs.lazy.fs.openpush`)."""
         async with trio.open_nursery() as nursery:
             if self._pusher is not None:
                 nursery.start_soon(self._pusher.run)

@@ -6,7 +6,7 @@ One task in the daemon's nursery, started once the mount is ready::
     await nursery.start(pf.run)
     ... pf.stats()  # for the status file
 
-With a :class:`~ogrefs.lazy.materialize.materializer.Materializer`, everything goes to the local
+With a :class:`~ogrefs.lazy.background.materialize.materializer.Materializer`, everything goes to the local
 tree in three classes (trace at ``Priority.TRACE``, hints at
 ``Priority.HINT``, the rest at ``Priority.BACKGROUND``).  Without one (or when
 it refuses to start for lack of disk space), only the trace and then the hints
@@ -37,14 +37,14 @@ import trio
 
 from ogrefs.errors import CorruptObject
 from ogrefs.repo.catalog import Catalog
-from ogrefs.lazy.boxcpu import SpareCpu
-from ogrefs.lazy.fetcher import Fetcher, Keep, Priority
+from ogrefs.lazy.background.boxcpu import SpareCpu
+from ogrefs.lazy.fetch.fetcher import Fetcher, Keep, Priority
 from ogrefs.repo.chunkref import ChunkRef
-from ogrefs.lazy.materialize.materializer import Materializer
-from ogrefs.lazy.materialize.plan import CLASSES
+from ogrefs.lazy.background.materialize.materializer import Materializer
+from ogrefs.lazy.background.materialize.plan import CLASSES
 from ogrefs.units import GiB, MiB, human_bytes
-from ogrefs.lazy.replay import Replayer
-from ogrefs.lazy.threadnice import to_background_thread
+from ogrefs.lazy.trace.replay import Replayer
+from ogrefs.lazy.fetch.threadnice import to_background_thread
 from ogrefs.repo.traces import Entry
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Fetch I/O: what the fetcher's worker threads do, and the one place a fetch failure gets its name.
 
-The :class:`~ogrefs.lazy.fetcher.Fetcher` decides *what* to fetch on the trio
+The :class:`~ogrefs.lazy.fetch.fetcher.Fetcher` decides *what* to fetch on the trio
 loop; this module does the blocking part in worker threads and has no trio
 import: ranged reads of packs through the store (:class:`PackReads`), a
 streamed range cut into blobs (:func:`stream_blobs`, :class:`BlobReader`), one
@@ -39,7 +39,7 @@ from ogrefs.store.base import NotFound, PermissionDenied, RangeReader, ShortRead
 from ogrefs.store.retry import RetryingStore
 
 if TYPE_CHECKING:
-    from ogrefs.lazy.chunkcache import ChunkCache
+    from ogrefs.lazy.fetch.chunkcache import ChunkCache
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ snapshot's than the one the trace was recorded on: a path is resolved in this
 catalog, an offset mapped to the extent that holds it, and entries whose file
 or data no longer exist are dropped.  :func:`load_trace` finds the trace a
 mount replays and puts the mounted snapshot's newest coherent checkpoint in
-place of a stale one the trace read (:mod:`ogrefs.lazy.newer_checkpoint`).
+place of a stale one the trace read (:mod:`ogrefs.lazy.trace.newer_checkpoint`).
 
 Everything here blocks (catalog queries, store reads) and has no event loop:
-the replayer (:mod:`ogrefs.lazy.replay`) and the materializer's plan builder
+the replayer (:mod:`ogrefs.lazy.trace.replay`) and the materializer's plan builder
 call it from a worker thread, the mount before its daemon starts.  A resolver
 belongs to the one thread that made it.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ogrefs.errors import CorruptObject
-from ogrefs.lazy.newer_checkpoint import replace_stale_checkpoints
+from ogrefs.lazy.trace.newer_checkpoint import replace_stale_checkpoints
 from ogrefs.repo.catalog import Catalog, Extent
 from ogrefs.repo.traces import Entry, FoundTrace, find_trace
 

@@ -30,35 +30,10 @@ from typing import Callable
 
 import trio
 
+from ogrefs.lazy.background.proctick import box_ticks, process_ticks
+
 #: The streamed rest starts another request only while this many cores are idle.
 SPARE_CPU_CORES = 0.5
-
-
-def _read_stat(path: str) -> tuple[int, int, int] | None:
-    """(all, idle + iowait, busy) clock ticks summed over the box's CPUs, from ``/proc/stat``'s first line.
-
-    Busy is user + nice + system + irq + softirq: what processes and the
-    kernel on their behalf took (steal, a hypervisor's, is neither idle nor
-    anybody's on this box)."""
-    try:
-        with open(path, "rb") as fh:
-            fields = [int(x) for x in fh.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    if len(fields) < 7:
-        return None
-    return sum(fields[:8]), fields[3] + fields[4], fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
-
-
-def process_ticks(path: str) -> int | None:
-    """A process's user + system clock ticks (all its threads), from its ``/proc/PID/stat``
-    (``/proc/self/stat``: this one's); None when it cannot be read (gone, no ``/proc``)."""
-    try:
-        with open(path, "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class SpareCpu:
@@ -80,7 +55,7 @@ class SpareCpu:
         self._last = self._read()
 
     def _read(self) -> tuple[int, int] | None:
-        now = _read_stat(self.path)
+        now = box_ticks(self.path)
         return None if now is None else (now[0], now[1])
 
     def idle_cores(self) -> float | None:
@@ -109,7 +84,7 @@ class OthersCpu:
     """The cores other processes took since the last look, and whether they leave this one a core.
 
     :meth:`busy` is what the materializer's pacer asks
-    (:mod:`ogrefs.lazy.materialize.pacing`; the tree build's child runs at idle priority instead): True while the other processes
+    (:mod:`ogrefs.lazy.background.materialize.pacing`; the tree build's child runs at idle priority instead): True while the other processes
     left less than ``spare`` cores (default: one, or half the box on a box of
     one core) over the last ``every`` seconds at least.  Asked more often, it
     answers what it last found: a few jiffies (10 ms each) are no reading.
@@ -128,7 +103,7 @@ class OthersCpu:
         self._busy = False
 
     def _look(self) -> tuple[int, int, int] | None:
-        box, own = _read_stat(self._stat), process_ticks(self._own)
+        box, own = box_ticks(self._stat), process_ticks(self._own)
         if box is None or own is None:
             return None
         return box[0], box[2], own
