@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.mountsys import mounted_fstype
 
 
 class Mounter:

@@ -96,7 +96,7 @@ def test_the_child_dies_with_the_daemon(box, tmp_path):
         import sys
         from pathlib import Path
         from ogrefs.lazy.background.materialize.buildproc import build_in_child
-        from ogrefs.lazy.background.materialize.plan import Plan
+        from ogrefs.box.copyplan import Plan
         plan = Plan(Path({str(tmp_path / "plan.sqlite")!r}))
         plan.open("x")
         build_in_child(plan.path, Path({str(box.catalog.path)!r}), {os.fsencode(tmp_path / "tree")!r},

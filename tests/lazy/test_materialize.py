@@ -29,9 +29,12 @@ from ogrefs.lazy.background.materialize.materializer import Materializer
 from ogrefs.lazy.background.materialize.writer import Disk, TreeWriter
 from ogrefs.lazy.background.prefetch import Prefetch
 from ogrefs.lazy.fs.vfs import SnapshotFS
+from ogrefs.box.copyplan import Plan
+from ogrefs.snapshot.mounted import OwnMount
 
 from tests.pagecache import resident_bytes
-from tests.resume_box import Box, CallLog, make_box, run_trio
+from ogrefs.repo import Repository
+from tests.resume_box import Box, CallLog, make_box, run_trio, snapshot_box
 from tests.treegen import compare_trees
 
 MiB = 1024 * 1024
@@ -75,6 +78,7 @@ def gated(box: Box, gate: threading.Event):
 
 
 def done_chunks(state: Path) -> set[bytes]:
+    """The plan's done chunks, read as a second process would while the materializer writes."""
     with sqlite3.connect(state / "materialize.sqlite") as db:
         return {r[0] for r in db.execute("SELECT chunk FROM chunks WHERE done=1")}
 
@@ -119,6 +123,33 @@ def test_materialized_tree_equals_the_source_and_skips_the_chunk_cache(box, tmp_
 
 
 @pytest.mark.skipif(not threadnice.may_renice(), reason="this process may not raise a thread's priority back")
+def test_a_hard_linked_file_is_local_under_every_name(tmp_path):
+    """A snapshot of a box running from a mount asks whether a file's local copy is whole by its path
+    (snapshot/mounted.py): every name of a hard link must count, not only the one the plan was built with."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a.bin").write_bytes(os.urandom(300_000))
+    os.link(src / "d" / "a.bin", src / "b.bin")
+    os.link(src / "d" / "a.bin", src / "d" / "c.bin")
+    (src / "single.bin").write_bytes(b"x" * 1000)
+    url = f"file://{tmp_path}/repo"
+    repo = Repository.init(url, cache_root=tmp_path / "cache")
+    box = snapshot_box(src, repo, url, tmp_path / "cache", hints=False)
+    state = tmp_path / "state"
+    m, _f = materialize(box, state)
+    assert m.complete
+    own = OwnMount(box.manifest["id"], url, os.fsencode(state), finalized=False, status_path=None)
+    names = [os.fsencode(src / n) for n in ("d/a.bin", "b.bin", "d/c.bin", "single.bin")]
+    assert [own.local_complete(n) for n in names] == [True] * 4
+    assert not own.local_complete(os.fsencode(src / "d/none.bin"))
+    # a copy whose data is not whole yet is local under none of its names
+    plan = Plan(state / "materialize.sqlite")
+    ino = box.catalog.resolve(names[0]).ino
+    plan.db().execute("UPDATE files SET complete=0 WHERE ino=?", (ino,))
+    own = OwnMount(box.manifest["id"], url, os.fsencode(state), finalized=False, status_path=None)
+    assert [own.local_complete(n) for n in names] == [False, False, False, True]
+
+
 def test_tree_writes_run_niced_and_the_fetches_do_not(box, tmp_path, monkeypatch):
     """The copy into the local tree is background work: its batches run at nice +10, so the loop and the
     application win the cores; the GETs (which a reader may be waiting on) run at the daemon's priority."""

@@ -14,7 +14,7 @@ import sys
 import pytest
 import trio
 
-from ogrefs.boxmounts import clear_snapshot_running, mark_snapshot_running, snapshot_running
+from ogrefs.box.records import clear_snapshot_running, mark_snapshot_running, snapshot_running
 from ogrefs.lazy.fetch.fetcher import Fetcher, Priority
 from ogrefs.lazy.background.materialize.pacing import BuildGate, Pacer
 from ogrefs.lazy.background.snapshotgate import SnapshotGate
@@ -141,7 +141,7 @@ def test_a_mark_counts_only_while_its_process_lives(tmp_path):
     clear_snapshot_running(mark)
     assert not snapshot_running(tmp_path) and not mark.exists()
     # a snapshot that died (SIGKILL) leaves its mark: it must not hold the mount back
-    code = ("import sys; from pathlib import Path; from ogrefs.boxmounts import mark_snapshot_running; "
+    code = ("import sys; from pathlib import Path; from ogrefs.box.records import mark_snapshot_running; "
             "print(mark_snapshot_running(Path(sys.argv[1])))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
                          timeout=60).stdout.strip()

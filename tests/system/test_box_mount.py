@@ -129,7 +129,7 @@ def test_hard_kill_of_the_daemon_leaves_a_box_that_unmounts_and_remounts(whole):
         test "$(cat {box}/usr/marker)" = "host"                  # ... the box shows its own tree again
         ! {OGREFS} status / 2> {tmp}/status.err
         {PY} -c "
-import json; from ogrefs.boxmounts import registered_mounts, writable_state
+import json; from ogrefs.box.records import registered_mounts, writable_state
 print(json.dumps([writable_state(i) for i in registered_mounts()]))" > {tmp}/died.json
         {OGREFS} mount {snap} /  --no-materialize                # and a remount recovers every write
         test "$(cat {box}/var/lib/app/written)" = "kept"
@@ -316,7 +316,7 @@ def test_writable_state_accessor_describes_a_live_mount(whole):
     in_namespace(whole["env"], f"""
         {OGREFS} mount {snap} / --no-materialize
         {PY} -c "
-import json; from ogrefs.boxmounts import registered_mounts, writable_state
+import json; from ogrefs.box.records import registered_mounts, writable_state
 print(json.dumps([writable_state(i) for i in registered_mounts()]))" > {tmp}/state.json
         {OGREFS} unmount /
     """)

@@ -43,7 +43,7 @@ pytestmark = [
 OVERLAYS = ("awk '{for (i = 1; i <= NF; i++) if ($i == \"-\" && $(i+1) == \"overlay\") print $5, $(i+3)}' "
             "/proc/self/mountinfo | sed -E 's/,uuid=[a-z]+//' | sort")
 #: The mount's state (overlays.json through the accessor `ogrefs snapshot` and `ogrefs mounts` use).
-STATE = (f"{PY} -c \"import json; from ogrefs.boxmounts import registered_mounts, writable_state; "
+STATE = (f"{PY} -c \"import json; from ogrefs.box.records import registered_mounts, writable_state; "
          f"print(json.dumps([writable_state(i) for i in registered_mounts()]))\"")
 #: The state directory of the one mount.
 STATE_DIR = f"$({STATE} | {PY} -c \"import json,sys; print(json.load(sys.stdin)[0]['state_dir'])\")"
@@ -185,9 +185,9 @@ def test_finalize_is_recorded_while_the_daemon_still_serves(whole):
         timeout 60 {PY} - "$state" > {tmp}/seen.json <<'PY'
 import json, os, sys
 from pathlib import Path
-from ogrefs.boxmounts import load_overlays, registered_mounts
-from ogrefs.mount import overlay
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.records import load_overlays, registered_mounts
+from ogrefs.box import overlay
+from ogrefs.box.mountsys import mounted_fstype
 
 state = Path(sys.argv[1])
 info = registered_mounts()[0]

@@ -519,7 +519,7 @@ class _Mount:
             time.sleep(0.2)
 
     def close(self) -> None:
-        from ogrefs.mount.mountsys import mounted_fstype
+        from ogrefs.box.mountsys import mounted_fstype
 
         if mounted_fstype(self.mp) is not None and self.cli("unmount", str(self.mp), check=False).returncode:
             subprocess.run(["umount", "-l", str(self.mp)], capture_output=True)
@@ -580,7 +580,7 @@ def test_mount_daemon_sigkill_then_remount_serves_correct_bytes(tree, tmp_path):
     The cache never holds half a chunk (write to tmp, fsync, rename), and a
     chunk damaged on disk behind its back is detected and fetched again.
     """
-    from ogrefs.mount.mountsys import mounted_fstype
+    from ogrefs.box.mountsys import mounted_fstype
 
     url = f"file://{tmp_path}/repo"
     repo = Repository.init(url, cache_root=tmp_path / "c0", pack_target_size=PACK)

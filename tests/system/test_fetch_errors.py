@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.repo import Repository
 from ogrefs.repo.catalog import Catalog
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot

@@ -1,4 +1,4 @@
-"""Who keeps an overlay busy (mount/holders.py), in a private mount namespace with a real overlay."""
+"""Who keeps an overlay busy (box/holders.py), in a private mount namespace with a real overlay."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is
 
 SCRIPT = textwrap.dedent('''
     import json, os, shutil, subprocess, sys, time
-    from ogrefs.mount import holders, mountsys
+    from ogrefs.box import holders, mountsys
     t = sys.argv[1]
     for d in ("low", "up", "wk", "m", "own"):
         os.makedirs(f"{t}/{d}", exist_ok=True)

@@ -10,7 +10,7 @@ A's tree back with B's writes.
 
 SIGKILL of both the daemon and its keeper leaves the overlays on a dead FUSE
 lower: the box can no longer start /bin/sh; a shell started before the mount
-sources the rescue script (mount/rescue.py) and the box is B again.
+sources the rescue script (box/rescue.py) and the box is B again.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ogrefs.repo.catalog import Catalog
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
@@ -343,7 +343,7 @@ def test_a_daemon_that_cannot_start_undoes_what_it_set_up(tmp_path, tree_repo, m
 
 
 def test_missing_dev_fuse_is_reported(monkeypatch, tmp_path):
-    from ogrefs.boxmounts import MountError
+    from ogrefs.box.records import MountError
     from ogrefs.mount.client import mount
     from ogrefs.mount.options import MountOptions
 

@@ -1,4 +1,4 @@
-"""The rescue script (mount/rescue.py): detach overlays with this box's umount through its own loader."""
+"""The rescue script (box/rescue.py): detach overlays with this box's umount through its own loader."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from ogrefs.mount import rescue
+from ogrefs.box import rescue
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                  reason="needs root and unshare (bind mounts, overlayfs)")]
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is
 SCRIPT = textwrap.dedent('''
     import os, subprocess, sys
     from pathlib import Path
-    from ogrefs.mount import mountsys, overlay, rescue
+    from ogrefs.box import mountsys, overlay, rescue
     t = sys.argv[1]
     for d in ("l", "u", "w", "m", "run"):
         os.makedirs(f"{t}/{d}", exist_ok=True)

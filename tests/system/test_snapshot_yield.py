@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.boxmounts import clear_snapshot_running, mark_snapshot_running
+from ogrefs.box.records import clear_snapshot_running, mark_snapshot_running
 from tests.nsbox import OGREFS, box  # noqa: F401  (box is a fixture)
 
 pytestmark = [

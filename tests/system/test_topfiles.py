@@ -25,7 +25,7 @@ def test_files_this_box_lacks_appear_and_go_and_its_own_stay(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
         from pathlib import Path
-        from ogrefs.mount import topfiles
+        from ogrefs.box import topfiles
         entries = [{{"name": "README", "kind": "file", "target": ""}},
                    {{"name": "swapfile", "kind": "file", "target": ""}},
                    {{"name": "lib64", "kind": "symlink", "target": "usr/lib64"}},

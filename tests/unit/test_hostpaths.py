@@ -1,10 +1,10 @@
-"""Host-owned merges (mount/hostpaths.py): accounts with clashing ids, the dpkg status file."""
+"""Host-owned merges (box/hostpaths.py): accounts with clashing ids, the dpkg status file."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ogrefs.mount import hostpaths
+from ogrefs.box import hostpaths
 
 SNAP_PASSWD = ("root:x:0:0:root:/root:/bin/bash\n_apt:x:42:65534::/nonexistent:/usr/sbin/nologin\n"
                "ubuntu:x:1000:1000:Ubuntu:/home/ubuntu:/bin/bash\nalice:x:1001:1001::/home/alice:/bin/bash\n")

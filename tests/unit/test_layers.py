@@ -27,7 +27,7 @@ LEVELS: list[set[str]] = [
     {"inspect"},  # machine/environment/checkpoint detection: pure, imports only errors (snapshot, agent, cli use it)
     {"store"},
     {"repo"},
-    {"boxmounts"},  # the records mounts keep on this box (needs repo's cache dir): mount/ writes, snapshot/ reads
+    {"box"},  # this box as mounts change and record it (overlays, host paths, records, the local copy's plan)
     {"snapshot", "restore", "maint", "lazy", "localtree"},  # the middle: threads (snapshot, restore, maint), trio (lazy)
     {"mount"},
     {"agent"},
@@ -266,7 +266,6 @@ THREAD_SIDE: set[str] = {
     "ogrefs.lazy.background.materialize.build",
     "ogrefs.lazy.background.materialize.buildchild",
     "ogrefs.lazy.background.materialize.buildproc",
-    "ogrefs.lazy.background.materialize.plan",
     "ogrefs.lazy.background.materialize.space",
     "ogrefs.lazy.background.materialize.writer",
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ogrefs.mount.status import wait_background
-from ogrefs.boxmounts import MountError, Registration
+from ogrefs.box.records import MountError, Registration
 
 
 @pytest.fixture
@@ -134,7 +134,8 @@ def _call(fn, *args):
 def test_a_failed_detach_without_the_keeper_is_logged_not_swallowed(tmp_path, monkeypatch):
     """The daemon detaches the box from a forked child when its keeper is gone; the child leaves with
     os._exit, so its failure must reach the daemon's log (its exit status), not vanish."""
-    from ogrefs.mount import daemon, keeper, mountsys
+    from ogrefs.mount import daemon, keeper
+    from ogrefs.box import mountsys
 
     def broken(state_dir, reg):
         raise RuntimeError("an overlay that would not detach")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ogrefs.mount import overlay
+from ogrefs.box import overlay
 from ogrefs.errors import UsageError
 
 

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from ogrefs.boxmounts import process_start
+from ogrefs.box.records import process_start
 from ogrefs.snapshot.mounted import LOWER_ONLY, LOWER_OVER_OWN, UNKNOWN, classify_lowers, own_layer_root
 
 

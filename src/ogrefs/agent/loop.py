@@ -69,7 +69,7 @@ class AgentOptions:
 
 
 def status_path() -> Path:
-    from ogrefs.boxmounts import runtime_dir
+    from ogrefs.box.records import runtime_dir
 
     return runtime_dir() / "agent.json"
 
@@ -281,7 +281,7 @@ class Agent:
 
 def read_status(path: Path | None = None) -> dict:
     from ogrefs.errors import UsageError
-    from ogrefs.boxmounts import pid_alive
+    from ogrefs.box.records import pid_alive
 
     p = path or status_path()
     try:

@@ -18,7 +18,7 @@ import click
 
 from ogrefs.cli.base import emit_json, json_option
 from ogrefs.cli.run import register as register_run
-from ogrefs.boxmounts import MountError
+from ogrefs.box.records import MountError
 from ogrefs.errors import UsageError
 from ogrefs.units import human_bytes as _human
 
@@ -97,7 +97,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
     """
     from ogrefs.inspect.compat import environment_warning
     from ogrefs.mount.client import mount as do_mount
-    from ogrefs.mount.hostpaths import load_rules
+    from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
     from ogrefs.snapshot.selection import resolve_snapshot
 

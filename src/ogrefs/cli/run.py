@@ -32,7 +32,7 @@ def _options(f):
 def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, materialize, host_path, no_host_path,
          no_host_paths, host_paths_file) -> None:
     from ogrefs.inspect.compat import environment_warning
-    from ogrefs.mount.hostpaths import load_rules
+    from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
     from ogrefs.mount.run import run
     from ogrefs.snapshot.selection import resolve_snapshot

@@ -13,9 +13,9 @@ import stat
 import sys
 from pathlib import Path
 
-from ogrefs.boxmounts import Registration, pid_alive
+from ogrefs.box.records import Registration, pid_alive
 from ogrefs.errors import UsageError
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.mountsys import mounted_fstype
 
 
 def fuse_problem() -> str | None:

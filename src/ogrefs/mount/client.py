@@ -11,7 +11,7 @@ passphrase prompt or key stretching; this process only waits on the pipe
 after the fork) and the shared lock, which it refreshes and releases.
 
 ``unmount`` and ``finalize`` work from the registration and the state
-directory's ``overlays.json`` (boxmounts.py); both are all or nothing. Runs in
+directory's ``overlays.json`` (box/records.py); both are all or nothing. Runs in
 the calling thread; the only state is on disk.
 """
 
@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ogrefs.boxmounts import MountError, Overlay, Registration, load_overlays, pid_alive, save_overlays
+from ogrefs.box.records import MountError, Overlay, Registration, load_overlays, pid_alive, save_overlays
 from ogrefs.errors import UsageError
-from ogrefs.mount import holders, hostpaths, keeper, mountsys, overlay, rescue, topfiles
+from ogrefs.mount import keeper
+from ogrefs.box import holders, hostpaths, mountsys, overlay, rescue, topfiles
 from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.mount.options import MountOptions
 from ogrefs.mount.status import read_status
 from ogrefs.repo import Repository

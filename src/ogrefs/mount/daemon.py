@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import trio
 
-from ogrefs.boxmounts import (MountError, Registration, atomic_json, clear_snapshot_started, snapshot_running,
+from ogrefs.box.records import (MountError, Registration, atomic_json, clear_snapshot_started, snapshot_running,
                               snapshot_started)
 from ogrefs.lazy.background.boxcpu import OthersCpu
 from ogrefs.lazy.fetch.chunkcache import CacheCipher, ChunkCache
@@ -50,8 +50,9 @@ from ogrefs.lazy.background.prefetch import Prefetch
 from ogrefs.lazy.trace.recorder import Recorder, quiet_from_env, save_trace, save_when_recorded
 from ogrefs.lazy.background.snapshotgate import SnapshotGate
 from ogrefs.lazy.fs.vfs import SnapshotFS
-from ogrefs.mount import fuse_ops, keeper, loopprofile, mountsys
-from ogrefs.mount.hostpaths import HostView
+from ogrefs.mount import fuse_ops, keeper, loopprofile
+from ogrefs.box import mountsys
+from ogrefs.box.hostpaths import HostView
 from ogrefs.mount.plan import MountPlan
 from ogrefs.mount.status import STATUS_INTERVAL
 from ogrefs.repo import default_cache_dir

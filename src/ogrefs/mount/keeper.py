@@ -49,9 +49,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ogrefs.boxmounts import Registration, load_overlays, process_start, save_overlays
+from ogrefs.box.records import Registration, load_overlays, process_start, save_overlays
 from ogrefs.errors import OgrefsError
-from ogrefs.mount import hostpaths, mountsys, overlay, rescue, topfiles
+from ogrefs.box import hostpaths, mountsys, overlay, rescue, topfiles
 from ogrefs.repo import default_cache_dir
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-from ogrefs.boxmounts import Registration
+from ogrefs.box.records import Registration
 from ogrefs.mount import keeper
 from ogrefs.mount.daemon import Daemon, KeeperLink
 from ogrefs.mount.plan import MountPlan

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ogrefs.boxmounts import Overlay, Registration, load_overlays, mountpoint_key, pid_alive, state_base
+from ogrefs.box.records import Overlay, Registration, load_overlays, mountpoint_key, pid_alive, state_base
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.lazy.trace.resolve import entries_to_replay
-from ogrefs.mount import holders, hostpaths, mountsys, overlay, topfiles
+from ogrefs.box import holders, hostpaths, mountsys, overlay, topfiles
 from ogrefs.mount.checks import check_mountpoint
 from ogrefs.mount.options import MountOptions
 from ogrefs.repo.catalog import ROOT_INO, Catalog

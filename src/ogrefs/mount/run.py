@@ -28,10 +28,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from ogrefs.mount import mountsys
+from ogrefs.box import mountsys
 from ogrefs.mount.client import mount, unmount
-from ogrefs.mount.mountsys import mounted_fstype
-from ogrefs.mount.overlay import mounts_below, outermost
+from ogrefs.box.mountsys import mounted_fstype
+from ogrefs.box.overlay import mounts_below, outermost
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.store.base import StoreError
 

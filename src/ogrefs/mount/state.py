@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ogrefs.boxmounts import load_overlays, pid_alive, registered_mounts, state_base, unescape_mountinfo
+from ogrefs.box.records import load_overlays, pid_alive, registered_mounts, state_base, unescape_mountinfo
 from ogrefs.errors import UsageError
 
 

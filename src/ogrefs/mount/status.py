@@ -1,6 +1,6 @@
 """A live mount's status, as ``ogrefs status`` (and ``finalize``) read it: the file the daemon rewrites.
 
-The daemon rewrites ``mounts/<key>.status.json`` (boxmounts.Registration)
+The daemon rewrites ``mounts/<key>.status.json`` (box.records.Registration)
 atomically every :data:`STATUS_INTERVAL` seconds; :func:`read_status` joins
 it with the registration (what the keeper did, the daemon's pid) and its
 age, and :func:`wait_background` polls it until the background copy is
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ogrefs.boxmounts import MountError, Registration, pid_alive
+from ogrefs.box.records import MountError, Registration, pid_alive
 from ogrefs.errors import UsageError
 
 #: How often the daemon rewrites its status file.

@@ -10,16 +10,16 @@ own, so a new snapshot can take its catalog entry and chunk list as they are
 This module is the one place that depends on the mount's state; what it reads:
 
 * the mount registry, through its documented accessor
-  (:func:`ogrefs.boxmounts.writable_state` of each :func:`~ogrefs.boxmounts.registered_mounts`):
+  (:func:`ogrefs.box.records.writable_state` of each :func:`~ogrefs.box.records.registered_mounts`):
   ``snapshot``, ``repo``, ``state_dir``, ``finalized``, ``host_owned`` (paths
   where this box's own file shows: never the snapshot's entry) and each
   overlay's ``target``, ``lower``, ``upper`` and ``merged`` (host files shown
   above the snapshot: never the snapshot's);
   the lower is ``<state>/lower<catalog path>`` (``<state>/tree<catalog path>``
   after finalize), so the catalog path shown at the target is the lower's tail;
-* ``<state>/tree<catalog path>``: the local copy, and
-  ``<state>/materialize.sqlite`` table ``files(path, complete)``: which files
-  of the local copy hold all their data (finalized: all of them).
+* ``<state>/tree<catalog path>``: the local copy, and which of its files
+  hold all their data, under every name of a hard link (the plan's owner,
+  :func:`ogrefs.box.copyplan.complete_paths_at`, reads that; finalized: all of them).
 
 Overlay semantics come from the kernel: the snapshot walks the merged view, so
 whiteouts (a 0/0 character device or the xattr form) are simply absent and an
@@ -34,14 +34,12 @@ No threads, no locks: owned by the snapshotting thread.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import sqlite3
 import stat
-import urllib.parse
 from dataclasses import dataclass, field
 
+from ogrefs.box.copyplan import complete_paths_at
 from ogrefs.snapshot.walk import mount_table
 
 XATTR_METACOPY = "trusted.overlay.metacopy"
@@ -83,15 +81,7 @@ class OwnMount:
         return self.finalized or cat_path in self._complete
 
     def _load_complete(self) -> set[bytes]:
-        db_path = os.fsdecode(self.state_dir + b"/materialize.sqlite")
-        if not os.path.exists(db_path):
-            return set()
-        uri = f"file:{urllib.parse.quote(db_path)}?mode=ro"
-        try:
-            with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=5)) as db:
-                return {bytes(r[0]) for r in db.execute("SELECT path FROM files WHERE complete=1")}
-        except sqlite3.Error:
-            return set()  # unreadable: nothing counts as local, data is read through the mount
+        return complete_paths_at(os.fsdecode(self.state_dir + b"/materialize.sqlite"))
 
 
 @dataclass(frozen=True)
@@ -181,7 +171,7 @@ def _xattr_names(path: bytes) -> set[str]:
 
 def own_mounts() -> list[OwnMount]:
     """The writable ogrefs mounts of this box whose overlays are mounted now (in this mount namespace)."""
-    from ogrefs.boxmounts import registered_mounts, writable_state
+    from ogrefs.box.records import registered_mounts, writable_state
 
     table = mount_table()
     out = []
@@ -237,7 +227,7 @@ def own_layer_root(ws: dict, o: dict, mount_id: int | None) -> bytes | None:
     at the target now is the one it mounted (``mount_id``); and the descriptor is still that directory
     (``own_dev``/``own_ino``). Anything missing, different or unreadable: None, never a guess.
     """
-    from ogrefs.boxmounts import process_start
+    from ogrefs.box.records import process_start
 
     pid, start, fd = ws.get("keeper_pid"), ws.get("keeper_start"), o.get("own_fd")
     if ws.get("finalized") or not all(isinstance(v, int) for v in (pid, start, fd, mount_id)):

@@ -670,14 +670,14 @@ def take_snapshot(repo: Repository, opts: SnapshotOptions,
                           "nothing was saved as a snapshot") from None
     finally:
         if snap._running_mark is not None:  # the mount the box runs from takes up its background work again
-            from ogrefs.boxmounts import clear_snapshot_running
+            from ogrefs.box.records import clear_snapshot_running
 
             clear_snapshot_running(snap._running_mark)
 
 
 def _mark_snapshot_started(state_dir: bytes) -> None:
     """Tell the mount this box runs from that a snapshot starts: its access trace ends here (lazy/trace/recorder.py)."""
-    from ogrefs.boxmounts import mark_snapshot_started
+    from ogrefs.box.records import mark_snapshot_started
 
     try:
         mark_snapshot_started(Path(os.fsdecode(state_dir)))
@@ -688,7 +688,7 @@ def _mark_snapshot_started(state_dir: bytes) -> None:
 def _mark_snapshot_running(state_dir: bytes) -> Path | None:
     """Tell the mount this box runs from that a snapshot runs: its prefetch and materialization wait
     (lazy/background/snapshotgate.py) and leave the CPU, the disk and the store to it; the mark, or None."""
-    from ogrefs.boxmounts import mark_snapshot_running
+    from ogrefs.box.records import mark_snapshot_running
 
     try:
         return mark_snapshot_running(Path(os.fsdecode(state_dir)))

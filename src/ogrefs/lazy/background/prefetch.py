@@ -41,7 +41,7 @@ from ogrefs.lazy.background.boxcpu import SpareCpu
 from ogrefs.lazy.fetch.fetcher import Fetcher, Keep, Priority
 from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.background.materialize.materializer import Materializer
-from ogrefs.lazy.background.materialize.plan import CLASSES
+from ogrefs.box.copyplan import CLASSES
 from ogrefs.units import GiB, MiB, human_bytes
 from ogrefs.lazy.trace.replay import Replayer
 from ogrefs.lazy.fetch.threadnice import to_background_thread

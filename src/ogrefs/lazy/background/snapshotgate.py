@@ -12,7 +12,7 @@ its hints, used 2.1 s of CPU during B's first snapshot and none during the
 next, and that first snapshot took 4.7-5.0 s against 3.1-3.5 s.
 
 So a snapshot of the box leaves ``<state>/snapshot-running.<pid>``
-(:func:`ogrefs.boxmounts.mark_snapshot_running`) for as long as it runs, and
+(:func:`ogrefs.box.records.mark_snapshot_running`) for as long as it runs, and
 :class:`SnapshotGate` looks for a live one every ``poll`` seconds.  While it
 finds one:
 

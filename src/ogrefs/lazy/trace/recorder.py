@@ -29,7 +29,7 @@ Recording ends at the first of:
   less is recorded for the window, as before;
 * **a snapshot of the box** (``ogrefs snapshot`` or the agent, of a box that
   runs from this writable mount: it leaves ``<state>/snapshot-started``,
-  :func:`ogrefs.boxmounts.mark_snapshot_started`), once 64 MiB are recorded
+  :func:`ogrefs.box.records.mark_snapshot_started`), once 64 MiB are recorded
   and the box had read nothing new for ``SNAPSHOT_PAUSE_S`` (1 s) when it
   started: the job checkpointed, its resume is over.  What was first touched
   after the snapshot started is dropped: the snapshot's own environment

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.lazy.background.materialize import space
 from ogrefs.lazy.background.materialize.buildproc import COMMAND, Gate, build_in_child
-from ogrefs.lazy.background.materialize.plan import BACKGROUND, HINT, Plan
+from ogrefs.box.copyplan import Plan
 from ogrefs.lazy.background.materialize.writer import TreeWriter, WriterFactory, syncfs
 from ogrefs.lazy.trace.resolve import EntryResolver
 from ogrefs.repo.traces import Entry
@@ -127,32 +127,27 @@ def build(writer: TreeWriter, tree_root: bytes) -> None:
     """Create the tree and the plan (from scratch: an interrupted build is redone); the build's child runs it."""
     t0 = time.monotonic()
     plan, catalog = writer.plan, writer.catalog
-    db = plan.db()
-    db.execute("BEGIN")
-    for table in ("files", "others", "chunks", "targets"):
-        db.execute(f"DELETE FROM {table}")
-    db.execute("DELETE FROM meta WHERE key IN ('built', 'finished')")
+    plan.begin_build()
     if catalog.get(ROOT_INO) is None:
         raise CorruptObject("catalog has no root directory")
-    _build_entries(writer.tree, catalog, db)
-    _plan_chunks(catalog, db)
+    _build_entries(writer.tree, catalog, plan)
+    _plan_chunks(catalog, plan)
     # special files are complete now; regular files without data too (later, via pending = 0)
     for ino, path in plan.specials():
         node = catalog.get(ino)
         if node is not None:
             writer.apply_metadata(path, node)
     syncfs(tree_root)
-    plan.set_meta("built", "1")
-    db.execute("COMMIT")
-    n = db.execute("SELECT count(*), coalesce(sum(rlen), 0) FROM chunks").fetchone()
+    chunks, size = plan.commit_build()
     log.info("materialization: local tree built in %.1f s (%d files, %d chunks, %s to fetch)",
-             time.monotonic() - t0, plan.count_files(), n[0], human(n[1]))
+             time.monotonic() - t0, plan.count_files(), chunks, human(size))
 
 
-def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) -> None:
-    """Every entry of the snapshot in the tree, and its row in ``files`` or ``others``."""
+def _build_entries(tree: LocalTree, catalog: Catalog, plan: Plan) -> None:
+    """Every entry of the snapshot in the tree, and its row in the plan's files, others or links."""
     others: list[tuple[int, bytes, int]] = [(ROOT_INO, b"", 1)]
     files: list[tuple[int, bytes]] = []
+    links: list[tuple[bytes, int]] = []
     first: dict[int, bytes] = {}  # hardlinked inode -> its first path
     for path, node in catalog.walk():
         if node.is_dir:
@@ -165,6 +160,8 @@ def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) ->
             except PermissionError as exc:  # device nodes need root; the mount still serves them
                 log.info("materialization: cannot create %s (%s)", os.fsdecode(path), exc.strerror)
                 continue
+            if made and link_to is not None and node.is_reg:
+                links.append((path, node.ino))  # complete when its first name is
             if not made or link_to is not None:
                 continue
             if node.nlink > 1:
@@ -173,17 +170,13 @@ def _build_entries(tree: LocalTree, catalog: Catalog, db: sqlite3.Connection) ->
                 files.append((node.ino, path))
             else:
                 others.append((node.ino, path, 0))
-        if len(files) >= _ROWS:
-            db.executemany("INSERT INTO files (ino, path) VALUES (?,?)", files)
-            files.clear()
-        if len(others) >= _ROWS:
-            db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
-            others.clear()
-    db.executemany("INSERT INTO files (ino, path) VALUES (?,?)", files)
-    db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
+        if len(files) + len(others) + len(links) >= _ROWS:
+            plan.add_entries(files, others, links)
+            files, others, links = [], [], []
+    plan.add_entries(files, others, links)
 
 
-def _plan_chunks(catalog: Catalog, db: sqlite3.Connection) -> None:
+def _plan_chunks(catalog: Catalog, plan: Plan) -> None:
     """The plan: every extent of every file in the tree, each distinct chunk once; the hints' classes."""
     rows: list[tuple] = []
     bad: set[int] = set()  # files whose data the catalog locates wrongly: never local, read lazily (EIO)
@@ -193,29 +186,17 @@ def _plan_chunks(catalog: Catalog, db: sqlite3.Connection) -> None:
             continue
         rows.append((ino, off, length, chunk, pack, poff, slen))
         if len(rows) >= 2 * _ROWS:
-            _add_extents(db, rows)
+            plan.add_extents(rows)
             rows.clear()
-    _add_extents(db, rows)
+    plan.add_extents(rows)
     if bad:
         log.error("materialization: %d file(s) have malformed data locations in the catalog; they are "
                   "not materialized (reading them fails)", len(bad))
-        db.executemany("DELETE FROM files WHERE ino=?", [(ino,) for ino in bad])
-    db.execute("DELETE FROM targets WHERE ino NOT IN (SELECT ino FROM files)")
-    db.execute("DELETE FROM chunks WHERE chunk NOT IN (SELECT chunk FROM targets)")
-    db.execute("UPDATE files SET pending = (SELECT count(*) FROM targets t WHERE t.ino = files.ino)")
+    plan.settle_files(bad)
     # hints, in rank order: their files' chunks come before everything else but the trace
     for seq, (_klass, ino, _rank) in enumerate(catalog.hints()):
         for fino in _hint_files(catalog, ino):
-            db.execute("UPDATE chunks SET base_cls=?, base_seq=? WHERE base_cls=? AND chunk IN "
-                       "(SELECT chunk FROM targets WHERE ino=?)", (HINT, seq, BACKGROUND, fino))
-    db.execute("UPDATE chunks SET cls=base_cls, seq=base_seq")
-
-
-def _add_extents(db: sqlite3.Connection, rows: list[tuple]) -> None:
-    db.executemany("INSERT OR IGNORE INTO chunks (chunk, pack, poff, slen, rlen) VALUES (?,?,?,?,?)",
-                   [(chunk, pack, poff, slen, length) for _i, _o, length, chunk, pack, poff, slen in rows])
-    db.executemany("INSERT OR IGNORE INTO targets VALUES (?,?,?)",
-                   [(chunk, ino, off) for ino, off, _l, chunk, _p, _po, _s in rows])
+            plan.hint_file(seq, fino)
 
 
 def _hint_files(catalog: Catalog, ino: int) -> Iterable[int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from ogrefs.errors import CorruptObject, OgrefsError
 from ogrefs.lazy.background.materialize.build import build
 from ogrefs.lazy.background.materialize.buildproc import set_policy
-from ogrefs.lazy.background.materialize.plan import Plan
+from ogrefs.box.copyplan import Plan
 from ogrefs.lazy.background.materialize.writer import TreeWriter
 from ogrefs.localtree import LocalTree
 from ogrefs.repo.catalog import Catalog

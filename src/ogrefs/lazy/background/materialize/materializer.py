@@ -45,7 +45,7 @@ from ogrefs.lazy.background.materialize import buildproc, space
 from ogrefs.lazy.background.materialize.build import Prepared, Preparer, prepare
 from ogrefs.lazy.background.materialize.pacing import BuildGate, Pacer
 from ogrefs.lazy.background.materialize.pipeline import Batch, Pass, PassSettings
-from ogrefs.lazy.background.materialize.plan import CLASSES, Plan
+from ogrefs.box.copyplan import CLASSES, Plan
 from ogrefs.lazy.background.materialize.writer import TreeWriter, WriterFactory
 from ogrefs.lazy.fetch.residency import Residency
 from ogrefs.lazy.fetch.threadnice import to_background_thread

@@ -40,7 +40,7 @@ import trio
 from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetch.fetcher import ChunkMissing, FetchError, Fetcher, Priority, StoreUnavailable, Ticket
 from ogrefs.lazy.background.materialize.pacing import Pacer
-from ogrefs.lazy.background.materialize.plan import BACKGROUND, HINT, TRACE, Item, Plan
+from ogrefs.box.copyplan import BACKGROUND, HINT, TRACE, Item, Plan
 from ogrefs.lazy.fetch.residency import Residency
 from ogrefs.lazy.fetch.threadnice import to_background_thread
 from ogrefs.lazy.trace.window import RequestWindow, groups

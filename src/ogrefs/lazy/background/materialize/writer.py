@@ -28,7 +28,7 @@ import os
 
 from typing import Callable
 
-from ogrefs.lazy.background.materialize.plan import TRACE, Item, Plan
+from ogrefs.box.copyplan import TRACE, Item, Plan
 from ogrefs.localtree import LocalTree, pwrite_all
 from ogrefs.repo.catalog import Catalog
 

@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from ogrefs.boxmounts import unescape_mountinfo
+from ogrefs.box.records import unescape_mountinfo
 
 log = logging.getLogger(__name__)
 

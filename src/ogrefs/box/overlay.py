@@ -37,9 +37,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from ogrefs.boxmounts import Overlay, save_overlays, unescape_mountinfo  # overlays.json's format lives there
-from ogrefs.mount import mountsys
-from ogrefs.mount.mountsys import mounted_fstype
+from ogrefs.box.records import Overlay, save_overlays, unescape_mountinfo  # overlays.json's format lives there
+from ogrefs.box import mountsys
+from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.errors import OgrefsError, UsageError
 
 PROTECTED = ("/proc", "/sys", "/dev", "/run", "/boot")
@@ -474,7 +474,7 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
     registration does not call finalized. So the caller records the
     finalize there, never after this returns.
     """
-    from ogrefs.boxmounts import MountError
+    from ogrefs.box.records import MountError
 
     lower_root, tree_root = str(state / "lower"), str(state / "tree")
     news = [replace(o, lower=tree_root + o.lower[len(lower_root):], binds=()) for o in old]

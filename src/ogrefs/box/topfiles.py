@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ogrefs.mount import mountsys
+from ogrefs.box import mountsys
 from ogrefs.repo.catalog import ROOT_INO
 
 

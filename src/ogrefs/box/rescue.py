@@ -34,7 +34,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ogrefs.mount import mountsys
+from ogrefs.box import mountsys
 
 log = logging.getLogger(__name__)
 

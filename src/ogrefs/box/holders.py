@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ogrefs.boxmounts import unescape_mountinfo as _unescape_mountinfo
+from ogrefs.box.records import unescape_mountinfo as _unescape_mountinfo
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def callers_or_refuse(what: str, targets: list[str], info: dict) -> list[Holder]
 
     ``info``: the mount's registration (its daemon and keeper do not count).
     """
-    from ogrefs.boxmounts import MountError
+    from ogrefs.box.records import MountError
 
     ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
     found = in_use(targets, exclude=ours)

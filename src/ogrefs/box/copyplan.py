@@ -7,11 +7,16 @@ Tables:
 * ``files``   one row per regular-file inode: its path in the tree, how many
   targets are still missing, ``complete``;
 * ``others``  directories and special files (their metadata is applied at the end);
+* ``links``   the other names of a hard-linked regular file (``files`` holds its first);
 * ``meta``    snapshot id, ``built`` (the tree exists), ``finished``.
 
 A chunk recorded done is on disk at every one of its targets (the writer
 records it only after the data is durable); a file is recorded complete once
 its data is all done and its metadata applied.
+
+This module is the plan's one reader and writer: the build (its child
+process), the materializer and a snapshot of a box running from a mount
+(:func:`complete_paths_at`) call it; none of them writes SQL of its own.
 
 Who owns what: a :class:`Plan` is used from worker threads (and, for a few
 point queries, from the loop); each thread has its own SQLite connection
@@ -24,8 +29,10 @@ loop's.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +50,7 @@ CREATE TABLE IF NOT EXISTS files (ino INTEGER PRIMARY KEY, path BLOB NOT NULL, p
                                   complete INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS others (seq INTEGER PRIMARY KEY, ino INTEGER NOT NULL, path BLOB NOT NULL,
                                    dir INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS links (path BLOB PRIMARY KEY, ino INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, chunk BLOB NOT NULL UNIQUE, pack TEXT NOT NULL,
                                    poff INTEGER NOT NULL, slen INTEGER NOT NULL, rlen INTEGER NOT NULL,
                                    base_cls INTEGER NOT NULL DEFAULT 2, base_seq INTEGER NOT NULL DEFAULT 0,
@@ -109,6 +117,53 @@ class Plan:
         if db.in_transaction:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
+
+    # -- building (the build's child): one transaction, so nothing looks built until it commits ---------
+    def begin_build(self) -> None:
+        """Start a build from scratch (an interrupted one is redone): every row of a former build goes."""
+        db = self.db()
+        db.execute("BEGIN")
+        for table in ("files", "others", "links", "chunks", "targets"):
+            db.execute(f"DELETE FROM {table}")
+        db.execute("DELETE FROM meta WHERE key IN ('built', 'finished')")
+
+    def add_entries(self, files: list[tuple[int, bytes]], others: list[tuple[int, bytes, int]],
+                    links: list[tuple[bytes, int]]) -> None:
+        """Regular files (ino, path), directories and specials (ino, path, is_dir), more names (path, ino)."""
+        db = self.db()
+        db.executemany("INSERT INTO files (ino, path) VALUES (?,?)", files)
+        db.executemany("INSERT INTO others (ino, path, dir) VALUES (?,?,?)", others)
+        db.executemany("INSERT OR REPLACE INTO links (path, ino) VALUES (?,?)", links)
+
+    def add_extents(self, rows: list[tuple]) -> None:
+        """(ino, file offset, length, chunk, pack, pack offset, stored length): each distinct chunk once."""
+        db = self.db()
+        db.executemany("INSERT OR IGNORE INTO chunks (chunk, pack, poff, slen, rlen) VALUES (?,?,?,?,?)",
+                       [(chunk, pack, poff, slen, length) for _i, _o, length, chunk, pack, poff, slen in rows])
+        db.executemany("INSERT OR IGNORE INTO targets VALUES (?,?,?)",
+                       [(chunk, ino, off) for ino, off, _l, chunk, _p, _po, _s in rows])
+
+    def settle_files(self, unplanned: set[int]) -> None:
+        """Files in ``unplanned`` are not materialized; every other file learns how many targets it waits for."""
+        db = self.db()
+        db.executemany("DELETE FROM files WHERE ino=?", [(ino,) for ino in unplanned])
+        db.execute("DELETE FROM links WHERE ino NOT IN (SELECT ino FROM files)")
+        db.execute("DELETE FROM targets WHERE ino NOT IN (SELECT ino FROM files)")
+        db.execute("DELETE FROM chunks WHERE chunk NOT IN (SELECT chunk FROM targets)")
+        db.execute("UPDATE files SET pending = (SELECT count(*) FROM targets t WHERE t.ino = files.ino)")
+
+    def hint_file(self, seq: int, ino: int) -> None:
+        """File ``ino``'s chunks are hinted (rank ``seq``): before everything else but the trace."""
+        self.db().execute("UPDATE chunks SET base_cls=?, base_seq=? WHERE base_cls=? AND chunk IN "
+                          "(SELECT chunk FROM targets WHERE ino=?)", (HINT, seq, BACKGROUND, ino))
+
+    def commit_build(self) -> tuple[int, int]:
+        """The build is whole: classes settled, ``built`` recorded, committed; (chunks, bytes) to fetch."""
+        db = self.db()
+        db.execute("UPDATE chunks SET cls=base_cls, seq=base_seq")
+        self.set_meta("built", "1")
+        db.execute("COMMIT")
+        return tuple(db.execute("SELECT count(*), coalesce(sum(rlen), 0) FROM chunks").fetchone())
 
     # -- what is recorded -----------------------------------------------------------------------------
     def complete_inos(self) -> frozenset[int]:
@@ -245,3 +300,24 @@ class Plan:
         db.executemany("UPDATE chunks SET cls=?, seq=? WHERE chunk=? AND done=0",
                        [(TRACE, seq, chunk) for chunk, seq in order.items()])
         db.execute("COMMIT")
+
+
+def complete_paths_at(path: str) -> set[bytes]:
+    """Read only, from any process: the tree paths whose file holds all its data, every name of a hard link.
+
+    A plan that cannot be read (absent, damaged, locked past the timeout) answers with nothing: no file
+    counts as local, so a reader goes through the mount instead.  A plan written before ``links`` existed
+    names the first path of a hard link only.
+    """
+    if not os.path.exists(path):
+        return set()
+    uri = f"file:{urllib.parse.quote(path)}?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=5)) as db:
+            found = {bytes(r[0]) for r in db.execute("SELECT path FROM files WHERE complete=1")}
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='links'").fetchone():
+                found.update(bytes(r[0]) for r in db.execute(
+                    "SELECT l.path FROM links l JOIN files f ON f.ino = l.ino WHERE f.complete=1"))
+            return found
+    except sqlite3.Error:
+        return set()

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ogrefs.errors import UsageError
-from ogrefs.mount import mountsys
+from ogrefs.box import mountsys
 from ogrefs.repo.catalog import ROOT_INO
 
 log = logging.getLogger(__name__)
