@@ -68,7 +68,7 @@ def test_missing_repo_is_one_line(env, args, needle):
 
 def test_user_errors_are_one_line(tmp_path, env):
     run(["init"], env)
-    assert_one_line_error(run(["init"], env, check=False), "already exists")
+    assert_one_line_error(run(["init"], env, check=False), "already a repository")
     assert_one_line_error(run(["show", "deadbeef"], env, check=False), "no snapshot matches")
     assert_one_line_error(run(["show", "latest"], env, check=False), "no snapshots yet")
     assert_one_line_error(run(["snapshot", str(tmp_path / "nope")], env, check=False), "no such file")

@@ -28,7 +28,7 @@ def test_mounts_lists_state_with_sizes_and_removes_only_what_no_mount_uses(box):
     in_namespace(box, f"""
         mount -t tmpfs fresh-box {proj.parent}
         {OGREFS} mount {snap} / --json > {tmp}/mount.json
-        {OGREFS} mount --read-only {snap} {ro} --json > {tmp}/mount-ro.json
+        {OGREFS} mount --read-only {snap[:10].upper()} {ro} --json > {tmp}/mount-ro.json
         {OGREFS} status / --wait > /dev/null
         {OGREFS} mounts --json > {tmp}/live.json
         {OGREFS} mounts > {tmp}/live.txt
@@ -44,7 +44,9 @@ def test_mounts_lists_state_with_sizes_and_removes_only_what_no_mount_uses(box):
     """)
     mounted = json.loads((tmp / "mount.json").read_text())
     assert mounted["read_only"] is False and mounted["state_dir"]
-    assert json.loads((tmp / "mount-ro.json").read_text())["read_only"] is True
+    mounted_ro = json.loads((tmp / "mount-ro.json").read_text())  # a prefix in capitals: named by its full id
+    assert mounted_ro["read_only"] is True and mounted_ro["snapshot"] == snap == mounted["snapshot"]
+    assert mounted_ro["selector"] == snap[:10].upper()
     live = {m["target"]: m for m in json.loads((tmp / "live.json").read_text())}
     assert live["/"]["state"] == "mounted" and live["/"]["writable"] and live["/"]["snapshot"] == snap
     assert live["/"]["state_dir"] == mounted["state_dir"]

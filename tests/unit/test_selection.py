@@ -57,3 +57,19 @@ def test_latest_checkpoint_is_progress_not_the_newest_copy(monkeypatch):
     assert resolve_snapshot(repo, "latest")["id"].startswith("05")
     with pytest.raises(SnapshotNotFound, match="coherent"):
         resolve_snapshot(_Repo([_m(1, "a")]), "latest-checkpoint")
+
+
+def test_bare_latest_is_the_newest_whole_box_snapshot_never_a_later_partial_one(monkeypatch):
+    from ogrefs.snapshot.selection import Filters, select_snapshot
+
+    monkeypatch.setenv("OGREFS_BOX", "a")
+    ms = [_m(1, "a"), _m(2, "a"), _m(3, "a"), _m(4, "a"), _m(5, "a")]
+    ms[2]["paths"], ms[3]["paths"], ms[4]["paths"] = ["/srv/proj"], ["/data", "/srv"], ["/other"]
+    repo = _Repo(ms[:4])
+    m, passed = select_snapshot(repo, "a:latest")
+    assert m["id"].startswith("02") and [p["id"][:2] for p in passed] == ["03", "04"]
+    assert resolve_snapshot(repo, "latest", filters=Filters.of(["/srv/proj"]))["id"].startswith("03")
+    # without a whole-box snapshot, unrelated path sets compete as restic's latest does
+    repo = _Repo(ms[2:])
+    assert resolve_snapshot(repo, "latest")["id"].startswith("05")
+    assert select_snapshot(_Repo(ms[2:4]), "latest")[0]["id"].startswith("04")  # /srv covers /srv/proj

@@ -26,6 +26,7 @@ from ogrefs.cli.base import (
 )
 from ogrefs.errors import EXIT_PARTIAL, UsageError
 from ogrefs.cli.progress import ProgressLine
+from ogrefs.cli.select import filter_options, pick, pick_all
 from ogrefs.units import human_bytes
 
 
@@ -76,12 +77,12 @@ def init(obj: Context, pack_size: int, compression_level: int, encrypt: bool, as
         click.echo(f"created ogrefs repository {repo.config.id[:8]} at {repo.store.url}{enc}")
 
 
-def _prompt_new_passphrase():
+def _prompt_new_passphrase(sources: str = "OGREFS_PASSWORD, --password-file, --password-command, --key-file",
+                           what: str = "--encrypt"):
     from ogrefs.repo.keys import Secret
 
     if not os.isatty(0):
-        raise UsageError("--encrypt needs OGREFS_PASSWORD, --password-file, --password-command, --key-file "
-                         "or a terminal to ask on")
+        raise UsageError(f"{what} needs {sources} or a terminal to ask on")
     value = click.prompt("new repository passphrase", hide_input=True, confirmation_prompt=True)
     if not value:
         raise UsageError("an empty passphrase protects nothing")
@@ -101,6 +102,9 @@ def key_list(obj: Context, as_json: bool) -> None:
     from ogrefs.repo.keys import list_keys
 
     repo = obj.open()
+    if not repo.config.encryption:
+        emit_json([]) if as_json else click.echo(f"{repo.store.url} is not encrypted: it has no keys")
+        return
     keys = list_keys(repo.store)
     if as_json:
         emit_json([{k: p.get(k) for k in ("id", "kdf", "label", "host", "created")} | {"current": p["id"] == repo.key_id}
@@ -119,8 +123,7 @@ def key_list(obj: Context, as_json: bool) -> None:
 @click.pass_obj
 def key_add(obj: Context, new_password_file, new_key_file, label, as_json: bool) -> None:
     """Add a passphrase or key file that also opens the repository."""
-
-    repo = obj.open()
+    repo = _encrypted(obj)
     params = repo.add_key(_new_secret(new_password_file, new_key_file), label)
     if as_json:
         emit_json({"added": params["id"], "kdf": params.get("kdf"), "label": params.get("label", label)})
@@ -136,7 +139,16 @@ def _new_secret(new_password_file: str | None, new_key_file: str | None):
         return Secret.from_sources(new_password_file, new_key_file)
     if os.environ.get("OGREFS_NEW_PASSWORD"):
         return Secret(os.environ["OGREFS_NEW_PASSWORD"].encode(), "scrypt")
-    return _prompt_new_passphrase()
+    return _prompt_new_passphrase("OGREFS_NEW_PASSWORD, --new-password-file, --new-key-file", "a new key")
+
+
+def _encrypted(obj: Context):
+    """The repository, opened; a usage error naming the way to encryption when it is not encrypted."""
+    repo = obj.open()
+    if not repo.config.encryption:
+        raise UsageError(f"{repo.store.url} is not encrypted, so it has no keys; to encrypt, init a new "
+                         "repository with --encrypt and copy the snapshots into it (ogrefs copy --from-repo)")
+    return repo
 
 
 @key.command(name="passwd")
@@ -148,7 +160,7 @@ def key_passwd(obj: Context, new_password_file, new_key_file, as_json: bool) -> 
     """Change the passphrase that opened the repository (as restic: a new key replaces the one in use)."""
     from ogrefs.repo.keys import list_keys, remove_key
 
-    repo = obj.open()
+    repo = _encrypted(obj)
     old = next((k for k in list_keys(repo.store) if k["id"] == repo.key_id), {})
     params = repo.add_key(_new_secret(new_password_file, new_key_file), old.get("label", ""))
     remove_key(repo.store, repo.key_id or "", params["id"])
@@ -163,10 +175,11 @@ def key_passwd(obj: Context, new_password_file, new_key_file, as_json: bool) -> 
 @json_option
 @click.pass_obj
 def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
-    """Remove key KEY_ID (never the last one, nor the one in use)."""
-    from ogrefs.repo.keys import remove_key
+    """Remove key KEY_ID, or the one key whose id starts with it (never the last one, nor the one in use)."""
+    from ogrefs.repo.keys import key_by_prefix, list_keys, remove_key
 
-    repo = obj.open()
+    repo = _encrypted(obj)
+    key_id = key_by_prefix([k["id"] for k in list_keys(repo.store)], key_id)
     remove_key(repo.store, key_id, repo.key_id or "")
     emit_json({"removed": key_id}) if as_json else click.echo(f"removed key {key_id}")
 
@@ -300,12 +313,11 @@ def _snapshot_precheck(opts, rules, dry_run: bool, allow_empty: bool, as_json: b
 
 
 @cli.command()
-@click.option("--tag", "tags", multiple=True, help="Only snapshots with this tag.")
-@click.option("--host", default=None, help="Only snapshots of this host.")
 @click.option("--box", default=None, help="Only snapshots of this box.")
 @json_option
 @click.pass_obj
-def snapshots(obj: Context, tags, host, box, as_json) -> None:
+@filter_options
+def snapshots(obj: Context, box, as_json, filters) -> None:
     """List snapshots, oldest first."""
     repo = obj.open()
     unreadable: list[str] = []
@@ -316,19 +328,15 @@ def snapshots(obj: Context, tags, host, box, as_json) -> None:
 
     items = repo.list_snapshots(on_error=skip)
     try:
-        _print_snapshots(items, tags, host, box, as_json)
+        _print_snapshots([m for m in items if filters.matches(m)], box, as_json)
     finally:
         if unreadable:
             sys.exit(1)  # the listing above is complete but for these; scripts must notice
 
 
-def _print_snapshots(items: list, tags, host, box, as_json: bool) -> None:
+def _print_snapshots(items: list, box, as_json: bool) -> None:
     from ogrefs.snapshot.selection import box_of, checkpoint_of
 
-    if tags:
-        items = [m for m in items if set(tags) <= set(m.get("tags", []))]
-    if host:
-        items = [m for m in items if m.get("host") == host]
     if box:
         items = [m for m in items if box_of(m) == box]
     if as_json:
@@ -359,12 +367,13 @@ def _checkpoint_label(ck: dict | None) -> str:
 @click.argument("snap")
 @json_option
 @click.pass_obj
-def show(obj: Context, snap: str, as_json: bool) -> None:
+@filter_options
+def show(obj: Context, snap: str, as_json: bool, filters) -> None:
     """Show what snapshot SNAP holds."""
-    from ogrefs.snapshot.selection import box_of, checkpoint_of, resolve_snapshot
+    from ogrefs.snapshot.selection import box_of, checkpoint_of
 
     repo = obj.open()
-    m = resolve_snapshot(repo, snap)
+    m = pick(repo, snap, filters, as_json or obj.quiet)
     if as_json:
         emit_json(m)
         return
@@ -412,17 +421,18 @@ def show(obj: Context, snap: str, as_json: bool) -> None:
 @retry_for_option
 @json_option
 @click.pass_obj
-def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, force, retry_for, as_json) -> None:
+@filter_options
+def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, force, retry_for, as_json,
+            filters) -> None:
     """Restore snapshot SNAP below TARGET (paths keep their absolute layout)."""
     from ogrefs.repo.catalog import Catalog
     from ogrefs.inspect.compat import environment_warning
     from ogrefs.restore import Restorer, interruptible_sleep, stop_on_signals
-    from ogrefs.snapshot.selection import resolve_snapshot
 
     stop = threading.Event()  # set by SIGINT/SIGTERM: no range is fetched after it, retry waits end
     repo = obj.open(retry_for=retry_for, sleep=interruptible_sleep(stop))
     lock = click.get_current_context().with_resource(repo.lock("shared", "restore"))  # prune keeps what we read
-    m = resolve_snapshot(repo, snap)
+    m = pick(repo, snap, filters, as_json or obj.quiet)
     lock.set_snapshot(m["id"])
     warning = environment_warning(m, strict)
     if warning:
@@ -473,15 +483,14 @@ def _restore_report(r, stats, snap_id: str, target: bytes, as_json: bool) -> Non
 @click.option("--limit", type=int, default=50, show_default=True, help="Paths listed per kind (0 = all).")
 @json_option
 @click.pass_obj
-def diff(obj: Context, snap_a: str, snap_b: str, limit: int, as_json: bool) -> None:
+@filter_options
+def diff(obj: Context, snap_a: str, snap_b: str, limit: int, as_json: bool, filters) -> None:
     """What changed from SNAP_A to SNAP_B: files, bytes, environment."""
     from ogrefs.repo.catalog import Catalog
     from ogrefs.maint.diff import diff_catalogs
 
     repo = obj.open()
-    from ogrefs.snapshot.selection import resolve_snapshot
-
-    ma, mb = resolve_snapshot(repo, snap_a), resolve_snapshot(repo, snap_b)
+    ma, mb = (pick(repo, s, filters, as_json or obj.quiet) for s in (snap_a, snap_b))
     files = diff_catalogs(Catalog(repo.catalog_path(ma["id"])), Catalog(repo.catalog_path(mb["id"])))
     env_changes: dict = {}
     if ma.get("environment") and mb.get("environment"):
@@ -513,17 +522,25 @@ def diff(obj: Context, snap_a: str, snap_b: str, limit: int, as_json: bool) -> N
 
 
 def _format_env_changes(changes: dict, prefix: str = "") -> list[str]:
+    """One line per change; a changed value (an [old, new] pair) as ``key: old X, new Y``."""
     lines = []
     for key, value in changes.items():
         if isinstance(value, dict) and value:
             lines.append(f"{prefix}{key}:")
             lines.extend(_format_env_changes(value, prefix + "  "))
+        elif isinstance(value, list) and key not in ("added", "removed") and len(value) == 2:
+            old, new = (_env_value(v) for v in value)
+            lines.append(f"{prefix}{key}: old {old}, new {new}")
         elif isinstance(value, list):
             for item in value:
-                lines.append(f"{prefix}{key}: {json.dumps(item, default=str) if not isinstance(item, str) else item}")
+                lines.append(f"{prefix}{key}: {_env_value(item)}")
         else:
             lines.append(f"{prefix}{key}: {value}")
     return lines
+
+
+def _env_value(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v, default=str)
 
 
 @cli.command()
@@ -585,6 +602,7 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
     Days, weeks, months and years are those of local time.
     """
     from ogrefs.maint.forget import Policy, apply_policy, parse_duration, parse_group_by
+    from ogrefs.snapshot.selection import Filters
 
     policy = Policy(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, list(keep_tags), keep_yearly,
                     keep_within)
@@ -596,32 +614,61 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
     if not snaps and policy.empty():
         raise UsageError("nothing to forget: name snapshots or give a --keep-* policy")
     repo = obj.open()
+    filters = Filters.of(paths, tags, hosts)
     if snaps:
-        from ogrefs.snapshot.selection import resolve_snapshot
-
-        picked = {m["id"]: m for m in (resolve_snapshot(repo, s) for s in snaps)}  # two names of one: once
-        removed = list(picked.values())
+        removed = pick_all(repo, snaps, filters, as_json or obj.quiet)  # two names of one: once
         kept: list = []
     else:
-        chosen = [m for m in repo.list_snapshots(strict=True) if (not hosts or m["host"] in hosts)
-                  and (not paths or sorted(m["paths"]) == sorted(os.path.abspath(p) for p in paths))
-                  and set(tags) <= set(m.get("tags", []))]
+        chosen = [m for m in repo.list_snapshots(strict=True) if filters.matches(m)]
         kept, removed = apply_policy(chosen, policy, grouping)
     if not dry_run:
         from ogrefs.maint.remove import remove_snapshot
 
         for m in removed:
             remove_snapshot(repo, m["id"])  # manifest, catalog and access traces; packs are prune's
+    groups = _forget_groups(kept, removed, grouping if not snaps else ())
     if as_json:
         emit_json({"dry_run": dry_run, "removed": [m["id"] for m in removed],
-                   "kept": [{"id": m["id"], "reasons": r} for m, r in kept]})
+                   "kept": [{"id": m["id"], "reasons": r} for m, r in kept],
+                   "groups": [{"group": g, "kept": [{"id": m["id"], "reasons": r} for m, r in k],
+                               "removed": [m["id"] for m in r]} for g, k, r in groups]})
     else:
-        for m, reasons in kept:
-            click.echo(f"keep   {m['id'][:12]}  {local_time(m['time'])}  {', '.join(reasons)}")
-        for m in removed:
-            click.echo(f"{'would forget' if dry_run else 'forget'} {m['id'][:12]}  {local_time(m['time'])}")
+        _print_forget_groups(groups, dry_run)
     if and_prune and not dry_run:
         _run_prune(obj, repo, False, as_json)
+
+
+def _forget_groups(kept: list, removed: list, grouping: tuple[str, ...]) -> list[tuple[dict, list, list]]:
+    """(the group's fields, kept with reasons, removed) per --group-by group, in the order first met."""
+    from ogrefs.maint.forget import group_key
+
+    out: dict[tuple, tuple[dict, list, list]] = {}
+
+    def slot(m) -> tuple[dict, list, list]:
+        key = group_key(m, grouping)
+        return out.setdefault(key, (dict(zip(grouping, key)), [], []))
+
+    for m, reasons in kept:
+        slot(m)[1].append((m, reasons))
+    for m in removed:
+        slot(m)[2].append(m)
+    return list(out.values())
+
+
+def _print_forget_groups(groups: list[tuple[dict, list, list]], dry_run: bool) -> None:
+    """As restic: per group, its fields, then which snapshots are kept (and why) and which go."""
+    for i, (fields, kept, removed) in enumerate(groups):
+        if fields:
+            click.echo(("\n" if i else "") + "snapshots of " + ", ".join(
+                f"{k} [{' '.join(v) if isinstance(v, tuple) else v}]" for k, v in fields.items()) + ":")
+        if kept:
+            click.echo(f"keep {len(kept)} snapshots:")
+        for m, reasons in kept:
+            click.echo(f"  {m['id'][:12]}  {local_time(m['time'])}  {', '.join(reasons)}")
+        if removed:
+            click.echo(f"{'would forget' if dry_run else 'forget'} {len(removed)} snapshots:")
+        for m in removed:
+            click.echo(f"  {m['id'][:12]}  {local_time(m['time'])}")
 
 
 @cli.command(name="prune")

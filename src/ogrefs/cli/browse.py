@@ -18,7 +18,7 @@ import click
 from ogrefs.cli.base import Context, emit_json, json_option, json_refused_option, local_time, refuse_json
 from ogrefs.errors import UsageError
 from ogrefs.units import human_bytes
-from ogrefs.snapshot.selection import resolve_snapshot
+from ogrefs.cli.select import filter_options, pick, pick_all
 
 
 def _catalog(repo, manifest):
@@ -56,7 +56,9 @@ def _node_line(path: bytes, n, long: bool) -> str:
 @click.option("--recursive", is_flag=True, help="With PATHS: list the directories below them too.")
 @json_option
 @click.pass_obj
-def ls_cmd(obj: Context, snap: str, paths: tuple[bytes, ...], long: bool, recursive: bool, as_json: bool) -> None:
+@filter_options
+def ls_cmd(obj: Context, snap: str, paths: tuple[bytes, ...], long: bool, recursive: bool, as_json: bool,
+           filters) -> None:
     """List the files of snapshot SNAP: all of them, or PATHS and what they directly hold.
 
     As restic's ls. With --json, one JSON object per line (the snapshot first).
@@ -64,7 +66,7 @@ def ls_cmd(obj: Context, snap: str, paths: tuple[bytes, ...], long: bool, recurs
     from ogrefs.maint.browse import lookup
 
     repo = obj.open()
-    m = resolve_snapshot(repo, snap)
+    m = pick(repo, snap, filters, as_json or obj.quiet)
     cat = _catalog(repo, m)
     if as_json:
         click.echo(json.dumps({"struct_type": "snapshot", "id": m["id"], "time": m["time"], "host": m["host"],
@@ -83,20 +85,18 @@ def ls_cmd(obj: Context, snap: str, paths: tuple[bytes, ...], long: bool, recurs
 @click.command(name="find")
 @click.argument("patterns", nargs=-1, required=True)
 @click.option("--snapshot", "-s", "snaps", multiple=True, help="Search only this snapshot (repeatable).")
-@click.option("--host", default=None, help="Only snapshots of this host.")
-@click.option("--tag", "tags", multiple=True, help="Only snapshots with this tag.")
 @click.option("--long", "-l", "long", is_flag=True, help="Mode, owner, size and mtime (local time) too.")
 @json_option
 @click.pass_obj
-def find_cmd(obj: Context, patterns, snaps, host, tags, long: bool, as_json: bool) -> None:
+@filter_options
+def find_cmd(obj: Context, patterns, snaps, long: bool, as_json: bool, filters) -> None:
     """Find files whose name matches a PATTERN, in every snapshot (newest last).
 
     A pattern is a shell glob (*, ?, [abc]) matched against the file name;
     one that contains a / is matched against the whole path.
     """
     repo = obj.open()
-    manifests = [resolve_snapshot(repo, s) for s in snaps] if snaps else repo.list_snapshots()
-    manifests = [m for m in manifests if (not host or m["host"] == host) and set(tags) <= set(m.get("tags", []))]
+    manifests = pick_all(repo, snaps, filters, as_json or obj.quiet)
     pats = [os.fsencode(p) for p in patterns]
     results = []
     for m in manifests:
@@ -123,7 +123,8 @@ def _matches(path: bytes, pats: list[bytes]) -> bool:
               help="Format for a directory.")
 @json_refused_option
 @click.pass_obj
-def dump_cmd(obj: Context, snap: str, path: bytes, archive: str) -> None:
+@filter_options
+def dump_cmd(obj: Context, snap: str, path: bytes, archive: str, filters) -> None:
     """Write PATH of snapshot SNAP to stdout: a file as its bytes, a directory as a tar archive.
 
     The tar is POSIX pax with each entry's extended attributes (SCHILY.xattr.*, as GNU tar and
@@ -133,7 +134,7 @@ def dump_cmd(obj: Context, snap: str, path: bytes, archive: str) -> None:
 
     refuse_json(obj, "dump", "the file's bytes or a tar")
     repo = obj.open()
-    m = resolve_snapshot(repo, snap)
+    m = pick(repo, snap, filters, obj.quiet)
     cat = _catalog(repo, m)
     node = lookup(cat, path if path.startswith(b"/") else b"/" + path, m["id"])
     out = sys.stdout.buffer
@@ -155,12 +156,13 @@ def dump_cmd(obj: Context, snap: str, path: bytes, archive: str) -> None:
               show_default=True, help="restore-size: what a restore writes; raw: the unique chunks, as stored.")
 @json_option
 @click.pass_obj
-def stats_cmd(obj: Context, snaps, mode: str, as_json: bool) -> None:
+@filter_options
+def stats_cmd(obj: Context, snaps, mode: str, as_json: bool, filters) -> None:
     """Sizes of SNAPS (default: every snapshot), as restic's stats."""
     from ogrefs.maint.browse import raw_size, restore_size
 
     repo = obj.open()
-    manifests = [resolve_snapshot(repo, s) for s in snaps] if snaps else repo.list_snapshots()
+    manifests = pick_all(repo, snaps, filters, as_json or obj.quiet)
     cats = [_catalog(repo, m) for m in manifests]
     st = restore_size(cats) if mode == "restore-size" else raw_size(cats)
     if as_json:
@@ -212,8 +214,9 @@ def cat_cmd(obj: Context, kind: str, name: str | None) -> None:
 @click.option("--from-key-file", envvar="OGREFS_FROM_KEY_FILE", help="Raw key file of the source.")
 @json_option
 @click.pass_obj
+@filter_options
 def copy_cmd(obj: Context, snaps, from_repo, from_s3_endpoint, from_password_file, from_password_command,
-             from_key_file, as_json: bool) -> None:
+             from_key_file, as_json: bool, filters) -> None:
     """Copy SNAPS (default: all) from --from-repo into this repository.
 
     Chunks the destination already holds are not sent again; snapshots keep
@@ -230,8 +233,8 @@ def copy_cmd(obj: Context, snaps, from_repo, from_s3_endpoint, from_password_fil
     dst = obj.open()
     if src.config.id == dst.config.id:
         raise UsageError("source and destination are the same repository")
-    manifests = [resolve_snapshot(src, s) for s in snaps] if snaps else src.list_snapshots()
     quiet = as_json or obj.quiet
+    manifests = pick_all(src, snaps, filters, quiet)
     report = copy_snapshots(src, dst, manifests, log=None if quiet else lambda s: click.echo(s, err=True))
     if as_json:
         emit_json(report.as_dict())
@@ -261,7 +264,8 @@ def _source_secret(source: Context):
 @click.option("--set", "set_", multiple=True, help="Replace all tags by these (repeatable; --set '' clears).")
 @json_option
 @click.pass_obj
-def tag_cmd(obj: Context, snaps, add, remove, set_, as_json: bool) -> None:
+@filter_options
+def tag_cmd(obj: Context, snaps, add, remove, set_, as_json: bool, filters) -> None:
     """Change the tags of SNAPS. As restic, a changed snapshot gets a new id (the old one is in 'original')."""
     from ogrefs.maint.browse import retag
 
@@ -271,7 +275,7 @@ def tag_cmd(obj: Context, snaps, add, remove, set_, as_json: bool) -> None:
         raise UsageError("--set replaces every tag: it does not combine with --add or --remove")
     repo = obj.open()
     changed = []
-    for m in [resolve_snapshot(repo, s) for s in snaps]:
+    for m in pick_all(repo, snaps, filters, as_json or obj.quiet):
         old = list(m.get("tags", []))
         new = [t for t in set_ if t] if set_ else [t for t in old if t not in remove] + \
             [t for t in add if t not in old]

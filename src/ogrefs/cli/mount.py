@@ -18,6 +18,7 @@ import click
 
 from ogrefs.cli.base import emit_json, json_option
 from ogrefs.cli.run import register as register_run
+from ogrefs.cli.select import filter_options, pick
 from ogrefs.box.records import MountError
 from ogrefs.errors import UsageError
 from ogrefs.units import human_bytes as _human
@@ -78,10 +79,12 @@ def parse_size(text: str) -> int:
 @click.option("--debug", is_flag=True, help="Verbose log.")
 @json_option
 @click.pass_obj
+@filter_options
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
           encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
-          no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None) -> None:
+          no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None,
+          filters=None) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
     At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
@@ -99,7 +102,6 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
     from ogrefs.mount.client import mount as do_mount
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
-    from ogrefs.snapshot.selection import resolve_snapshot
 
     rules = None if read_only else tuple(load_rules(defaults=not no_host_paths, files=host_paths_file,
                                                     add=host_path, drop=no_host_path))
@@ -112,7 +114,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         prefetch=prefetch, host_rules=rules)
 
     def resolve(repo):
-        manifest = resolve_snapshot(repo, snap)  # `latest` is this box's: the mount then names it by id
+        manifest = pick(repo, snap, filters, as_json or obj.quiet)  # `latest`: this box's; named by id from here
         warning = environment_warning(manifest, strict)
         if warning:
             click.echo(f"warning: {warning}", err=True)
@@ -123,11 +125,12 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
         return
     info = plan.registration.read() or {}  # what the daemon and the keeper recorded of this mount
     if as_json:
-        emit_json({"snapshot": snap, "target": str(plan.target), "read_only": read_only,
+        emit_json({"snapshot": plan.snapshot_id, "selector": snap, "target": str(plan.target), "read_only": read_only,
                    "state_dir": None if read_only else str(plan.state_dir), "trace_notes": info.get("trace_notes", [])})
     elif not getattr(obj, "quiet", False):
         mode = "read-only" if read_only else f"writable, local state in {plan.state_dir}"
-        click.echo(f"mounted {snap} at {plan.target} ({mode})")
+        named = plan.snapshot_id[:12] + (f" ({snap})" if not plan.snapshot_id.startswith(snap.lower()) else "")
+        click.echo(f"mounted {named} at {plan.target} ({mode})")
         if not read_only:
             from ogrefs.mount.keeper import describe
 
@@ -183,11 +186,8 @@ def status(mountpoint: Path, as_json: bool, wait: bool, timeout: float | None) -
 
 def _progress_line(st: dict) -> None:
     m = st.get("materialize") or {}
-    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
-    eta = m.get("eta_s")
-    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
-    sys.stderr.write(f"\r{_bar(done, total)}{_human(done)} / {_human(total)} at "
-                     f"{_human(m.get('rate_bps') or 0)}/s{eta_s} ({m.get('state', '?')})\x1b[K")
+    state = f" ({m.get('state', '?')})" if m.get("bytes_total") else ""
+    sys.stderr.write(f"\r{_counted(m, _bar(m.get('bytes_done', 0), m.get('bytes_total', 0)))}{state}\x1b[K")
     sys.stderr.flush()
 
 
@@ -200,12 +200,11 @@ def _report(st: dict, as_json: bool) -> None:
                    f"runs from local disk ({st['state_dir']}/tree) with no daemon")
         return
     up = st["time"] - st["started"]
-    amp = st["bytes_fetched"] / st["bytes_read"] if st["bytes_read"] else 0.0
     lines = [
         f"ogrefs mount of snapshot {st['snapshot'][:12]} at {st['mountpoint']} (pid {st['pid']}, up {up:.0f} s)",
         f"  read by applications  {_human(st['bytes_read'])} in {st['reads']} reads, {st['open_files']} files open",
         f"  fetched from store    {_human(st['bytes_fetched'])} in {st['requests']} requests"
-        f" ({st['chunks_fetched']} chunks, {amp:.2f} bytes fetched per byte read)",
+        f" ({st['chunks_fetched']} chunks{_amplification(st)})",
         f"  chunk cache           {st['cache_hits']} hits ({st['cache_hits_memory']} memory,"
         f" {st['cache_hits_disk']} disk), {st['cache_misses']} misses",
         f"  in flight             {st['chunks_in_flight']} chunks, {st['chunks_queued']} queued",
@@ -220,6 +219,30 @@ def _report(st: dict, as_json: bool) -> None:
     elif y.get("snapshots"):
         lines.append(f"  stepped aside for {y['snapshots']} snapshot(s) of the box, {y.get('yielded_s', 0):.1f} s in all")
     click.echo("\n".join(lines))
+
+
+#: below this much read, fetched/read says nothing (one byte read fetches a whole chunk)
+_AMPLIFICATION_MIN_READ = 16 << 20
+
+
+def _amplification(st: dict) -> str:
+    """``, 1.20 bytes fetched per byte read`` only where that means something: reads alone fetched (no prefetch
+    or background copy fetching beside them) and enough was read; else nothing."""
+    background = bool((st.get("materialize") or {}).get("bytes_total"))
+    if background or st["bytes_read"] < _AMPLIFICATION_MIN_READ:
+        return ", prefetch and background copy included" if background else ""
+    return f", {st['bytes_fetched'] / st['bytes_read']:.2f} bytes fetched per byte read"
+
+
+def _counted(m: dict, bar: str = "") -> str:
+    """``12.0 MiB / 1.0 GiB at 30.0 MiB/s, ETA 0:33``; while nothing is counted yet, what the work is doing."""
+    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
+    if not total and not m.get("complete"):
+        state = m.get("state") or "starting"
+        return "nothing to fetch" if state == "done" else f"{state}: nothing counted yet"
+    eta = m.get("eta_s")
+    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
+    return f"{bar}{_human(done)} / {_human(total)} at {_human(m.get('rate_bps') or 0)}/s{eta_s}"
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -244,11 +267,8 @@ def _prefetch_lines(m: dict, tty: bool) -> list[str]:
             continue
         bar = _bar(done, total) if tty else ""
         out.append(f"    {name:11}        {bar}{_human(done)} / {_human(total)}")
-    rate, eta = m.get("rate_bps") or 0, m.get("eta_s")
-    done, total = m.get("bytes_done", 0), m.get("bytes_total", 0)
-    eta_s = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
-    bar = _bar(done, total) if tty else ""
-    out.append(f"    all                {bar}{_human(done)} / {_human(total)} at {_human(rate)}/s{eta_s}")
+    bar = _bar(m.get("bytes_done", 0), m.get("bytes_total", 0)) if tty else ""
+    out.append(f"    all                {_counted(m, bar)}")
     return out
 
 

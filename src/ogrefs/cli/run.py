@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ogrefs.cli.base import json_refused_option, refuse_json
+from ogrefs.cli.select import filter_options, pick
 
 
 def _options(f):
@@ -26,17 +27,15 @@ def _options(f):
                      help="More host-path rules (docs/mount.md)."),
     ]):
         f = opt(f)
-    return json_refused_option(f)
+    return json_refused_option(filter_options(f))
 
 
 def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, materialize, host_path, no_host_path,
-         no_host_paths, host_paths_file) -> None:
+         no_host_paths, host_paths_file, filters) -> None:
     from ogrefs.inspect.compat import environment_warning
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
     from ogrefs.mount.run import run
-    from ogrefs.snapshot.selection import resolve_snapshot
-
     refuse_json(obj, name, "what its command prints")
     rules = tuple(load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path))
 
@@ -49,7 +48,7 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, mater
 
     def open_repo():
         repo = obj.open()
-        manifest = resolve_snapshot(repo, snap)  # `latest` is this box's, as for mount
+        manifest = pick(repo, snap, filters, obj.quiet)  # `latest` is this box's, as for mount
         chosen.append(manifest["id"])
         warning = environment_warning(manifest, False)
         if warning:

@@ -172,11 +172,21 @@ def open_master(store: Store, secret: Secret, keys: list[dict] | None = None) ->
     raise WrongPassword(f"wrong {what}: none of the repository's {len(keys)} keys opens with it")
 
 
+def key_by_prefix(ids: list[str], key_id: str) -> str:
+    """The one id of ``ids`` that ``key_id`` names in full or by a unique prefix (either case)."""
+    want = key_id.lower()
+    matches = [i for i in ids if i.lower() == want] or [i for i in ids if want and i.lower().startswith(want)]
+    if not matches:
+        raise UsageError(f"no key {key_id} in the repository (ogrefs key list)")
+    if len(matches) > 1:
+        raise UsageError(f"key id {key_id!r} is ambiguous: {len(matches)} keys start with it")
+    return matches[0]
+
+
 def remove_key(store: Store, key_id: str, current: str) -> None:
     keys = list_keys(store)
     ids = [k["id"] for k in keys]
-    if key_id not in ids:
-        raise UsageError(f"no key {key_id} in the repository (ogrefs key list)")
+    key_id = key_by_prefix(ids, key_id)
     if len(ids) == 1:
         raise UsageError("refusing to remove the last key: the repository could never be opened again")
     if key_id == current:

@@ -174,7 +174,10 @@ class Repository:
         """Create a repository; with ``secret``, an encrypted one whose first key it wraps."""
         store = open_store(url, s3_endpoint=s3_endpoint)
         if store.exists("config"):
-            raise RepositoryError(f"{store.url}: a repository already exists here")
+            raise RepositoryError(f"{store.url}: already a repository (ogrefs snapshots lists what it holds)")
+        if next(iter(store.list("")), None) is not None:  # a typo must not mix a repository into other files
+            raise RepositoryError(f"{store.url}: not empty and not a repository; init needs an empty or new "
+                                  "directory or prefix")
         kwargs: dict = {"compression_level": compression_level}
         if pack_target_size:
             kwargs["pack_target_size"] = pack_target_size
@@ -393,7 +396,8 @@ class Repository:
         return in_order(self.load_manifest, ids)
 
     def resolve(self, name: str) -> Manifest:
-        """A snapshot by full id, unique id prefix, or ``latest``."""
+        """A snapshot by full id, unique id prefix (hex digits in either case), or ``latest``."""
+        name = name.lower()
         if name == "latest":
             snaps = self.list_snapshots()
             if not snaps:
