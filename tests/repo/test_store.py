@@ -302,6 +302,24 @@ def test_retry_recovers_from_two_transient_failures() -> None:
     assert faulty.inner.get("k2") == b"w"
 
 
+def test_every_retry_is_told_with_its_error_and_what_is_left() -> None:
+    """The CLI prints a line per retry (issue 51.4): the wrapper tells each one, with the time or tries left."""
+    faulty = FaultyStore(MemoryStore("told"))
+    faulty.inner.put("k", b"v")
+    notes: list = []
+    clock = iter(range(100)).__next__  # one second per reading
+    store = RetryingStore(faulty, base_delay=0.2, max_delay=1.0, sleep=Sleeps(), rng=random.Random(1),
+                          on_retry=notes.append)
+    faulty.fail_next(2)
+    assert store.get("k") == b"v"
+    assert [(n.what, n.attempt, n.attempts_left) for n in notes] == [("get k", 1, 5), ("get k", 2, 4)]
+    assert all(isinstance(n.error, TransientError) and n.wait > 0 for n in notes)
+    notes.clear()
+    timed = RetryingStore(faulty, retry_for=10, sleep=Sleeps(), clock=clock, on_retry=notes.append)
+    faulty.fail_next(1)
+    assert timed.get("k") == b"v" and len(notes) == 1 and notes[0].seconds_left == 9
+
+
 @pytest.mark.parametrize("exc", [NotFound, PermissionDenied, ShortRead, StoreError])
 def test_retry_passes_permanent_errors_through_at_once(exc: type[StoreError]) -> None:
     faulty = FaultyStore(MemoryStore("p"))

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ogrefs.cli.base import (
+    ENVIRONMENT_HELP,
     EXIT_CODES_HELP,
     Context,
     add_global_options,
@@ -25,7 +26,7 @@ from ogrefs.cli.base import (
     run_main,
 )
 from ogrefs.errors import EXIT_PARTIAL, UsageError
-from ogrefs.cli.progress import ProgressLine
+from ogrefs.cli.progress import ProgressLine, WorkLine
 from ogrefs.cli.select import filter_options, pick, pick_all
 from ogrefs.units import human_bytes
 
@@ -36,7 +37,8 @@ def retry_for_option(f: Callable) -> Callable:
                         help="Seconds to keep retrying an unreachable store before giving up.")(f)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=f"{ENVIRONMENT_HELP}\n\n{EXIT_CODES_HELP}")
 @group_options
 @click.version_option(package_name="ogrefs")
 @click.pass_context
@@ -199,7 +201,8 @@ def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
 @click.option("--dry-run", "-n", is_flag=True, help="Only count what would be snapshotted; store nothing.")
 @click.option("--allow-empty", is_flag=True, help="Save a snapshot even when the excludes leave nothing in it.")
 @click.option("--whole-box", is_flag=True,
-              help="Snapshot / with every local disk file system (not pseudo, network or foreign FUSE ones).")
+              help="Snapshot / with every local disk file system (not pseudo, network or foreign FUSE ones); "
+                   "/tmp, /var/tmp, /run, /var/run, /var/lock, /proc, /sys, /dev and /lost+found are left out.")
 @click.option("--cross-mounts/--one-file-system", default=True,
               help="Descend into other mounted file systems (default) or stay on each path's own; "
                    "every mount point not descended into is listed.")
@@ -556,8 +559,13 @@ def check(obj: Context, read_data: bool, subset_text: str | None, as_json: bool)
 
     subset = Subset.parse(subset_text) if subset_text is not None else None
     repo = obj.open()
-    report = check_repository(repo, read_data=read_data, subset=None if read_data else subset,
-                              progress=None if (as_json or obj.quiet) else lambda s: click.echo(f"checking {s}", err=True))
+    meter = WorkLine("packs read", enabled=not (as_json or obj.quiet))
+    try:
+        report = check_repository(repo, read_data=read_data, subset=None if read_data else subset, meter=meter,
+                                  progress=None if (as_json or obj.quiet) else
+                                  lambda s: click.echo(f"checking {s}", err=True))
+    finally:
+        meter.done()
     if as_json:
         emit_json({"ok": report.ok, "snapshots": report.snapshots, "packs": report.packs, "blobs": report.blobs,
                    "packs_read": report.packs_read, "read_bytes": report.read_bytes, "problems": report.problems})
@@ -685,8 +693,12 @@ def prune_cmd(obj: Context, dry_run: bool, repack_below: float, as_json: bool) -
 def _run_prune(obj: Context, repo, dry_run: bool, as_json: bool, repack_below: float = 0.5) -> None:
     from ogrefs.maint.prune import prune
 
-    report = prune(repo, dry_run=dry_run, log=None if (as_json or obj.quiet) else lambda s: click.echo(s, err=True),
-                   repack_below=repack_below)
+    meter = WorkLine("packs repacked or deleted", enabled=not (as_json or obj.quiet))
+    try:
+        report = prune(repo, dry_run=dry_run, log=None if (as_json or obj.quiet) else lambda s: click.echo(s, err=True),
+                       repack_below=repack_below, meter=meter)
+    finally:
+        meter.done()
     if as_json:
         emit_json({"dry_run": dry_run, **report.as_dict()})
         return

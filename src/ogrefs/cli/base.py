@@ -42,6 +42,16 @@ EXIT_CODES_HELP = (
     "eval \"$(_OGREFS_COMPLETE=bash_source ogrefs)\" (zsh_source, fish_source)."
 )
 
+ENVIRONMENT_HELP = (
+    "Environment: OGREFS_REPO, OGREFS_S3_ENDPOINT, OGREFS_PASSWORD, OGREFS_PASSWORD_FILE, "
+    "OGREFS_PASSWORD_COMMAND, OGREFS_KEY_FILE (the global options); OGREFS_BOX (the box this one is: "
+    "`latest` is its newest); OGREFS_CACHE_DIR (manifests, catalogs, the index and the mounts' chunk cache; "
+    "default $XDG_CACHE_HOME/ogrefs, else ~/.cache/ogrefs); OGREFS_STATE_DIR (what writable mounts keep: "
+    "their writes and local copies; default /var/lib/ogrefs/mounts); OGREFS_RUNTIME_DIR (the record of live "
+    "mounts; default /run/ogrefs, else $XDG_RUNTIME_DIR/ogrefs); OGREFS_RUN_DIR (what run and shell write; "
+    "default /var/lib/ogrefs/run); OGREFS_SHELL (the shell of `ogrefs shell`)."
+)
+
 
 class Context:
     """The global options of one invocation (set before or after the subcommand)."""
@@ -79,12 +89,19 @@ class Context:
         from ogrefs.repo.keys import secret_configured
         from ogrefs.store import open_store
 
-        store = None if retry_for is None else open_store(self.url(), s3_endpoint=self.s3_endpoint,
-                                                          retry_for=retry_for, sleep=sleep)
+        store = open_store(self.url(), s3_endpoint=self.s3_endpoint, retry_for=retry_for, sleep=sleep,
+                           on_retry=None if (self.quiet or self.as_json) else retry_line)
         # a passphrase given means "encrypted": a plaintext config is then refused (issue 14.2)
         return Repository.open(self.url(), s3_endpoint=self.s3_endpoint, secret_source=self.secret, store=store,
                                expect_encrypted=self.has_secret_source()
                                or secret_configured(self.password_file, self.key_file))
+
+
+def retry_line(note) -> None:
+    """One line on stderr per retry of a store call (as restic prints them): the error and what is left."""
+    left = (f"{note.seconds_left:.0f} s left of --retry-for" if note.seconds_left is not None
+            else f"{note.attempts_left} attempts left")
+    click.echo(f"{note.what} failed: {note.error}; retry {note.attempt} in {note.wait:.1f} s ({left})", err=True)
 
 
 def _ask_passphrase() -> str:

@@ -224,6 +224,7 @@ def copy_cmd(obj: Context, snaps, from_repo, from_s3_endpoint, from_password_fil
     may be encrypted (the source's passphrase: --from-password-file,
     --from-password-command or OGREFS_FROM_PASSWORD).
     """
+    from ogrefs.cli.progress import WorkLine
     from ogrefs.maint.copy import copy_snapshots
     from ogrefs.repo import Repository
 
@@ -235,7 +236,12 @@ def copy_cmd(obj: Context, snaps, from_repo, from_s3_endpoint, from_password_fil
         raise UsageError("source and destination are the same repository")
     quiet = as_json or obj.quiet
     manifests = pick_all(src, snaps, filters, quiet)
-    report = copy_snapshots(src, dst, manifests, log=None if quiet else lambda s: click.echo(s, err=True))
+    meter = WorkLine("source packs read", enabled=not quiet)
+    try:
+        report = copy_snapshots(src, dst, manifests, log=None if quiet else lambda s: click.echo(s, err=True),
+                                meter=meter)
+    finally:
+        meter.done()
     if as_json:
         emit_json(report.as_dict())
         return

@@ -132,7 +132,9 @@ def _check_tree(cat: Catalog) -> None:
 
 
 def check_repository(repo: Repository, read_data: bool = False, workers: int = 4,
-                     progress: Callable[[str], None] | None = None, subset: Subset | None = None) -> CheckReport:
+                     progress: Callable[[str], None] | None = None, subset: Subset | None = None,
+                     meter=None) -> CheckReport:
+    """``meter``: told of the packs to read (``grow(packs, bytes)``) and of each one read (``advance``)."""
     report = CheckReport()
     packs = {k.rsplit("/", 1)[1] for k in repo.store.list("packs/")}
     missing: set[str] = set()  # referenced but not in the store: reported once, never downloaded
@@ -184,9 +186,13 @@ def check_repository(repo: Repository, read_data: bool = False, workers: int = 4
             chosen = subset.choose({p: repo.config.pack_target_size for p in expected})
             todo = {p: e for p, e in expected.items() if p in chosen}
         report.packs_read = len(todo)
+        if meter is not None:
+            meter.grow(len(todo), sum(max(off + slen for off, slen, _r in e.values()) for e in todo.values()))
         with ThreadPoolExecutor(workers) as pool:
             for problems, checked, nbytes in pool.map(lambda kv: _check_pack(repo, kv[0], kv[1]), todo.items()):
                 report.problems.extend(problems)
                 report.blobs += checked
                 report.read_bytes += nbytes
+                if meter is not None:
+                    meter.advance(1, nbytes)
     return report

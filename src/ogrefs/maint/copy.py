@@ -86,7 +86,8 @@ class _Uploader:
 
 
 def copy_snapshots(src: Repository, dst: Repository, manifests: list[dict[str, Any]],
-                   log: Callable[[str], None] | None = None) -> CopyReport:
+                   log: Callable[[str], None] | None = None, meter=None) -> CopyReport:
+    """``meter``: told of each snapshot's source packs to read (``grow(packs, bytes)``) and of each read."""
     report = CopyReport()
     with src.lock("shared", "copy (source)"), dst.lock("shared", "copy"):
         dst.index.sync()
@@ -99,13 +100,13 @@ def copy_snapshots(src: Repository, dst: Repository, manifests: list[dict[str, A
                 continue
             if log:
                 log(f"copying snapshot {m['id'][:12]} ({m['time'][:19]}, {' '.join(m['paths'])})")
-            _copy_one(src, dst, m, report, live)
+            _copy_one(src, dst, m, report, live, meter)
             report.copied.append(m["id"])
     return report
 
 
 def _copy_one(src: Repository, dst: Repository, manifest: dict[str, Any], report: CopyReport,
-              live: set[str]) -> None:
+              live: set[str], meter=None) -> None:
     cat_path = src.catalog_path(manifest["id"])
     same_ids = src.codec.chunk_id(_PROBE) == dst.codec.chunk_id(_PROBE)
     up = _Uploader(dst, report, live)
@@ -117,14 +118,23 @@ def _copy_one(src: Repository, dst: Repository, manifest: dict[str, Any], report
             report.chunks_present += 1
         else:
             by_pack.setdefault(pack, []).append((chunk, off, slen, rlen))
+    if meter is not None:
+        meter.grow(len(by_pack), sum(_span(b) for b in by_pack.values()))
     for pack, blobs in sorted(by_pack.items()):
         _transfer_pack(src, dst, up, pack, sorted(blobs, key=lambda b: b[1]), report)
+        if meter is not None:
+            meter.advance(1, _span(blobs))
     up.seal()
     with tempfile.TemporaryDirectory(dir=dst.cache_dir, prefix="copy-") as tmp:
         rewritten = Path(tmp) / "catalog.sqlite"
         rewrite_blobs(cat_path, rewritten, up.moves)
         dst.put_catalog(manifest["id"], rewritten)
     dst.put_manifest(manifest)
+
+
+def _span(blobs: list[tuple[bytes, int, int, int]]) -> int:
+    """The bytes of the one ranged read that fetches ``blobs`` (chunk, offset, stored length, raw length)."""
+    return max(off + slen for _c, off, slen, _r in blobs) - min(off for _c, off, _s, _r in blobs)
 
 
 def _transfer_pack(src: Repository, dst: Repository, up: _Uploader, pack: str,

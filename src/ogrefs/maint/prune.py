@@ -147,8 +147,10 @@ def _live_locks(repo: Repository) -> list[LockInfo]:
 
 
 def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | None = None,
-          repack_below: float = 0.5) -> PruneReport:
-    """Mark and delete unreferenced packs; first repack packs used below ``repack_below`` (0 = never)."""
+          repack_below: float = 0.5, meter=None) -> PruneReport:
+    """Mark and delete unreferenced packs; first repack packs used below ``repack_below`` (0 = never).
+
+    ``meter``: told of the packs to repack and to delete (``grow(packs, bytes)``) and of each one done."""
     report = PruneReport()
     with repo.lock("prune", "prune"):
         report.stale_temporaries, report.stale_temporary_bytes = repo.store.remove_stale_temporaries(
@@ -163,7 +165,7 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
             report.repack = plan_repack(used_blobs, sizes, repack_below, exclude=set(trash.marked) | (set(used_blobs) - packs))
             report.repack_bytes = sum(slen for p in report.repack for _o, slen, _r in used_blobs[p].values())
             if report.repack and not dry_run:
-                moved = repack(repo, report.repack, used_blobs, by_snapshot)
+                moved = repack(repo, report.repack, used_blobs, by_snapshot, meter)
                 report.repack_skipped = moved.skipped
                 for pack in report.repack:  # mounts of these snapshots may still read the old packs
                     readers[pack] = {sid for sid, ps in by_snapshot.items() if pack in ps}
@@ -212,8 +214,12 @@ def prune(repo: Repository, dry_run: bool = False, log: Callable[[str], None] | 
             repo.write_index(name, remaining)
             for key in index_keys:
                 repo.store.delete(key)
+            if meter is not None:
+                meter.grow(len(report.deleted), sum(sizes.get(p, 0) for p in report.deleted))
             for pack in report.deleted:
                 repo.store.delete(pack_key(pack))
+                if meter is not None:
+                    meter.advance(1, sizes.get(pack, 0))
     return report
 
 

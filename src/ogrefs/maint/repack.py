@@ -51,10 +51,11 @@ def plan_repack(used: dict[str, dict[bytes, tuple[int, int, int]]], sizes: dict[
 
 
 def repack(repo: Repository, candidates: list[str], used: dict[str, dict[bytes, tuple[int, int, int]]],
-           snapshots: dict[str, set[str]]) -> RepackReport:
+           snapshots: dict[str, set[str]], meter=None) -> RepackReport:
     """Move the referenced blobs of ``candidates`` into new packs and rewrite the catalogs that used them.
 
-    ``snapshots`` maps each snapshot id to the packs its catalog references.
+    ``snapshots`` maps each snapshot id to the packs its catalog references. ``meter``: told of the packs
+    to read (``grow``) and of each one read (``advance``).
     """
     report = RepackReport()
     moves: dict[tuple[str, bytes], BlobLocation] = {}
@@ -75,11 +76,16 @@ def repack(repo: Repository, candidates: list[str], used: dict[str, dict[bytes, 
         in_builder.clear()
         report.new_packs.append(name)
 
+    spans = {p: (min(off for off, _s, _r in used[p].values()), max(off + slen for off, slen, _r in used[p].values()))
+             for p in candidates}
+    if meter is not None:
+        meter.grow(len(candidates), sum(end - start for start, end in spans.values()))
     for pack in candidates:
         blobs = sorted(used[pack].items(), key=lambda kv: kv[1][0])
-        start = blobs[0][1][0]
-        end = max(off + slen for _cid, (off, slen, _r) in blobs)
+        start, end = spans[pack]
         body = repo.read_pack_range(pack, start, end - start)
+        if meter is not None:
+            meter.advance(1, end - start)
         for cid, (off, slen, rlen) in blobs:
             blob = body[off - start:off - start + slen]
             try:

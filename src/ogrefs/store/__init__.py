@@ -42,9 +42,11 @@ S3_ENDPOINT_ENV = "OGREFS_S3_ENDPOINT"
 
 
 def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True,
-               retry_for: float | None = None, sleep: Callable[[float], None] | None = None) -> Store:
+               retry_for: float | None = None, sleep: Callable[[float], None] | None = None,
+               on_retry: Callable | None = None) -> Store:
     """Open the store at ``url``; wrapped in RetryingStore unless ``retry=False``
-    (``retry_for``: seconds each call may retry an outage; None: a few attempts).
+    (``retry_for``: seconds each call may retry an outage; None: a few attempts;
+    ``on_retry``: told of each retry, see :class:`RetryNote`).
 
     ``s3_endpoint`` (else ``$OGREFS_S3_ENDPOINT``) points s3:// URLs at an
     S3-compatible server; without either, boto3's own configuration applies
@@ -54,7 +56,8 @@ def open_store(url: str, *, s3_endpoint: str | None = None, retry: bool = True,
     backend = _open_backend(url, s3_endpoint)
     if not retry:
         return backend
-    return RetryingStore(backend, retry_for=retry_for, **({"sleep": sleep} if sleep is not None else {}))
+    return RetryingStore(backend, retry_for=retry_for, on_retry=on_retry,
+                         **({"sleep": sleep} if sleep is not None else {}))
 
 
 #: Schemes people type (ours, and other tools' that a user of restic or rclone may try).

@@ -48,14 +48,28 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ogrefs.store.base import RangeReader, Store, TransientError
 
-__all__ = ["RetryingStore"]
+__all__ = ["RetryingStore", "RetryNote"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryNote:
+    """One retry, as :attr:`RetryingStore.on_retry` hears of it: the call, its error, the attempt that failed,
+    the wait before the next, and what is left (seconds of ``retry_for``, or attempts)."""
+
+    what: str
+    error: Exception
+    attempt: int
+    wait: float
+    seconds_left: float | None
+    attempts_left: int | None
 
 
 class RetryingStore(Store):
@@ -63,7 +77,8 @@ class RetryingStore(Store):
 
     def __init__(self, inner: Store, attempts: int = 6, base_delay: float = 0.2, max_delay: float = 10.0,
                  *, retry_for: float | None = None, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 on_retry: "Callable[[RetryNote], None] | None" = None) -> None:
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
         if retry_for is not None and not retry_for >= 0:
@@ -81,6 +96,8 @@ class RetryingStore(Store):
         self._stop: threading.Event | None = None
         #: Retries made so far (by this view of the store: see budget()); read without the lock.
         self.retries = 0
+        #: Told of every retry before its wait (the CLI prints a line, as restic does); runs in the caller's thread.
+        self.on_retry = on_retry
 
     def budget(self, retry_for: float | None, stop: threading.Event | None = None) -> "RetryingStore":
         """This store, for one caller: each of its calls retries for ``retry_for`` seconds (None: ``attempts``
@@ -100,7 +117,7 @@ class RetryingStore(Store):
 
     def _wait_or_give_up(self, what: str, exc: TransientError, attempt: int, started: float) -> None:
         """Sleep before retry ``attempt + 1``, or raise when the attempts or the time budget are spent."""
-        wait = self.delay(attempt)
+        wait, left = self.delay(attempt), None
         if self.retry_for is None:
             if attempt >= self.attempts:
                 raise TransientError(f"{exc} (gave up after {attempt} attempts)") from exc
@@ -112,6 +129,9 @@ class RetryingStore(Store):
         if self._stop is not None and self._stop.is_set():
             raise TransientError(f"{exc} (gave up: stopping)") from exc
         log.info("%s failed (%s); retry %d in %.2fs", what, exc, attempt, wait)
+        if self.on_retry is not None:
+            self.on_retry(RetryNote(what, exc, attempt, wait, left,
+                                    None if self.retry_for is not None else self.attempts - attempt))
         with self._rng_lock:
             self.retries += 1
         if self._stop is None:
