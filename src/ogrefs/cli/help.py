@@ -2,7 +2,7 @@
 
 The man page is generated from the click commands themselves (names,
 docstrings, options, the exit codes of the group's epilog), so it never
-drifts from ``--help``. Shell completion is click's: ``_OGREFS_COMPLETE``.
+drifts from ``--help`` (the environment and exit codes are the group's epilog, both from cli/base.py). Shell completion is click's: ``_OGREFS_COMPLETE``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import inspect
 
 import click
 
-from ogrefs.cli.base import Context, json_refused_option, refuse_json
+from ogrefs.cli.base import ENVIRONMENT_HELP, EXIT_CODES_HELP, Context, json_refused_option, refuse_json
 from ogrefs.errors import UsageError
 
 COMPLETION_HELP = ("Shell completion: eval \"$(_OGREFS_COMPLETE=bash_source ogrefs)\" in ~/.bashrc "
@@ -60,7 +60,8 @@ def render_man(group: click.Group) -> str:
         ctx = click.Context(cmd, info_name=path, parent=root)
         out += [".SS " + _roff(path), _roff(" ".join(cmd.collect_usage_pieces(ctx))), ".PP",
                 _roff(inspect.cleandoc(cmd.help or cmd.short_help or "")), *_options(ctx, cmd)]
-    out += [".SH EXIT STATUS", _roff(group.epilog or ""), ".SH SHELL COMPLETION", _roff(COMPLETION_HELP),
+    out += [".SH ENVIRONMENT", _roff(ENVIRONMENT_HELP), ".SH EXIT STATUS", _roff(EXIT_CODES_HELP),
+            ".SH SHELL COMPLETION", _roff(COMPLETION_HELP),
             ".SH SEE ALSO", "restic(1), borg(1)"]
     return "\n".join(out) + "\n"
 
