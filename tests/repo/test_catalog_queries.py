@@ -122,3 +122,44 @@ def test_listing_gives_a_directory_as_children_xattrs_and_located_extents_do_one
         assert e.extents == (cat.located_extents(node.ino) if node.is_reg else [])
     assert listed[0].node.ino == listed[1].node.ino and len(listed[0].extents) >= 1
     assert listed[2].xattrs == [(b"user.k", b"v")] and listed[4].xattrs == [(b"user.d", b"dir")]
+
+
+# -- the one rewrite: repack's and copy's catalogs pass the reader's validation through it ----------------
+def test_repack_and_copy_rewrite_catalogs_through_the_one_validated_rewrite():
+    from ogrefs.maint import copy, repack
+    from ogrefs.repo import catalog
+
+    assert repack.rewrite_blobs is catalog.rewrite_blobs and copy.rewrite_blobs is catalog.rewrite_blobs
+
+
+def test_a_rewrite_the_reader_refuses_raises(snap, tmp_path):
+    from ogrefs.repo.catalog import rewrite_blobs
+    from ogrefs.repo.pack import BlobLocation
+
+    src = _copy(snap, tmp_path / "src.sqlite")
+    blobs = list(Catalog(src).all_blobs())
+    good = {c: (c, BlobLocation(p, o, s, r)) for c, p, o, s, r in blobs}
+    rewrite_blobs(src, tmp_path / "ok.sqlite", good)
+    assert sorted(Catalog(tmp_path / "ok.sqlite").all_blobs()) == sorted(blobs)
+    chunk = blobs[0][0]
+    bad = good | {chunk: (chunk, BlobLocation("not-a-pack-name", -5, 1, 1))}
+    with pytest.raises(CorruptObject):
+        rewrite_blobs(src, tmp_path / "bad.sqlite", bad)
+
+
+def test_only_the_catalog_module_names_a_catalog_table_in_sql():
+    """Where a private format is read or written is a structural rule: the catalog's tables appear in SQL
+    in repo/catalog.py alone (maint/repack.py had a rewrite of its own beside copy's)."""
+    import ast
+    import re
+
+    tables = r"(inodes|dirents|xattrs|extents|blobs|packs|roots|hints)"
+    sql = re.compile(rf"\b(FROM|INTO|UPDATE|JOIN|TABLE)\s+(main\.)?{tables}\b")  # SQL, not prose
+    src = Path(__file__).resolve().parents[2] / "src" / "ogrefs"
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and sql.search(node.value):
+                found.append(rel)
+    assert set(found) == {"repo/catalog.py"}, sorted(set(found))

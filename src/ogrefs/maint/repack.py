@@ -15,13 +15,11 @@ Runs inside prune's lock, in the calling thread.
 
 from __future__ import annotations
 
-import shutil
-import sqlite3
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ogrefs.repo.catalog import Catalog
+from ogrefs.repo.catalog import Catalog, rewrite_blobs
 from ogrefs.errors import CorruptObject
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import BlobLocation
@@ -110,30 +108,11 @@ def repack(repo: Repository, candidates: list[str], used: dict[str, dict[bytes, 
 
 
 def _rewrite_catalog(repo: Repository, sid: str, moves: dict[tuple[str, bytes], BlobLocation]) -> None:
+    """Snapshot ``sid``'s catalog with the repacked blobs at their new places (the same rewrite as ``copy``'s)."""
     src = repo.catalog_path(sid)
+    relocated = {chunk: (chunk, moves.get((pack, chunk)) or BlobLocation(pack, off, slen, rlen))
+                 for chunk, pack, off, slen, rlen in Catalog(src).all_blobs()}
     with tempfile.TemporaryDirectory(dir=repo.cache_dir, prefix="repack-") as tmp:
         copy = Path(tmp) / "catalog.sqlite"
-        shutil.copyfile(src, copy)
-        db = sqlite3.connect(copy, isolation_level=None)
-        try:
-            db.execute("BEGIN")
-            pack_ids = {name: pid for pid, name in db.execute("SELECT id, name FROM packs")}
-            names = {pid: name for name, pid in pack_ids.items()}
-            rows = db.execute("SELECT id, chunk, pack FROM blobs").fetchall()
-            for bid, chunk, pid in rows:
-                loc = moves.get((names.get(pid, ""), chunk))
-                if loc is None:
-                    continue
-                new_pid = pack_ids.get(loc.pack)
-                if new_pid is None:
-                    new_pid = pack_ids[loc.pack] = max(pack_ids.values(), default=0) + 1
-                    db.execute("INSERT INTO packs (id, name) VALUES (?, ?)", (new_pid, loc.pack))
-                db.execute("UPDATE blobs SET pack=?, offset=?, stored_len=? WHERE id=?",
-                           (new_pid, loc.offset, loc.stored_len, bid))
-            db.execute("DELETE FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM blobs WHERE pack IS NOT NULL)")
-            db.execute("COMMIT")
-            db.execute("VACUUM")
-        finally:
-            db.close()
-        Catalog(copy)  # still a readable catalog before it replaces the old one
+        rewrite_blobs(src, copy, relocated)  # checked as a readable catalog before it replaces the old one
         repo.replace_catalog(sid, copy)

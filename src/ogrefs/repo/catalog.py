@@ -1081,7 +1081,10 @@ def rewrite_blobs(src: Path, dst: Path, moves: dict[bytes, tuple[bytes, BlobLoca
 
     ``moves`` maps every chunk id of ``src`` to (new chunk id, new location):
     ``ogrefs copy`` uses it for a catalog that moves into another repository,
-    whose packs (and, keyed, chunk ids) differ.  The result is checked as a readable catalog.
+    whose packs (and, keyed, chunk ids) differ, and ``repack`` for blobs moved
+    into new packs (their ids unchanged).  The one rewrite of a catalog
+    outside its writer: the result is checked as a readable catalog (the
+    reader's own validation) before either replaces anything.
     """
     import shutil
 
@@ -1103,4 +1106,5 @@ def rewrite_blobs(src: Path, dst: Path, moves: dict[bytes, tuple[bytes, BlobLoca
         db.execute("VACUUM")
     finally:
         db.close()
-    Catalog(dst)
+    for _row in Catalog(dst).all_blobs():  # the schema, then every location, through the reader's own checks
+        pass
