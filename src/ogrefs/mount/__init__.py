@@ -1,1 +1,1 @@
-"""The mount: the pyfuse3 adapter, overlays at the original paths, host-owned paths, the daemon and keeper."""
+"""The mount: the pyfuse3 adapter, the daemon, the keeper, the calling side, `ogrefs run` (the box is box/'s)."""
