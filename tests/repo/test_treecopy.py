@@ -1,4 +1,4 @@
-"""Untouched subtrees copied whole (snapshot/treecopy.py, repo/catalog.py ``subtree`` and ``add_copied``).
+"""Untouched subtrees copied whole (snapshot/treecopy.py, repo/catalog/scans.py ``subtree``, repo/catalog/writer.py ``add_copied``).
 
 The system tests (tests/system/test_untouched*.py, test_loop.py) take this
 path on real mounts and compare what they restore with what the box saw;

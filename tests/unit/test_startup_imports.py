@@ -29,7 +29,7 @@ def _modules_after_importing(names: tuple[str, ...]) -> set[str]:
     return set(json.loads(out.stdout))
 
 
-def test_the_mount_path_leaves_the_walks_readers_and_sqlite_utils_unimported():
+def test_the_mount_path_leaves_the_walks_readers_andsqlite_utils_module_unimported():
     loaded = _modules_after_importing(MOUNT_PATH)
     assert set(MOUNT_PATH) <= loaded
     assert loaded.isdisjoint(NOT_ON_IT), sorted(loaded & set(NOT_ON_IT))
@@ -44,7 +44,7 @@ def test_the_inspect_package_still_offers_its_names_on_first_use():
     assert sorted(inspect_pkg.__all__) == inspect_pkg.__all__
 
 
-def test_a_catalog_writer_still_gets_its_schema_from_sqlite_utils(tmp_path):
+def test_a_catalog_writer_still_gets_its_schema_fromsqlite_utils_module(tmp_path):
     from ogrefs.repo.catalog import create_schema
 
     create_schema(tmp_path / "c.sqlite")
@@ -65,8 +65,8 @@ def test_a_catalog_writer_never_imports_the_pandas_and_numpy_of_a_training_venv(
         (tmp_path / name / "__init__.py").write_text(
             f"import os\nopen(os.path.join({str(tmp_path)!r}, 'imported-{name}'), 'w').close()\n")
     code = ("import sys\n"
-            "from ogrefs.repo.catalog import _sqlite_utils\n"
-            "db = _sqlite_utils().Database(memory=True)\n"
+            "from ogrefs.repo.catalog import sqlite_utils_module\n"
+            "db = sqlite_utils_module().Database(memory=True)\n"
             "print(sorted(n for n in ('numpy', 'pandas') if n in sys.modules))\n"
             "import numpy  # the process's own import still works\n")
     env = {"PYTHONPATH": str(tmp_path) + ":" + ":".join(sys.path)}
@@ -76,6 +76,6 @@ def test_a_catalog_writer_never_imports_the_pandas_and_numpy_of_a_training_venv(
     assert not (tmp_path / "imported-pandas").exists()
     assert (tmp_path / "imported-numpy").exists()  # the stand-in is importable: the test can fail
 
-    code_first = "import numpy, sys\nfrom ogrefs.repo.catalog import _sqlite_utils\n_sqlite_utils()\nprint(sys.modules['numpy'] is numpy)\n"
+    code_first = "import numpy, sys\nfrom ogrefs.repo.catalog import sqlite_utils_module\nsqlite_utils_module()\nprint(sys.modules['numpy'] is numpy)\n"
     out = subprocess.run([sys.executable, "-c", code_first], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
