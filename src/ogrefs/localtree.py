@@ -24,6 +24,15 @@ relative to its parent's fd, and a FIFO or device node is changed through an
 directory swapped after it was opened keeps receiving its entries wherever
 it was moved: the user's own directory, never a file of someone else's.
 
+A name this process created (a restore's temporary file) can still be
+renamed over by the user in a directory they can write.  So such a file is
+known by its identity, not its name: :meth:`LocalTree.create_file` returns
+the :class:`FileId` of the inode it made (``O_CREAT|O_EXCL|O_NOFOLLOW``), and
+:meth:`LocalTree.open_own`, :meth:`LocalTree.rename` and
+:meth:`LocalTree.unlink` (given the fd or identity) act on the name only while it is still that
+inode, owned by us, with one link: a file of the user's put there is
+:class:`EntryReplaced`, never written, chowned, chmodded or renamed.
+
 Threads: a LocalTree is immutable after construction (the root fd is only
 read), so any thread may call it; every call opens and closes its own fds.
 """
@@ -41,7 +50,7 @@ from typing import Iterator
 from ogrefs.repo.catalog import Inode
 from ogrefs.errors import OgrefsError
 
-__all__ = ["LocalTree", "PathConflict", "MetadataProblem", "pwrite_all", "split"]
+__all__ = ["LocalTree", "PathConflict", "EntryReplaced", "FileId", "MetadataProblem", "pwrite_all", "split"]
 
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
@@ -59,6 +68,37 @@ class _OpenHow(ctypes.Structure):
 
 class PathConflict(OgrefsError):
     """An entry of another kind (a non-empty directory where a file goes) is in the way."""
+
+
+class EntryReplaced(PathConflict):
+    """The entry under a name is no longer the inode this process made there (another was renamed over it)."""
+
+
+@dataclass(frozen=True)
+class FileId:
+    """Which inode a name held when this process created it: the only proof that a name is still ours."""
+
+    dev: int
+    ino: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileId":
+        return cls(st.st_dev, st.st_ino)
+
+
+def _check_same(st: os.stat_result, own: FileId) -> None:
+    """Raise :class:`EntryReplaced` unless ``st`` is the inode ``own``."""
+    if FileId.of(st) != own:
+        raise EntryReplaced("its temporary file was replaced by another file")
+
+
+def _check_own(st: os.stat_result, own: FileId, *, sole: bool = True) -> None:
+    """Raise :class:`EntryReplaced` unless ``st`` is the regular file ``own``, still ours (owner: this
+    process's user, so not a file of the user's that got ``own``'s number after ours was removed; ``sole``:
+    with one name, so nobody holds a second name of what becomes root's file)."""
+    _check_same(st, own)
+    if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and (st.st_nlink == 1 or not sole)):
+        raise EntryReplaced("its temporary file was replaced by another file")
 
 
 @dataclass(frozen=True)
@@ -216,8 +256,9 @@ class LocalTree:
         finally:
             os.close(pfd)
 
-    def create_file(self, rel: bytes, size: int) -> None:
-        """An empty owner-only regular file of ``size`` bytes (all hole) at ``rel``, replacing what is there."""
+    def create_file(self, rel: bytes, size: int) -> FileId:
+        """An empty owner-only regular file of ``size`` bytes (all hole) at ``rel``, replacing what is there;
+        the identity of the inode made (the name may be renamed over later; see :meth:`open_own`)."""
         parent, name = split(rel)
         pfd = self.open_dir(parent)
         try:
@@ -226,10 +267,40 @@ class LocalTree:
                          dir_fd=pfd)
             try:
                 os.ftruncate(fd, size)
+                own = FileId.of(os.fstat(fd))
             finally:
                 os.close(fd)
         finally:
             os.close(pfd)
+        return own
+
+    def open_own(self, rel: bytes, flags: int, own: FileId) -> int:
+        """An fd of ``rel`` only if it is still the file ``own`` that :meth:`create_file` made (else
+        :class:`EntryReplaced`): what is done through the fd is done to our inode, whatever the name holds later."""
+        fd = self.open(rel, flags | os.O_NONBLOCK)
+        try:
+            _check_own(os.fstat(fd), own)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def lstat(self, rel: bytes) -> os.stat_result:
+        """The entry at ``rel`` itself (a symlink is not followed), reached through its parent's fd."""
+        parent, name = split(rel)
+        pfd = self.open_dir(parent)
+        try:
+            return os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
+
+    def identity(self, rel: bytes) -> FileId | None:
+        """The inode at ``rel`` (not following a link), or None when nothing is there or it is no regular file."""
+        try:
+            st = self.lstat(rel)
+        except OSError:
+            return None
+        return FileId.of(st) if stat.S_ISREG(st.st_mode) else None
 
     def create_special(self, rel: bytes, node: Inode) -> bool:
         """A symlink, FIFO or device node at ``rel`` (replacing a non-directory); False for a socket."""
@@ -278,25 +349,39 @@ class LocalTree:
         finally:
             os.close(sfd)
 
-    def rename(self, src: bytes, dst: bytes) -> None:
-        """Move ``src`` to ``dst`` (same directory or not), replacing a non-directory there atomically."""
+    def rename(self, src: bytes, dst: bytes, own_fd: int | None = None) -> None:
+        """Move ``src`` to ``dst`` (same directory or not), replacing a non-directory there atomically.
+
+        ``own_fd``: move only the file open as that fd (from :meth:`open_own`; held open, its inode number
+        cannot be reused): refused when ``src`` holds another inode, and :class:`EntryReplaced` when another
+        was swapped in between the check and the rename (then ``dst`` holds that file, never one we changed).
+        """
+        mine = None if own_fd is None else FileId.of(os.fstat(own_fd))
         sparent, sname = split(src)
         parent, name = split(dst)
         sfd = self.open_dir(sparent)
         try:
             pfd = sfd if parent == sparent else self.open_dir(parent)
             try:
+                if mine is not None:
+                    _check_same(os.stat(sname, dir_fd=sfd, follow_symlinks=False), mine)
                 os.rename(sname, name, src_dir_fd=sfd, dst_dir_fd=pfd)
+                if mine is not None:
+                    _check_same(os.stat(name, dir_fd=pfd, follow_symlinks=False), mine)
             finally:
                 if pfd != sfd:
                     os.close(pfd)
         finally:
             os.close(sfd)
 
-    def unlink(self, rel: bytes) -> None:
+    def unlink(self, rel: bytes, own: FileId | None = None) -> None:
+        """Remove ``rel``; with ``own``, only if it is still our file ``own`` (else :class:`EntryReplaced`:
+        a file someone put under the name stays)."""
         parent, name = split(rel)
         pfd = self.open_dir(parent)
         try:
+            if own is not None:
+                _check_own(os.stat(name, dir_fd=pfd, follow_symlinks=False), own, sole=False)
             os.unlink(name, dir_fd=pfd)
         finally:
             os.close(pfd)

@@ -12,9 +12,12 @@ The algorithm, in plain words:
 3. Create the tree: directories (owner-only at first, so nothing is exposed
    before its final mode is set), symlinks, FIFOs, device nodes, and for each
    regular file an empty owner-only file under a *temporary name*
-   (``.ogrefs-restore-<ino>.tmp``) in the directory of its first name, of its
-   final size (holes stay holes).  Temporary files an earlier, killed restore
-   left in a directory are removed.
+   (``.ogrefs-restore-<token>-<ino>.tmp``) in the directory of its first name,
+   of its final size (holes stay holes).  ``<token>`` is random per restore
+   and occurs in no name of the snapshot, so a tree whose own files look like
+   temporary names never collides with them.  Temporary files an earlier,
+   killed restore left in a directory (that pattern, owned by us, not a name
+   of the snapshot) are removed.
 4. A worker thread fetches a range, decodes and BLAKE3-verifies each blob, and
    ``pwrite``s it into every temporary file that references it.  A blob that
    fails verification is fetched once more on its own (a bit flipped on the
@@ -25,11 +28,22 @@ The algorithm, in plain words:
    fails the range's files.  When the
    last blob of a file is written, its owner, xattrs, mode and times are set
    on its fd and it is renamed to its name; its other hardlinked names are
-   linked to it then.  A file whose data fails is never renamed: every one of
+   linked to it then.  The temporary name sits in a directory a local user
+   may be able to write, so it is trusted only while it holds the inode this
+   restore created (:meth:`~ogrefs.localtree.LocalTree.open_own`): a user's
+   file renamed over it is never written, chowned, chmodded or put in place
+   (before, root made a user's file a root-owned setuid binary that way).  A file whose data fails is never renamed: every one of
    its names is reported and its temporary file removed, so an interrupted or
    failed restore never leaves a full-size wrong file under a real name.
-5. Directories get their owners, modes and times last, deepest first (so
+5. Every name put in place is checked to still hold its file; one that
+   does not (removed or replaced during the restore) is reported: restore
+   counts every file it did not produce.
+6. Directories get their owners, modes and times last, deepest first (so
    their mtimes survive), also when the restore failed or was stopped.
+
+The summary's bytes are the logical sizes of the files in place (a sparse
+file counts whole, a file that failed counts nothing), not the bytes
+written.
 
 One entry's trouble is that entry's: a path conflict (a non-empty directory
 where the snapshot has a file), an xattr the target refuses, a failed write
@@ -57,8 +71,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import signal
-import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -69,6 +84,8 @@ from ogrefs.repo import codec
 from ogrefs.repo.catalog import ROOT_INO, Catalog, Inode
 from ogrefs.errors import CorruptObject, OgrefsError, UsageError
 from ogrefs.localtree import (
+    EntryReplaced,
+    FileId,
     LocalTree,
     MetadataProblem,
     PathConflict,
@@ -83,9 +100,11 @@ MAX_RANGE = 16 * 1024 * 1024
 MAX_GAP = 1024 * 1024
 
 ReadRange = Callable[[str, int, int], bytes]
-#: Temporary files of a restore are named ``.ogrefs-restore-<ino>.tmp``; a rerun removes leftovers.
+#: Temporary files of a restore are named ``.ogrefs-restore-<token>-<ino>.tmp`` (the token: 16 hex digits,
+#: random per restore); a rerun removes leftovers of that pattern that are ours and not names of the snapshot.
 TMP_PREFIX = b".ogrefs-restore-"
 TMP_SUFFIX = b".tmp"
+_TMP_NAME = re.compile(rb"\.ogrefs-restore-[0-9a-f]{16}-[0-9]+\.tmp")
 #: Errors of one range's fetch that fail only its files: store errors, bad bytes, and a location the
 #: store refuses as a key (a forged pack name in a catalog is ValueError from key validation).
 _FETCH_ERRORS = (StoreError, CorruptObject, ValueError)
@@ -127,6 +146,7 @@ class _File:
     node: Inode
     names: list[bytes]
     tmp: bytes
+    own: FileId  # the inode this restore created under ``tmp``: the name is trusted only while it holds it
     pending: int = 0
     failed: bool = False
     done: bool = False
@@ -155,7 +175,8 @@ class RestoreStats:
     dirs: int = 0
     others: int = 0
     total_bytes: int = 0
-    written_bytes: int = 0
+    written_bytes: int = 0  # bytes of data written (holes are not written; a file that failed later counts)
+    restored_bytes: int = 0  # logical size of the files in place: what the summary calls restored
     fetched_bytes: int = 0
     requests: int = 0
     refetched: int = 0  # blobs fetched a second time after failing verification
@@ -198,9 +219,17 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
 
 
 
-def _tmp_for(rel: bytes, ino: int) -> bytes:
+def _tmp_for(rel: bytes, ino: int, token: bytes) -> bytes:
     parent, _ = split(rel)
-    return parent + b"/" + TMP_PREFIX + str(ino).encode() + TMP_SUFFIX
+    return parent + b"/" + TMP_PREFIX + token + b"-" + str(ino).encode() + TMP_SUFFIX
+
+
+def _token_for(entries: list[tuple[bytes, Inode]]) -> bytes:
+    """A random token that occurs in no path of ``entries``: no temporary name can be a name of the tree."""
+    while True:
+        token = secrets.token_hex(8).encode()
+        if not any(token in path for path, _node in entries):
+            return token
 
 
 class Restorer:
@@ -231,6 +260,8 @@ class Restorer:
         self._is_root = os.geteuid() == 0
         self._last_tick = 0.0
         self.tree: LocalTree | None = None
+        self._token = b""  # of the temporary names (see _token_for)
+        self._paths: set[bytes] = set()  # every selected path: a leftover-like name among them is the tree's
 
     # -- public ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -252,6 +283,8 @@ class Restorer:
         self.tree = LocalTree(self.target or b"/")
         try:
             entries = self._select()
+            self._token = _token_for(entries)
+            self._paths = {path for path, _node in entries}
             ranges, needed = self._plan({n.ino for _p, n in entries if n.is_reg and n.size})
             if self.check_space:
                 self._check_space(needed)
@@ -259,6 +292,7 @@ class Restorer:
                 self._dirs.append((b"", root))
             self._build(entries)
             self._fetch_all(ranges)
+            self._verify_in_place()
         finally:
             self._finish()
         if self._stop.is_set():
@@ -373,19 +407,22 @@ class Restorer:
         if f is not None:
             f.names.append(path)
             return
-        tmp = _tmp_for(path, node.ino)
-        self.tree.create_file(tmp, node.size)
-        self._files[node.ino] = _File(node, [path], tmp, self._pending.get(node.ino, 0))
+        tmp = _tmp_for(path, node.ino, self._token)
+        own = self.tree.create_file(tmp, node.size)
+        self._files[node.ino] = _File(node, [path], tmp, own, self._pending.get(node.ino, 0))
         self.stats.files += 1
         self.stats.total_bytes += node.size
 
     def _clean_stale(self, rel: bytes) -> None:
-        """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``."""
+        """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
+        regular files of ours named by the pattern that are not entries of the snapshot."""
         assert self.tree is not None
         for name in self.tree.names_in(rel):
-            if name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX):
-                with contextlib.suppress(OSError):
-                    self.tree.unlink(rel + b"/" + name)
+            path = rel + b"/" + name
+            if not _TMP_NAME.fullmatch(name) or path in self._paths:
+                continue
+            with contextlib.suppress(OSError, EntryReplaced):
+                self.tree.unlink(path, FileId.of(self.tree.lstat(path)))
 
     # -- step 4: the data ------------------------------------------------------------------------
     def _fetch_all(self, ranges: list[_Range]) -> None:
@@ -437,13 +474,13 @@ class Restorer:
         if f is None or f.failed:  # (its entry could not be made: reported already)
             return
         try:
-            fd = self.tree.open(f.tmp, os.O_WRONLY)
+            fd = self.tree.open_own(f.tmp, os.O_WRONLY, f.own)
             try:
                 pwrite_all(fd, plain, off)
             finally:
                 os.close(fd)
-        except OSError as exc:
-            self._fail({ino}, f"write failed: {exc.strerror}")
+        except (OSError, EntryReplaced) as exc:
+            self._fail({ino}, f"write failed: {_reason(exc)}")
             return
         with self._lock:
             self.stats.written_bytes += len(plain)
@@ -468,20 +505,20 @@ class Restorer:
         """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file)."""
         assert self.tree is not None
         try:
-            fd = self.tree.open(f.tmp, os.O_RDONLY)
-        except OSError as exc:
-            self._fail({f.node.ino}, f"temporary file lost ({exc.strerror})")
+            fd = self.tree.open_own(f.tmp, os.O_RDONLY, f.own)
+        except (OSError, EntryReplaced) as exc:
+            self._fail({f.node.ino}, f"temporary file lost ({_reason(exc)})")
             return
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f.node.size:
-                self._fail({f.node.ino}, "temporary file was replaced")
+            if os.fstat(fd).st_size != f.node.size:
+                self._fail({f.node.ino}, "temporary file was truncated or extended by someone else")
                 return
             problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
-            self.tree.rename(f.tmp, f.names[0])
+            self.tree.rename(f.tmp, f.names[0], own_fd=fd)
             with self._lock:
                 f.done = True
                 self.stats.files_done += 1
+                self.stats.restored_bytes += f.node.size
             for name in f.names[1:]:
                 try:
                     self.tree.link(fd, name)
@@ -494,6 +531,21 @@ class Restorer:
             self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
         finally:
             os.close(fd)
+
+    def _verify_in_place(self) -> None:
+        """Every name put in place still holds its file, or the file is reported and not counted: a name
+        removed or replaced during the restore is a file this restore did not produce."""
+        assert self.tree is not None
+        for f in self._files.values():
+            if not f.done:
+                continue
+            gone = [name for name in f.names
+                    if self.display(name) not in self.failed and self.tree.identity(name) != f.own]
+            for name in gone:
+                self.failed[self.display(name)] = "not in place at the end (removed or replaced during the restore)"
+            if gone and f.names[0] in gone:
+                self.stats.files_done -= 1
+                self.stats.restored_bytes -= f.node.size
 
     def _note(self, rel: bytes, problems: list[MetadataProblem]) -> None:
         if problems:
@@ -511,8 +563,8 @@ class Restorer:
                 if not f.done:
                     if not f.failed and not self._stop.is_set():
                         self._fail({f.node.ino}, "not restored")
-                    with contextlib.suppress(OSError):
-                        tree.unlink(f.tmp)
+                    with contextlib.suppress(OSError, EntryReplaced):
+                        tree.unlink(f.tmp, f.own)
             for rel, node in reversed(self._dirs):
                 try:
                     self._note(rel, tree.apply_metadata(rel, node, self.cat.xattrs(node.ino), as_root=self._is_root))

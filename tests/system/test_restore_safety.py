@@ -294,7 +294,8 @@ def test_stale_temporary_files_of_a_killed_restore_are_removed(tmp_path):
     m = _snap(repo, src)
     out = _under(tmp_path / "out", src)
     out.mkdir(parents=True)
-    (out / ".ogrefs-restore-99999.tmp").write_bytes(bytes(100_000))  # as a kill -9 leaves it
+    (out / ".ogrefs-restore-0123456789abcdef-99999.tmp").write_bytes(bytes(100_000))  # as a kill -9 leaves it
+    os.chmod(out / ".ogrefs-restore-0123456789abcdef-99999.tmp", 0o600)
     _restorer(repo, m, tmp_path / "out").run()
     assert sorted(p.name for p in out.iterdir()) == ["f000", "f001", "f002"]
 

@@ -458,7 +458,8 @@ def _restore_report(r, stats, snap_id: str, target: bytes, as_json: bool) -> Non
     below = {os.fsdecode(k): v for k, v in sorted(r.below_failed().items())}
     meta = {os.fsdecode(k): v for k, v in sorted(r.metadata_problems.items())}
     result = {"id": snap_id, "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,
-              "others": stats.others, "bytes": stats.total_bytes, "written_bytes": stats.written_bytes,
+              "others": stats.others, "bytes": stats.total_bytes, "restored_bytes": stats.restored_bytes,
+              "written_bytes": stats.written_bytes,
               "fetched_bytes": stats.fetched_bytes, "requests": stats.requests, "files_restored": stats.files_done,
               "failed": failed, "not_restored_below": below, "metadata_problems": meta, "skipped": r.skipped}
     for path, reason in failed.items():
@@ -474,7 +475,7 @@ def _restore_report(r, stats, snap_id: str, target: bytes, as_json: bool) -> Non
     else:
         problems = f", {r.problems} problems (see above)" if r.problems else ""
         click.echo(f"restored {stats.files_done} of {stats.files} files, {stats.dirs} dirs, "
-                   f"{human_bytes(stats.written_bytes)} of {human_bytes(stats.total_bytes)} "
+                   f"{human_bytes(stats.restored_bytes)} of {human_bytes(stats.total_bytes)} "
                    f"from {snap_id[:12]} to {os.fsdecode(target)}{problems}")
     if r.problems:
         sys.exit(EXIT_PARTIAL)
