@@ -247,6 +247,9 @@ def copy_cmd(obj: Context, snaps, from_repo, from_s3_endpoint, from_password_fil
         return
     for sid in report.skipped:
         click.echo(f"snapshot {sid[:12]} is already in the destination")
+    for sid, why in report.repaired.items():
+        click.echo(f"snapshot {sid[:12]} was in the destination but could not be restored there ({why}): "
+                   "copied again")
     click.echo(f"copied {len(report.copied)} snapshots: {report.chunks_sent} chunks sent "
                f"({human_bytes(report.bytes_sent)}), {report.chunks_present} already there")
 

@@ -1,6 +1,13 @@
 """``ogrefs copy``: snapshots from one repository into another, sending only missing chunks.
 
-A snapshot keeps its id in the destination, so a second copy skips it. Its
+A snapshot keeps its id in the destination, so a second copy skips it, once
+it has checked what the destination holds under that id: a manifest that
+opens (digest, or authentication when encrypted) and is the source's, a catalog that verifies
+and parses, and every chunk the catalog names known to the destination's
+index in a pack that exists and is not trash.  Anything less (an object a
+bucket writer planted under the id, a damaged or half-deleted copy) is
+copied again, over it, and reported as repaired: "already in the destination"
+means the destination can restore it.  Its
 chunks are looked up in the destination's index: those already there are not
 sent again. When both repositories name chunks alike (both unencrypted, or the
 same key) that is decided from the catalog alone; otherwise (an encrypted
@@ -22,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ogrefs.errors import OgrefsError
 from ogrefs.repo.catalog import Catalog, rewrite_blobs
 from ogrefs.repo.trash import read_trash
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import BlobLocation
+from ogrefs.store.base import NotFound
 
 _PROBE = b"ogrefs copy: do both repositories name chunks alike?"
 
@@ -33,7 +42,8 @@ _PROBE = b"ogrefs copy: do both repositories name chunks alike?"
 @dataclass
 class CopyReport:
     copied: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # already in the destination
+    skipped: list[str] = field(default_factory=list)  # already in the destination, checked restorable
+    repaired: dict[str, str] = field(default_factory=dict)  # in the destination but not restorable -> why; copied
     chunks_sent: int = 0
     chunks_present: int = 0
     bytes_sent: int = 0  # stored bytes uploaded in new packs
@@ -96,13 +106,33 @@ def copy_snapshots(src: Repository, dst: Repository, manifests: list[dict[str, A
         have = set(dst.snapshot_ids())
         for m in manifests:
             if m["id"] in have:
-                report.skipped.append(m["id"])
-                continue
+                why = _unrestorable(dst, m, live)
+                if why is None:
+                    report.skipped.append(m["id"])
+                    continue
+                report.repaired[m["id"]] = why
             if log:
                 log(f"copying snapshot {m['id'][:12]} ({m['time'][:19]}, {' '.join(m['paths'])})")
             _copy_one(src, dst, m, report, live, meter)
             report.copied.append(m["id"])
     return report
+
+
+def _unrestorable(dst: Repository, manifest: dict[str, Any], live: set[str]) -> str | None:
+    """Why the destination cannot restore what it holds under ``manifest``'s id as ``manifest``, or None when
+    it can (as far as manifest, catalog and index tell: the packs' bytes are ``check --read-data``'s to read)."""
+    snap_id = manifest["id"]
+    try:
+        if dst.load_manifest(snap_id) != manifest:
+            return "its manifest is not the source's"
+        for chunk, pack, _off, _slen, _rlen in Catalog(dst.catalog_path(snap_id)).all_blobs():
+            if pack not in live or dst.index.lookup(chunk, live) is None:
+                return f"a chunk of its catalog is missing (pack {pack[:12]})"
+    except NotFound as exc:
+        return f"incomplete ({exc})"
+    except OgrefsError as exc:
+        return str(exc)
+    return None
 
 
 def _copy_one(src: Repository, dst: Repository, manifest: dict[str, Any], report: CopyReport,

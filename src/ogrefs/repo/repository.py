@@ -311,8 +311,12 @@ class Repository:
 
     # -- manifests ---------------------------------------------------------------
     def put_manifest(self, manifest: Manifest) -> None:
+        """Store ``manifest``; a cached copy of what was under its id before (``copy`` repairing a planted
+        one) is dropped, so that this box reads the stored one next."""
         body = json.dumps(manifest, sort_keys=True).encode()
         self.store.put(f"snapshots/{manifest['id']}", self.codec.seal(f"snapshots/{manifest['id']}", body))
+        with contextlib.suppress(FileNotFoundError):
+            (self.cache_dir / "manifests" / manifest["id"]).unlink()
 
     def load_manifest(self, snap_id: str) -> Manifest:
         """A snapshot's manifest, from the local cache when it is there and verifies, else from the store.
