@@ -221,6 +221,16 @@ def test_concurrent_puts_and_gets(store: Store) -> None:
             assert store.get(f"packs/{t:02x}/{i:04x}") == blob(4096 + 997 * i + t, seed=t * 1000 + i)
 
 
+def test_modified_is_the_time_of_the_last_put_by_the_stores_clock(store: Store) -> None:
+    """``modified``: what a lock whose heartbeat is from the future is judged by (locks.py)."""
+    before = time.time()
+    store.put("locks/abc", b"x")
+    written = store.modified("locks/abc")
+    assert before - 5 <= written <= time.time() + 5  # S3's LastModified has whole seconds; same machine's clock
+    with pytest.raises(NotFound):
+        store.modified("locks/none")
+
+
 # ---------------------------------------------------------------------------
 # keys and URLs
 # ---------------------------------------------------------------------------

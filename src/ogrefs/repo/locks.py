@@ -16,6 +16,13 @@ plant or read one)::
 * Holders refresh ``heartbeat`` every ``REFRESH_S`` seconds from a daemon
   thread. A lock whose heartbeat is older than ``STALE_S`` belongs to a
   process that died; it is ignored and ``ogrefs unlock`` removes it.
+* A heartbeat more than ``CLOCK_SKEW_S`` ahead of our clock (a clock far
+  ahead, or a lock planted by a bucket writer) is not believed, or the lock
+  would never turn stale (``unlock`` kept it, prune deferred deletion
+  forever): the store's own clock says instead when the object was last
+  written (``Store.modified``: S3's LastModified, a file's mtime).  A live
+  holder rewrites it every ``REFRESH_S``, so the lock is stale ``STALE_S``
+  after its last write whatever its heartbeat claims.
 * A lock of *this* host (same host name, boot id and pid namespace) whose
   pid is gone, or now belongs to a process that started at another time, is
   stale at once (restic's rule): its holder died, whatever its heartbeat says.
@@ -35,7 +42,7 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ogrefs.repo import codec
@@ -69,9 +76,20 @@ class LockInfo:
     pid_ns: int = 0
     pid_start: int = 0
     snapshot: str | None = None
+    #: when the store last wrote the lock object, by its clock (read_locks fills it for a heartbeat from the
+    #: future only; not part of the object)
+    stored_at: float | None = field(default=None, compare=False)
 
     def stale(self, now: float | None = None) -> bool:
-        return (now or time.time()) - self.heartbeat > STALE_S or self.holder_dead()
+        now = time.time() if now is None else now
+        return now - self.believed_heartbeat(now) > STALE_S or self.holder_dead()
+
+    def believed_heartbeat(self, now: float) -> float:
+        """The heartbeat, or for one from the future the store's time of the object's last write (never
+        written as far as we know: stale)."""
+        if self.heartbeat <= now + CLOCK_SKEW_S:
+            return self.heartbeat
+        return self.stored_at if self.stored_at is not None else -math.inf
 
     def holder_dead(self) -> bool:
         """True when the holder ran on this very machine and its process is gone.
@@ -124,7 +142,7 @@ def _this_process() -> dict:
 
 
 def _encode(info: LockInfo, rc: codec.RepoCodec | None = None) -> bytes:
-    body = json.dumps(info.__dict__).encode()
+    body = json.dumps({k: v for k, v in info.__dict__.items() if k != "stored_at"}).encode()
     if rc is not None and rc.encrypted:
         return rc.seal(f"locks/{info.id}", body, compress=False)
     return codec.wrap(body, compress=False)
@@ -167,11 +185,23 @@ def read_locks(store: Store, rc: codec.RepoCodec | None = None) -> list[LockInfo
     for key in store.list("locks/"):
         try:
             info = _decode(store.get(key), key, rc)
+            if info is not None and info.heartbeat > time.time() + CLOCK_SKEW_S:
+                info = replace(info, stored_at=_stored_at(store, key))
         except NotFound:
             continue  # released while we listed
         if info is not None:
             out.append(info)
     return out
+
+
+def _stored_at(store: Store, key: str) -> float | None:
+    """When the store last wrote ``key`` (NotFound: released meanwhile), or None if it cannot tell."""
+    try:
+        return store.modified(key)
+    except NotFound:
+        raise
+    except StoreError:
+        return None
 
 
 class HeldLock:

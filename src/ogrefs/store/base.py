@@ -236,6 +236,14 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
 
+    def modified(self, key: str) -> float:
+        """When ``key`` was last written, by the store's clock (Unix seconds), or NotFound.
+
+        Not one of the data path's calls: only a lock whose own heartbeat cannot be believed (from the
+        future) asks it (locks.py).  The default cannot tell and says so.
+        """
+        raise StoreError(f"{self.url}: cannot tell when {key} was written")
+
     def remove_stale_temporaries(self, older_than_s: float, dry_run: bool = False) -> tuple[int, int]:
         """Remove what interrupted puts left behind, untouched for ``older_than_s`` seconds: (count, bytes)
         (``dry_run``: count them only).

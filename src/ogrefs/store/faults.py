@@ -237,6 +237,10 @@ class FaultyStore(Store):
         if lost:
             raise TransientError(f"{self.url}: injected lost acknowledgement of put {key}")
 
+    def modified(self, key: str) -> float:
+        self._before("modified", key)
+        return self.inner.modified(key)
+
     def exists(self, key: str) -> bool:
         self._before("exists", key)
         return self.inner.exists(key)

@@ -214,6 +214,13 @@ class FileStore(Store):
                 except OSError:
                     pass  # best effort; list() never shows temp files anyway
 
+    def modified(self, key: str) -> float:
+        fd, _size = self._open_regular(validate_key(key), "modified")
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+
     def exists(self, key: str) -> bool:
         validate_key(key)
         try:

@@ -13,6 +13,7 @@ slice outside the lock.  The module-level ``_registry_lock`` guards
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 from ogrefs.store.base import NotFound, ShortRead, Store, check_range, validate_key, validate_prefix
@@ -27,6 +28,7 @@ class MemoryStore(Store):
         self.url = f"memory://{name}"
         self._lock = threading.Lock()
         self._objects: dict[str, bytes] = {}
+        self._written: dict[str, float] = {}  # key -> time.time() of its last put
 
     def get(self, key: str) -> bytes:
         validate_key(key)
@@ -49,6 +51,14 @@ class MemoryStore(Store):
         blob = bytes(data)  # a caller's bytearray must not change under us
         with self._lock:
             self._objects[key] = blob
+            self._written[key] = time.time()
+
+    def modified(self, key: str) -> float:
+        validate_key(key)
+        with self._lock:
+            if key not in self._objects:
+                raise NotFound(f"{self.url}/{key}: no such object")
+            return self._written[key]
 
     def exists(self, key: str) -> bool:
         validate_key(key)
@@ -65,6 +75,7 @@ class MemoryStore(Store):
         validate_key(key)
         with self._lock:
             self._objects.pop(key, None)
+            self._written.pop(key, None)
 
 
 _registry_lock = threading.Lock()

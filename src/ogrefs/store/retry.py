@@ -165,6 +165,9 @@ class RetryingStore(Store):
         # just writes the same bytes again.
         self._call(f"put {key}", lambda: self.inner.put(key, data))
 
+    def modified(self, key: str) -> float:
+        return self._call(f"modified {key}", lambda: self.inner.modified(key))
+
     def exists(self, key: str) -> bool:
         return self._call(f"exists {key}", lambda: self.inner.exists(key))
 

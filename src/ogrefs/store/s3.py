@@ -328,6 +328,14 @@ class S3Store(Store):
         except Exception as exc:
             self._fail(exc, "put", key)
 
+    def modified(self, key: str) -> float:
+        validate_key(key)
+        try:
+            resp = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
+        except Exception as exc:
+            self._fail(exc, "modified", key)
+        return float(resp["LastModified"].timestamp())
+
     def exists(self, key: str) -> bool:
         validate_key(key)
         try:
