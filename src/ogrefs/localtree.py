@@ -28,10 +28,11 @@ A name this process created (a restore's temporary file) can still be
 renamed over by the user in a directory they can write.  So such a file is
 known by its identity, not its name: :meth:`LocalTree.create_file` returns
 the :class:`FileId` of the inode it made (``O_CREAT|O_EXCL|O_NOFOLLOW``), and
-:meth:`LocalTree.open_own`, :meth:`LocalTree.rename` and
-:meth:`LocalTree.unlink` (given the fd or identity) act on the name only while it is still that
-inode, owned by us, with one link: a file of the user's put there is
-:class:`EntryReplaced`, never written, chowned, chmodded or renamed.
+:meth:`LocalTree.open_own`, and :meth:`LocalTree.rename` and
+:meth:`LocalTree.unlink` given that fd or identity, act on the name only
+while it is still that inode, owned by us, with one link: a file of the
+user's put there is :class:`EntryReplaced`, never written, chowned,
+chmodded or renamed.
 
 Threads: a LocalTree is immutable after construction (the root fd is only
 read), so any thread may call it; every call opens and closes its own fds.

@@ -32,9 +32,10 @@ The algorithm, in plain words:
    may be able to write, so it is trusted only while it holds the inode this
    restore created (:meth:`~ogrefs.localtree.LocalTree.open_own`): a user's
    file renamed over it is never written, chowned, chmodded or put in place
-   (before, root made a user's file a root-owned setuid binary that way).  A file whose data fails is never renamed: every one of
-   its names is reported and its temporary file removed, so an interrupted or
-   failed restore never leaves a full-size wrong file under a real name.
+   (before, root made a user's file a root-owned setuid binary that way).
+   A file whose data fails is never renamed: every one of its names is
+   reported and its temporary file removed, so an interrupted or failed
+   restore never leaves a full-size wrong file under a real name.
 5. Every name put in place is checked to still hold its file; one that
    does not (removed or replaced during the restore) is reported: restore
    counts every file it did not produce.
