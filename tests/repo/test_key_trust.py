@@ -144,6 +144,27 @@ def test_many_planted_keys_bound_the_work_of_an_open_and_say_so(tmp_path, scrypt
     assert 0 < sum(n * r * p for n, r, p in spy.calls) <= KDF_BUDGET
 
 
+def test_a_box_that_opened_before_tries_its_key_first(tmp_path, scrypt_spy):
+    """300 planted key objects listed before ours (S3 lists by name: a planter picks names that sort first):
+    a box that opened the repository before derives once and opens; a fresh box gives up with the reason."""
+    url, key_a, spy = scrypt_spy
+    store = open_store(url)
+    first = ["0" * 10 + key_id[10:] for key_id, _ in (_planted() for _ in range(300))]  # before any id of ours
+    _plant(store, *((key_id, {**_planted()[1], "id": key_id}) for key_id in first))
+    spy.calls.clear()
+    assert _open(url, tmp_path, A).key_id == key_a  # this box's cache opened it at init
+    assert len(spy.calls) == 1
+    with pytest.raises(WrongPassword, match="planted"):
+        Repository.open(url, cache_root=tmp_path / "fresh-box", secret=A, store=_SortedList(store))
+
+
+class _SortedList(FaultyStore):
+    """Lists in name order, as S3 does."""
+
+    def list(self, prefix: str = ""):
+        return iter(sorted(self.inner.list(prefix)))
+
+
 class _KeyGets(FaultyStore):
     """Records the size of every key object a get returns."""
 

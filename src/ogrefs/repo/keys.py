@@ -19,7 +19,8 @@ more than ``MAX_KEY_BYTES`` is not read, at most ``MAX_KEY_OBJECTS`` are read,
 one that is not shaped like ours (its name is not ``keys/<its id>``, a nonce
 or wrapped key of the wrong length, scrypt parameters above ``MAX_SCRYPT_WORK``)
 never reaches a KDF, and an open spends at most ``KDF_BUDGET`` of scrypt work
-(64 keys of ours) before it says how many keys it did not try.  A planted key
+(64 keys of ours) before it says how many keys it did not try.  The key that
+opened the repository on this box before is tried first.  A planted key
 object costs at most 128 MiB and about 0.5 s, once, instead of 1 GiB and 10 s
 each, without limit.
 """
@@ -187,12 +188,13 @@ def list_keys(store: Store) -> list[dict]:
     return read_keys(store)[1]
 
 
-def read_keys(store: Store) -> tuple[list[str], list[dict]]:
-    """(every key object's name, the parameters of the plausible ones among the first ``MAX_KEY_OBJECTS``).
+def read_keys(store: Store, prefer: str | None = None) -> tuple[list[str], list[dict]]:
+    """(every key object's name, the parameters of the plausible ones among the first ``MAX_KEY_OBJECTS``,
+    key ``prefer`` first when it is there).
 
     Blocking: a list, then a size probe and a get per key, ``_KEY_READERS`` at a time.
     """
-    names = list(store.list("keys/"))
+    names = sorted(store.list("keys/"), key=lambda name: name != f"keys/{prefer}")  # (stable)
     with ThreadPoolExecutor(_KEY_READERS, thread_name_prefix="ogrefs-key-read") as pool:
         read = list(pool.map(lambda name: _read_key(store, name), names[:MAX_KEY_OBJECTS]))
     return names, [params for params in read if params is not None]
@@ -221,9 +223,12 @@ def add_key(store: Store, master: bytes, secret: Secret, label: str = "") -> dic
     return params
 
 
-def open_master(store: Store, secret: Secret, keys: list[dict] | None = None) -> tuple[bytes, str]:
-    """The master key and the id of the key object that opened it (``keys``: list_keys's, when read already)."""
+def open_master(store: Store, secret: Secret, keys: list[dict] | None = None,
+                prefer: str | None = None) -> tuple[bytes, str]:
+    """The master key and the id of the key object that opened it (``keys``: list_keys's, when read already;
+    ``prefer``: the id of the key that opened the repository on this box before, tried first)."""
     keys = list_keys(store) if keys is None else keys
+    keys = sorted(keys, key=lambda params: params.get("id") != prefer)  # (stable: the rest keep their order)
     if not keys:
         raise OgrefsError(f"{store.url}: repository is marked encrypted but has no keys")
     what = "key file" if secret.kind == "raw" else "passphrase"
@@ -231,9 +236,9 @@ def open_master(store: Store, secret: Secret, keys: list[dict] | None = None) ->
     for i, params in enumerate(keys):
         cost = (_scrypt_work(params) or 0) if params.get("kdf") == secret.kind == "scrypt" else 0
         if cost > budget:
-            raise WrongPassword(f"wrong {what}: none of the first {i} of the repository's {len(keys)} keys opens "
-                                f"with it, and an open spends no more scrypt work than {KDF_BUDGET // _OURS} keys "
-                                "of ours take (key objects planted in the bucket?)")
+            raise WrongPassword(f"wrong {what}: none of the first {i} of the {len(keys)} keys read opens with it, "
+                                f"and an open spends no more scrypt work than {KDF_BUDGET // _OURS} keys of ours "
+                                f"take, nor reads more than {MAX_KEY_OBJECTS} (key objects planted in the bucket?)")
         budget -= cost
         master = _try_unwrap(params, secret)
         if master is not None:

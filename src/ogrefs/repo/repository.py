@@ -99,14 +99,17 @@ def _known(cache_root: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _remember(cache_root: Path, url: str, config: RepoConfig) -> None:
-    """Record that this box has known ``url`` (and its id) as encrypted or not, and with a MAC or not."""
+def _remember(cache_root: Path, url: str, config: RepoConfig, key_id: str | None = None) -> None:
+    """Record that this box has known ``url`` (and its id) as encrypted or not, and with a MAC or not, and
+    which key opened it here last (tried first next time: planted key objects then cost nothing)."""
     known = _known(cache_root)
     before = [e for e in (known.get(url), known.get(config.id)) if isinstance(e, dict)]
     # Once known as encrypted (or with a MAC), always: a later plaintext config is the attack.
     entry = {"id": config.id,
              "encrypted": bool(config.encryption) or any(bool(e.get("encrypted")) for e in before),
              "mac": bool(config.mac) or any(bool(e.get("mac")) for e in before)}
+    if key_id:
+        entry["key_id"] = key_id
     if known.get(url) == entry and known.get(config.id) == entry:
         return
     known[url] = known[config.id] = entry
@@ -191,7 +194,7 @@ class Repository:
             config = dataclasses.replace(config, mac=config_mac(config, master))
         store.put("config", config.to_bytes())
         repo = cls(store, config, cache_root, master, key_id)
-        _remember(repo.cache_root, store.url, config)
+        _remember(repo.cache_root, store.url, config, key_id)
         return repo
 
     @classmethod
@@ -210,19 +213,22 @@ class Repository:
         # The key objects are read beside the config, not after it: either way they are needed (to
         # open the master key, or to refuse a plaintext config that keys contradict), and behind a
         # far link every request that waits for the one before costs a round trip.
+        last = _known(root).get(store.url)
+        prefer = last.get("key_id") if isinstance(last, dict) and isinstance(last.get("key_id"), str) else None
         with ThreadPoolExecutor(1, thread_name_prefix="ogrefs-keys") as pool:
-            keys = pool.submit(read_keys, store)
+            keys = pool.submit(read_keys, store, prefer)
             try:
                 raw = store.get("config")
             except NotFound:
                 raise NoRepository(f"{store.url}: no ogrefs repository here (run `ogrefs init` first)") from None
-            return cls._opened(store, root, raw, keys, secret, secret_source, expect_encrypted)
+            return cls._opened(store, root, raw, keys, secret, secret_source, expect_encrypted, prefer)
 
     @classmethod
     def _opened(cls, store: Store, root: Path, raw: bytes, keys: "Future[tuple[list[str], list[dict]]]",
                 secret: Secret | None, secret_source: "Callable[[], Secret] | None",
-                expect_encrypted: bool) -> "Repository":
-        """The repository whose config is ``raw``; ``keys``: the key objects, being read."""
+                expect_encrypted: bool, prefer: str | None = None) -> "Repository":
+        """The repository whose config is ``raw``; ``keys``: the key objects, being read; ``prefer``: the key
+        that opened it on this box last (known.json), tried first."""
         if len(raw) > 64 * 1024:
             raise RepositoryError(f"{store.url}: config is {len(raw)} bytes, not an ogrefs config")
         config = RepoConfig.from_bytes(raw, store.url)
@@ -233,7 +239,7 @@ class Repository:
                 if secret_source is None:
                     raise RepositoryError(f"{store.url}: repository is encrypted; give a passphrase or key file")
                 secret = secret_source()
-            master, key_id = open_master(store, secret, keys.result()[1])
+            master, key_id = open_master(store, secret, keys.result()[1], prefer=prefer)
             if config.mac is not None and not hmac.compare_digest(config.mac, config_mac(config, master)):
                 raise RepositoryError(f"{store.url}: config fails its MAC (altered or replaced); refusing")
         elif keys.result()[0]:
@@ -241,7 +247,7 @@ class Repository:
             raise RepositoryError(f"{store.url}: config says unencrypted but key objects exist; refusing "
                                   "(a replaced config would make new data leave this box in plaintext)")
         repo = cls(store, config, root, master, key_id)
-        _remember(root, store.url, config)
+        _remember(root, store.url, config, key_id)
         return repo
 
     def add_key(self, secret: Secret, label: str = "") -> dict:
