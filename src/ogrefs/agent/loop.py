@@ -7,7 +7,9 @@ Triggers, each a thread that only puts a :class:`Trigger` on the agent's queue:
   and quiet, in the run directories the last snapshot found (and ``--watch``);
 * the *notice poller* (:mod:`.notices`): a preemption notice, once per notice
   (every ``--poll`` seconds; on GCP a hanging GET that the server answers at
-  the change);
+  the change); an odd answer is a maybe notice and triggers too (once, and a
+  real notice after it once more); no error ends the poller, and it says so if
+  anything ever does;
 * SIGTERM / SIGINT (the handler only puts a trigger; the main thread acts).
 
 Who owns what: the main thread owns the repository, the queue's consumer side,
@@ -120,26 +122,36 @@ class Agent:
                 self._queue.put(Trigger("checkpoint", checkpoint=ck))
 
     def _poll(self, source: NoticeSource) -> None:
-        seen = False
+        """Poll ``source`` until the agent stops; no error ends it, and its end is always said."""
+        try:
+            self._poll_until_stopped(source)
+        finally:
+            if not self._stop.is_set():  # only an error past every guard gets here (MemoryError ...)
+                self.emit({"event": "notice-error", "provider": source.provider,
+                           "error": "the notice watch ended: notices are no longer seen"})
+
+    def _poll_until_stopped(self, source: NoticeSource) -> None:
+        """One trigger per notice: a real notice after a maybe one (an odd answer) triggers again."""
+        seen: str | None = None  # "maybe", "notice": what the current run of notices has triggered
         errors = 0
         wait = 0.0  # the first poll at once: a notice already given when the agent starts is seen now
         while not self._stop.wait(wait):
             wait = self.opts.poll_s
             try:
                 notice = source.poll()
-                errors = 0
                 wait = source.next_wait(self.opts.poll_s)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - no answer (OSError) or a bug: said once, polled on
                 errors += 1
                 if errors == 1:
-                    self.emit({"event": "notice-error", "provider": source.provider, "error": str(exc)})
+                    self.emit({"event": "notice-error", "provider": source.provider,
+                               "error": str(exc) if isinstance(exc, OSError) else repr(exc)})
                 continue
-            if notice is not None and not seen:
-                seen = True
+            errors = 0
+            kind = None if notice is None else "maybe" if notice.doubt is not None else "notice"
+            if notice is not None and (seen is None or seen == "maybe" and kind == "notice"):
                 self.emit({"event": "notice", **notice.as_dict()})
                 self._queue.put(Trigger("notice", notice=notice))
-            elif notice is None:
-                seen = False
+            seen = kind if kind is None or seen != "notice" else seen
 
     def _on_signal(self, signum, _frame) -> None:
         self._queue.put(Trigger("sigterm" if signum == signal.SIGTERM else "interrupt"))

@@ -35,6 +35,8 @@ def _line(ev: dict) -> str | None:
         if ev.get("forgotten"):
             text += f"; forgot {len(ev['forgotten'])} old snapshots"
         return text
+    if kind == "notice" and ev.get("doubt"):
+        return f"odd answer from the {ev['provider']} metadata service ({ev['doubt']}): snapshotting in case it is a notice"
     if kind == "notice":
         dl = ev.get("deadline")
         when = datetime.fromtimestamp(dl, timezone.utc).isoformat(timespec="seconds") if dl else "unknown"
