@@ -211,7 +211,7 @@ def key_remove(obj: Context, key_id: str, as_json: bool) -> None:
 @click.option("--host", default=None, help="Host name to record (default: this machine's).")
 @click.option("--box", envvar="OGREFS_BOX", default=None,
               help="The box this snapshot belongs to (default: that of the snapshot this box runs from, "
-                   "else the host name); `latest` means this box's newest.")
+                   "else HOST-xxxxxxxx from the host name and machine id); `latest` means this box's newest.")
 @retry_for_option
 @json_option
 @click.pass_obj
@@ -593,7 +593,8 @@ def check(obj: Context, read_data: bool, subset_text: str | None, as_json: bool)
               help="Keep every snapshot within DURATION (e.g. 1y2m3d4h) of the newest of its group.")
 @click.option("--keep-tag", "keep_tags", multiple=True, help="Keep every snapshot with this tag.")
 @click.option("--group-by", default="host,paths", show_default=True,
-              help="Judge snapshots in groups of these fields: host, paths, tags (comma-separated; '' for one group).")
+              help="Judge snapshots in groups of these fields: host, paths, tags (comma-separated; '' for one "
+                   "group per box); each box's snapshots are always judged apart.")
 @click.option("--host", "hosts", multiple=True, help="Only consider snapshots of this host (repeatable).")
 @click.option("--path", "paths", multiple=True, help="Only consider snapshots of exactly these paths (repeatable).")
 @click.option("--tag", "tags", multiple=True, help="Only consider snapshots with this tag (repeatable).")
@@ -603,7 +604,7 @@ def check(obj: Context, read_data: bool, subset_text: str | None, as_json: bool)
 @click.pass_obj
 def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_yearly,
            keep_within, keep_tags, group_by, hosts, paths, tags, dry_run, and_prune, as_json) -> None:
-    """Forget snapshots SNAPS, or those a retention policy does not keep (grouped by host and paths).
+    """Forget snapshots SNAPS, or those a retention policy does not keep (grouped by box, host and paths).
 
     SNAPS are ids, unique id prefixes or selectors (latest, BOX:latest,
     latest-checkpoint, BOX:latest-checkpoint), as for show and restore.

@@ -2,7 +2,10 @@
 
 Snapshots are grouped by (host, paths) by default, as restic does
 (``--group-by`` takes any of host, paths, tags, comma-separated, or nothing),
-and each group is judged on its own. A snapshot is kept if any rule keeps it:
+and always by box as well: machines of one host name (cloned images) are
+different boxes, and retention never forgets one box's snapshots because
+another box has newer ones. Each group is judged on its own. A snapshot is
+kept if any rule keeps it:
 
 * ``keep_last N``: the N newest;
 * ``keep_hourly/daily/weekly/monthly/yearly N``: the newest snapshot of each
@@ -24,6 +27,7 @@ from datetime import datetime, timedelta
 from typing import Any, Callable
 
 from ogrefs.errors import UsageError
+from ogrefs.repo.repository import box_of
 
 Manifest = dict[str, Any]
 
@@ -76,9 +80,10 @@ _BUCKETS: dict[str, Callable[[datetime], tuple]] = {
 
 
 def group_key(m: Manifest, by: tuple[str, ...] = ("host", "paths")) -> tuple:
+    """The group ``m`` is judged in: its box, then the fields of ``by``."""
     values = {"host": m.get("host", ""), "paths": tuple(sorted(m.get("paths", []))),
               "tags": tuple(sorted(m.get("tags", [])))}
-    return tuple(values[f] for f in by)
+    return (box_of(m), *(values[f] for f in by))
 
 
 def _local(m: Manifest) -> datetime:

@@ -139,6 +139,12 @@ def _refuse_downgrade(url: str, config: RepoConfig, cache_root: Path, expect_enc
         raise RepositoryError(f"{url}: config has lost its MAC since this box last opened it; refusing (replaced?)")
 
 
+def box_of(m: Manifest) -> str:
+    """The box a manifest belongs to (older manifests: their host; snapshot/selection.py says what a box is)."""
+    box = m.get("box")
+    return box if isinstance(box, str) and box else str(m.get("host", ""))
+
+
 def _check_manifest_fields(m: Manifest, what: str) -> None:
     """The fields every reader relies on have the right types (a malformed object is corrupt, not a crash)."""
     ok = (isinstance(m.get("time"), str) and isinstance(m.get("host"), str)

@@ -87,7 +87,7 @@ class SnapshotOptions:
     parent: str | None = None  # snapshot name; None = newest of the same box and paths
     no_parent: bool = False
     host: str = field(default_factory=socket.gethostname)
-    box: str | None = None  # None: the box of the snapshot this box runs from, else the host name
+    box: str | None = None  # None: the box of the snapshot this box runs from, else selection.machine_box
     own_mounts: Any = None  # mounted.OwnMounts; None: look for ogrefs' own writable mounts (detect_mounts)
     detect_mounts: bool = True
     workers: int = max(2, os.cpu_count() or 2)
@@ -436,9 +436,10 @@ class Snapshotter:
             self._running_mark = _mark_snapshot_running(self._from.state_dir)
         if self._from is not None and self._mounted.catalog(self._from.snapshot) is not None:
             self._mounted.from_manifest = self.repo.load_manifest(self._from.snapshot)
-        from ogrefs.snapshot.selection import box_of
+        from ogrefs.snapshot.selection import box_of, machine_box
 
-        self.box = self.opts.box or (box_of(self._mounted.from_manifest) if self._mounted.from_manifest else self.opts.host)
+        self.box = self.opts.box or (box_of(self._mounted.from_manifest) if self._mounted.from_manifest
+                                     else machine_box(self.opts.host))
         for obs in self.opts.observers:
             if self._own is not None and hasattr(obs, "known_checks"):
                 obs.known_checks = self._mounted.known_check

@@ -2,19 +2,34 @@
 
 A snapshot belongs to a *box*: a name that survives moves between machines
 (``snapshot --box``, else the box of the snapshot the machine runs from, else
-the host name; manifests written before boxes existed belong to their host).
+this machine's own box, :func:`machine_box`; manifests written before boxes
+existed belong to their host).
+
+Why a machine's own box is not its host name alone: machines made from one
+cloned image share their host name, and two boxes under one name take each
+other's snapshots for their own (``latest`` restored the other's files, the
+agent's retention forgot the other's).  :func:`machine_box` is the host name
+and 8 hex digits of a hash of the machine id (``/etc/machine-id``, unique per
+installation; systemd makes a new one on a clone's first boot) and, where
+cloud-init left it, the cloud instance id (unique per instance even when an
+image kept its machine id).  Snapshots of an older ogrefs carry the host
+name alone: they stay listed and selectable by name (``HOST:latest``), and
+a box adopts that name on purpose with ``OGREFS_BOX=HOST`` (or ``--box``);
+``latest`` never falls back to it by itself, since that name may be another
+machine's too.
 
 Selectors, as the CLI takes them (``show``, ``restore``, ``mount``, ``diff``,
 ``forget``, ``tag``, ``ls``, ``dump``, ``snapshot --parent``):
 
 * a full snapshot id or a unique prefix of one;
 * ``latest``: the newest snapshot of *this* box (``$OGREFS_BOX``, else the box
-  of the snapshot this machine runs from, else the host name), never another
-  box's; ``BOX:latest`` names the box. A snapshot whose paths all lie inside
-  those of another snapshot of the box (``/srv/box/proj`` beside ``/srv/box``,
-  anything beside a whole-box ``/``) is a *partial* one: a bare ``latest``
-  passes over it, so one quick snapshot of a directory never decides what a
-  restore or the next boot brings back; ``--path`` picks it (:func:`widest`);
+  of the snapshot this machine runs from, else :func:`machine_box`), never
+  another box's; ``BOX:latest`` names the box. A snapshot whose paths all lie
+  inside those of another snapshot of the box (``/srv/box/proj`` beside
+  ``/srv/box``, anything beside a whole-box ``/``) is a *partial* one: a bare
+  ``latest`` passes over it, so one quick snapshot of a directory never
+  decides what a restore or the next boot brings back; ``--path`` picks it
+  (:func:`widest`);
 * ``latest-checkpoint`` / ``BOX:latest-checkpoint``: of the box's snapshots,
   the one holding the most advanced coherent training checkpoint (step, then
   epoch; the newest snapshot breaks ties) of the run its newest
@@ -33,27 +48,59 @@ Pure functions of the manifests; no threads.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
+import stat
 from dataclasses import dataclass
 from typing import Any
 
 from ogrefs.errors import SnapshotNotFound
+from ogrefs.repo.repository import box_of
+
+__all__ = ["SELECTORS", "box_of", "checkpoint_of", "default_box", "machine_box", "resolve_snapshot",
+           "split_selector"]
 
 Manifest = dict[str, Any]
 _HEX = re.compile(r"^[0-9a-f]{1,64}$", re.IGNORECASE)
 SELECTORS = ("latest", "latest-checkpoint")
 
 
-def box_of(m: Manifest) -> str:
-    """The box a manifest belongs to (older manifests: their host)."""
-    box = m.get("box")
-    return box if isinstance(box, str) and box else str(m.get("host", ""))
+#: Where the machine id is (systemd's, then D-Bus's older place) and cloud-init's record of the instance.
+MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
+INSTANCE_ID_FILE = "/var/lib/cloud/data/instance-id"
+
+
+def _read_id(path: str) -> bytes:
+    """The first line of a small file, or b"" (missing, unreadable, not a regular file: never blocks on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        return os.read(fd, 256).split(b"\n", 1)[0].strip()
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def machine_box(host: str | None = None) -> str:
+    """This machine's own box: ``HOST-xxxxxxxx`` (see the module docstring); the host name alone when the
+    machine has no machine id."""
+    host = host or socket.gethostname()
+    machine = next((i for i in map(_read_id, MACHINE_ID_FILES) if i), b"")
+    if not machine:
+        return host
+    digest = hashlib.sha256(b"ogrefs box\0" + machine + b"\0" + _read_id(INSTANCE_ID_FILE)).hexdigest()
+    return f"{host}-{digest[:8]}"
 
 
 def default_box(repo=None) -> str:
-    """``$OGREFS_BOX``, else the box of the snapshot this machine runs from (in ``repo``), else the host name."""
+    """``$OGREFS_BOX``, else the box of the snapshot this machine runs from (in ``repo``), else this machine's."""
     env = os.environ.get("OGREFS_BOX")
     if env:
         return env
@@ -65,7 +112,7 @@ def default_box(repo=None) -> str:
                 return box_of(repo.load_manifest(m.snapshot))
             except SnapshotNotFound:
                 continue  # mounted from another repository
-    return socket.gethostname()
+    return machine_box()
 
 
 def checkpoint_of(m: Manifest) -> dict[str, Any] | None:
@@ -159,6 +206,9 @@ def select_snapshot(repo, name: str, *, box: str | None = None,
     if not mine:
         others = sorted({box_of(m) for m in snaps})
         hint = f" (boxes here: {', '.join(others[:8])}; name one as BOX:{sel})" if others else ""
+        host = socket.gethostname()
+        if not (named_box or box) and host in others:  # snapshots of an older ogrefs, named by the host alone
+            hint += f"; to adopt box {host!r} as this box's own: OGREFS_BOX={host}"
         raise SnapshotNotFound(f"{repo.store.url} has no snapshot of box {want!r}{hint}")
     picked = [m for m in mine if filters.matches(m)]
     if not picked:
