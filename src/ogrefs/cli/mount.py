@@ -120,7 +120,8 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
             click.echo(f"warning: {warning}", err=True)
         return manifest
 
-    plan = do_mount(opts, open_repo=obj.open, resolve=resolve)
+    # the mount's start, and the daemon's calls besides pack reads, within --retry-for too (store/deadline.py)
+    plan = do_mount(opts, open_repo=lambda: obj.open(retry_for=retry_for), resolve=resolve)
     if foreground:
         return
     info = plan.registration.read() or {}  # what the daemon and the keeper recorded of this mount

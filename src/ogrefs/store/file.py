@@ -99,7 +99,9 @@ class FileStore(Store):
         """Open ``key`` for reading; return (fd, size).  A directory is not a key."""
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            # O_NONBLOCK: a FIFO planted at a key would block open() until a writer came (for ever); a
+            # regular file's reads ignore it, and anything not regular is refused below
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC)
         except IsADirectoryError:
             raise NotFound(f"{self.url}/{key}: no such object") from None
         except OSError as exc:

@@ -24,6 +24,14 @@ first byte not yet delivered, within the same budget counted from the last
 byte that arrived (a long download that keeps making progress is never cut
 off); its reader never sees the break.
 
+Each attempt also has a wall-clock deadline (store/deadline.py): what is
+left of the budget (at least ``deadline.MIN_ATTEMPT_S``), or
+``deadline.ATTEMPT_S`` without one.  A backend shuts the attempt's
+connection down then, so a store that trickles its answer a byte at a time
+fails the attempt (a TransientError) instead of holding the call: a call
+with ``retry_for`` ends within ``retry_for`` plus ``MIN_ATTEMPT_S``, plus one
+connect timeout at worst, whatever the store does.
+
 Backoff is exponential with jitter (each delay is drawn from the upper half
 of the exponential step), so that many threads hitting the same outage do
 not retry in lockstep.  ``sleep`` and ``rng`` are injectable so tests run
@@ -51,6 +59,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ogrefs.store import deadline
 from ogrefs.store.base import RangeReader, Store, TransientError
 
 __all__ = ["RetryingStore", "RetryNote"]
@@ -139,13 +148,20 @@ class RetryingStore(Store):
         elif self._stop.wait(wait):
             raise TransientError(f"{exc} (gave up: stopping)") from exc
 
+    def attempt_s(self, started: float) -> float:
+        """Seconds the next attempt of a call that started at ``started`` may take (its deadline)."""
+        if self.retry_for is None:
+            return deadline.ATTEMPT_S
+        return max(deadline.MIN_ATTEMPT_S, started + self.retry_for - self._clock())
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         started = self._clock()
         attempt = 0
         while True:
             attempt += 1
             try:
-                return fn()
+                with deadline.scope(self.attempt_s(started)):
+                    return fn()
             except TransientError as exc:
                 self._wait_or_give_up(what, exc, attempt, started)
 
@@ -190,12 +206,16 @@ class RetryingStore(Store):
         while True:
             progressed = False
             try:
-                for key in it:
+                while True:
+                    # each page in time (a budget from the last key), not the caller's time between keys
+                    with deadline.scope(self.attempt_s(self._clock())):
+                        key = next(it, None)
+                    if key is None:
+                        return
                     if key not in seen:
                         seen.add(key)
                         progressed = True
                         yield key
-                return
             except TransientError as exc:
                 if progressed:
                     failures, started = 0, self._clock()
@@ -228,9 +248,10 @@ class _ResumingRange(RangeReader):
             if self._pos >= self._end:
                 return b""
             try:
-                if self._body is None:
-                    self._body = self._store.inner.open_range(self._key, self._pos, self._end - self._pos)
-                piece = self._body.read(n)
+                with deadline.scope(self._store.attempt_s(started)):
+                    if self._body is None:
+                        self._body = self._store.inner.open_range(self._key, self._pos, self._end - self._pos)
+                    piece = self._body.read(n)
             except TransientError as exc:
                 self._drop_body()
                 failures += 1

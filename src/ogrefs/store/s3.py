@@ -29,6 +29,13 @@ Why it looks the way it does:
   botocore's per-call work (~1.1 ms of CPU a GET) is paid once per pack.
   Any answer but the range asked for is asked again through botocore, which
   says what went wrong as it does for every other call (store/s3ranges.py).
+* Every request has a wall-clock deadline (store/deadline.py): the retry
+  layer gives each attempt one, and each request here runs in a
+  ``deadline.guard`` from its first byte out to the last byte of its answer
+  read; at the deadline its connection is shut down (store/s3conns.py finds
+  it), and the request fails as a TransientError that says so.  botocore's
+  ``read_timeout`` is per socket read: a store trickling a byte at a time
+  never trips it.
 * put is a single PutObject: S3 makes it atomic (all or nothing) and packs
   are tens of MiB, far below the 5 GiB single-part limit.
 * A small put sends its body at once.  botocore asks every PutObject to
@@ -51,9 +58,10 @@ read afterwards; botocore guards its connection pool itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
 
 import botocore.exceptions as bx
@@ -62,6 +70,7 @@ import botocore.session
 import botocore.utils
 from botocore.config import Config
 
+from ogrefs.store import deadline
 from ogrefs.store.base import (
     BytesRange,
     InvalidStoreURL,
@@ -76,6 +85,7 @@ from ogrefs.store.base import (
     validate_key,
     validate_prefix,
 )
+from ogrefs.store.s3conns import connection_of, track_connections
 from ogrefs.store.s3ranges import CONTENT_RANGE_RE, PresignedRanges, scrub_signed
 
 __all__ = ["S3Store", "parse_s3_url"]
@@ -181,6 +191,7 @@ class S3Store(Store):
             events.register_last("before-call.s3", _continue_only_for_large_bodies, unique_id="ogrefs-small-puts")
         #: ranged GETs on presigned URLs (store/s3ranges.py); None: every GET through botocore
         self._ranges = PresignedRanges.for_client(self._client, bucket)
+        track_connections(self._client)  # each request's connection, for its deadline
 
     @staticmethod
     def _make_client(endpoint_url: str | None) -> Any:
@@ -225,6 +236,21 @@ class S3Store(Store):
             raise type(err)(scrubbed) from None
         raise err from exc
 
+    @contextlib.contextmanager
+    def _in_time(self, op: str, key: str, conns: Iterable[Any] = ()) -> Iterator[None]:
+        """One request within its deadline (see the module docstring).  Once the deadline has cut the
+        connection, whatever the request made of the rest is not an answer (a status line cut after
+        ``200 OK`` parses as an empty body): it fails, saying why."""
+        with deadline.guard(conns) as g:
+            try:
+                yield
+            except Exception:  # noqa: BLE001 - re-raised unless the deadline explains it
+                if not g.fired:
+                    raise
+            if g.fired:
+                raise TransientError(f"{self._where(key)}: {op}: no whole answer by the request's deadline "
+                                     f"(the store stalled or trickles)") from None
+
     def _open_presigned(self, key: str, offset: int, length: int) -> _S3Range | None:
         """The range's body fetched on a presigned URL; None: ask botocore (see store/s3ranges.py)."""
         if self._ranges is None:
@@ -241,19 +267,24 @@ class S3Store(Store):
 
     def get(self, key: str) -> bytes:
         validate_key(key)
-        try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
-            data: bytes = resp["Body"].read()
-        except Exception as exc:  # translated; nothing escapes untyped
-            self._fail(exc, "get", key)
-        expected = resp.get("ContentLength")
-        if expected is not None and len(data) != expected:
-            raise TransientError(f"{self._where(key)}: get: body ended after {len(data)} of {expected} bytes")
+        with self._in_time("get", key):
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+                data: bytes = resp["Body"].read()
+            except Exception as exc:  # translated; nothing escapes untyped
+                self._fail(exc, "get", key)
+            expected = resp.get("ContentLength")
+            if expected is not None and len(data) != expected:
+                raise TransientError(f"{self._where(key)}: get: body ended after {len(data)} of {expected} bytes")
         return data
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         validate_key(key)
         check_range(offset, length)
+        with self._in_time("get_range", key):
+            return self._get_range(key, offset, length)
+
+    def _get_range(self, key: str, offset: int, length: int) -> bytes:
         if length == 0:
             # HTTP cannot ask for zero bytes; HEAD tells existence and size.
             size = self._head_size(key, "get_range")
@@ -298,6 +329,10 @@ class S3Store(Store):
         check_range(offset, length)
         if length < STREAM_ABOVE:
             return BytesRange(self.get_range(key, offset, length))
+        with self._in_time("get_range", key):
+            return self._open_range(key, offset, length)
+
+    def _open_range(self, key: str, offset: int, length: int) -> RangeReader:
         fast = self._open_presigned(key, offset, length)
         if fast is not None:
             return fast
@@ -314,19 +349,21 @@ class S3Store(Store):
         return _S3Range(self, body, key, length)
 
     def _head_size(self, key: str, op: str) -> int:
-        try:
-            resp = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
-        except Exception as exc:
-            self._fail(exc, op, key)
+        with self._in_time(op, key):
+            try:
+                resp = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
+            except Exception as exc:
+                self._fail(exc, op, key)
         return int(resp["ContentLength"])
 
     def put(self, key: str, data: bytes) -> None:
         validate_key(key)
         body = data if isinstance(data, bytes) else bytes(data)
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._full(key), Body=body)
-        except Exception as exc:
-            self._fail(exc, "put", key)
+        with self._in_time("put", key):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._full(key), Body=body)
+            except Exception as exc:
+                self._fail(exc, "put", key)
 
     def modified(self, key: str) -> float:
         validate_key(key)
@@ -351,9 +388,13 @@ class S3Store(Store):
     def _list(self, prefix: str) -> Iterator[str]:
         cut = len(self._key_base)
         try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._full(prefix))
-            for page in pages:
+            pages = iter(self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._full(prefix)))
+            while True:
+                with self._in_time("list", prefix):  # one page: its request and its answer
+                    page = next(pages, None)
+                if page is None:
+                    return
                 for obj in page.get("Contents", ()):
                     full: str = obj["Key"]
                     if full.startswith(self._key_base):
@@ -365,13 +406,14 @@ class S3Store(Store):
 
     def delete(self, key: str) -> None:
         validate_key(key)
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
-        except Exception as exc:
+        with self._in_time("delete", key):
             try:
-                self._fail(exc, "delete", key)
-            except NotFound:
-                return
+                self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
+            except Exception as exc:
+                try:
+                    self._fail(exc, "delete", key)
+                except NotFound:
+                    return
 
     def close(self) -> None:
         close = getattr(self._client, "close", None)
@@ -391,6 +433,10 @@ class _S3Range(RangeReader):
     def read(self, n: int) -> bytes:
         if self._left <= 0 or n <= 0:
             return b""
+        with self._store._in_time("get_range", self._key, [connection_of(self._body)]):
+            return self._read(n)
+
+    def _read(self, n: int) -> bytes:
         try:
             data: bytes = self._body.read(min(n, self._left))
         except Exception as exc:

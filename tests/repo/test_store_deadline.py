@@ -1,0 +1,148 @@
+"""Every store request ends within its ``--retry-for`` budget, whatever the store does (tier 2: loopback sockets).
+
+A loopback HTTP server speaks enough S3 to answer a GET, then trickles: one
+byte of the body (or of the status line) every 0.2 s, for far longer than
+any budget here.  botocore's ``read_timeout`` is per socket read, so before
+store/deadline.py each of these calls was held for the whole trickle.  Each
+call runs in a thread joined with a bound well above ``retry_for`` plus
+``MIN_ATTEMPT_S`` and far below the trickle: a call still running then is
+the bug.  Nothing is timed beyond that bound.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ogrefs.store import NotFound, TransientError
+from ogrefs.store.deadline import MIN_ATTEMPT_S
+from ogrefs.store.file import FileStore
+from ogrefs.store.retry import RetryingStore
+from ogrefs.store.s3ranges import SWITCH
+
+from tests.loopback_s3 import loopback_store
+
+pytestmark = pytest.mark.timeout(180)
+RETRY_FOR = 3.0
+#: A call not over in this long is held by the store; the trickle lasts 20 minutes.
+BOUND_S = RETRY_FOR + MIN_ATTEMPT_S + 12
+SIZE = 6000  # bytes: 20 minutes at one every 0.2 s
+GAP_S = 0.2
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    """GETs answered a byte at a time: the body (``head=False``) or the whole answer from its status line."""
+
+    protocol_version = "HTTP/1.1"
+    head = False
+    stop = threading.Event()
+    requests = 0
+
+    def do_GET(self) -> None:
+        type(self).requests += 1
+        rng = self.headers.get("Range")
+        first, last = (int(x) for x in rng.removeprefix("bytes=").split("-")) if rng else (0, SIZE - 1)
+        status = b"206 Partial Content" if rng else b"200 OK"
+        answer = (b"HTTP/1.1 " + status + b"\r\nContent-Length: %d\r\n" % (last - first + 1)
+                  + (b"Content-Range: bytes %d-%d/%d\r\n" % (first, last, SIZE) if rng else b"") + b"\r\n")
+        try:
+            if not self.head:
+                self.wfile.write(answer)
+                self.wfile.flush()
+                answer = b"x" * (last - first + 1)
+            for i in range(len(answer)):
+                if self.stop.wait(GAP_S):
+                    return
+                self.wfile.write(answer[i:i + 1])
+                self.wfile.flush()
+        except OSError:
+            pass  # the client shut the connection: its deadline
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(params=["body", "status line"])
+def trickling(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[RetryingStore, type[_Trickle]]]:
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
+    handler = type("Trickle", (_Trickle,), {"head": request.param == "status line", "stop": threading.Event(),
+                                             "requests": 0})
+    with loopback_store(handler) as store:
+        try:
+            yield RetryingStore(store, retry_for=RETRY_FOR), handler
+        finally:
+            handler.stop.set()
+
+
+def _bounded(call: Callable[[], Any]) -> tuple[BaseException | None, float]:
+    """What ``call`` raised (None: it returned) and the seconds it took; fails if it is not over in BOUND_S."""
+    out: list = []
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            call()
+            out.append((None, time.monotonic() - t0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append((exc, time.monotonic() - t0))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(BOUND_S)
+    assert out, f"the store held the call for more than {BOUND_S} s (--retry-for {RETRY_FOR})"
+    return out[0]
+
+
+CALLS = {
+    "get": lambda s: s.get("snapshots/one"),
+    "get_range": lambda s: s.get_range("packs/ab/pack", 100, 2000),
+    "list": lambda s: list(s.list("packs/")),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_a_trickling_store_fails_the_call_within_retry_for(trickling, call):
+    store, handler = trickling
+    exc, took = _bounded(lambda: CALLS[call](store))
+    assert isinstance(exc, TransientError), exc
+    assert "deadline" in str(exc) and f"gave up after {RETRY_FOR:.0f} s" in str(exc)
+    assert handler.requests >= 1
+
+
+def test_a_trickling_stream_fails_within_retry_for(monkeypatch: pytest.MonkeyPatch):
+    """A range long enough to be streamed (store/s3.py STREAM_ABOVE): each read has the budget."""
+    from ogrefs.store import s3
+
+    monkeypatch.setattr(s3, "STREAM_ABOVE", 1000)
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
+    handler = type("Trickle", (_Trickle,), {"stop": threading.Event(), "requests": 0})
+    with loopback_store(handler) as inner:
+        store = RetryingStore(inner, retry_for=RETRY_FOR)
+        try:
+            reader = store.open_range("packs/ab/pack", 0, 4000)  # the head comes at once; the body trickles
+            exc, took = _bounded(lambda: reader.read(4000))
+            reader.close()
+        finally:
+            handler.stop.set()
+    assert isinstance(exc, TransientError) and "deadline" in str(exc), exc
+
+
+def test_a_fifo_in_a_file_store_is_not_an_object_and_never_blocks(tmp_path):
+    """A FIFO planted where an object goes: open() of it without a writer blocked for ever."""
+    store = FileStore(tmp_path)
+    store.put("packs/ab/real", b"data")
+    os.mkfifo(tmp_path / "packs" / "ab" / "planted")
+    exc, _took = _bounded(lambda: store.get("packs/ab/planted"))
+    assert isinstance(exc, NotFound) and "not a regular file" in str(exc)
+    exc, _took = _bounded(lambda: store.get_range("packs/ab/planted", 0, 1))
+    assert isinstance(exc, NotFound)
