@@ -32,6 +32,8 @@ pytestmark = pytest.mark.timeout(180)
 RETRY_FOR = 3.0
 #: A call not over in this long is held by the store; the trickle lasts 20 minutes.
 BOUND_S = RETRY_FOR + MIN_ATTEMPT_S + 12
+#: A command's bound: its start (imports) and the same budget, on a busy machine.
+CLI_BOUND_S = BOUND_S + 15
 SIZE = 6000  # bytes: 20 minutes at one every 0.2 s
 GAP_S = 0.2
 
@@ -146,3 +148,119 @@ def test_a_fifo_in_a_file_store_is_not_an_object_and_never_blocks(tmp_path):
     assert isinstance(exc, NotFound) and "not a regular file" in str(exc)
     exc, _took = _bounded(lambda: store.get_range("packs/ab/planted", 0, 1))
     assert isinstance(exc, NotFound)
+
+
+# -- the commands, through a proxy that trickles what a real S3 (SeaweedFS) answers -------------------------
+
+class _TrickleProxy:
+    """A TCP proxy to ``target``: requests pass as they are; answers pass a byte every ``gap_s`` once
+    ``trickle`` is set (HTTP-agnostic: status line, headers and body alike), on every connection or, with
+    ``only`` set, on those that have sent a request holding those bytes (``b"/packs/"``: the data)."""
+
+    def __init__(self, target: tuple[str, int], gap_s: float = 0.5) -> None:
+        import socket
+
+        self.target, self.gap_s = target, gap_s
+        self.only: bytes | None = None
+        self.trickle, self.stop = threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            server = socket.create_connection(self.target, timeout=10)
+            server.settimeout(None)
+            marked = threading.Event()  # this connection asked for what is trickled
+            threading.Thread(target=self._pump, args=(client, server, None, marked), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, marked, None), daemon=True).start()
+
+    def _pump(self, src, dst, answers_if: threading.Event | None, mark: threading.Event | None) -> None:
+        try:
+            while not self.stop.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                if mark is not None and (self.only is None or self.only in data):
+                    mark.set()
+                if answers_if is not None and answers_if.is_set() and self.trickle.is_set():
+                    for i in range(len(data)):
+                        if self.stop.wait(self.gap_s):
+                            return
+                        dst.sendall(data[i:i + 1])
+                else:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.mark.s3
+def test_restore_snapshot_and_mount_against_a_trickling_s3_end_within_retry_for(tmp_path, seaweed):
+    """What the adversarial pass saw hold 170-200 s despite --retry-for 10: a restore, a snapshot and a
+    mount's start, each against an S3 whose every answer trickles a byte every 0.5 s, and a restore whose
+    pack reads alone trickle.  Each now ends within the bound, the first three with a one-line error, the
+    last with its file reported not restored (before: each was still running at the bound)."""
+    import json
+    import subprocess
+    import sys
+    import urllib.parse
+
+    seaweed.ensure_running()
+    env = dict(os.environ, **seaweed.env(), OGREFS_REPO=f"s3://{seaweed.new_bucket()}/repo",
+               OGREFS_CACHE_DIR=str(tmp_path / "cache"), OGREFS_STATE_DIR=str(tmp_path / "state"),
+               OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.bin").write_bytes(os.urandom(100_000))
+
+    def cli(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ogrefs", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    assert cli(["-q", "init"], env).returncode == 0
+    sid = json.loads(cli(["-q", "snapshot", "--json", str(src)], env).stdout)["id"]
+    end = urllib.parse.urlsplit(seaweed.endpoint)
+    proxy = _TrickleProxy((end.hostname, end.port))
+    try:
+        slow = dict(env, OGREFS_S3_ENDPOINT=proxy.url, OGREFS_CACHE_DIR=str(tmp_path / "cold-cache"))
+        proxy.trickle.set()
+        (tmp_path / "mnt").mkdir()
+        for args in (["restore", "--retry-for", "3", sid, str(tmp_path / "out")],
+                     ["snapshot", "--retry-for", "3", str(src)],
+                     ["mount", "--retry-for", "3", "--read-only", sid, str(tmp_path / "mnt")]):
+            try:  # the bound: a command still running then is held by the store (TimeoutExpired kills it)
+                done = cli(args, slow, timeout=CLI_BOUND_S)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"`ogrefs {args[0]} --retry-for 3` was still held after {CLI_BOUND_S} s") from None
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode != 0 and len(lines) == 1 and "deadline" in lines[0], (args[0], done.stderr)
+        # the repository opens at full speed; only the data trickles: the restore's pack reads
+        proxy.only = b"/packs/"
+        slow["OGREFS_CACHE_DIR"] = str(tmp_path / "cold-cache-2")
+        try:
+            done = cli(["restore", "--retry-for", "3", sid, str(tmp_path / "out2")], slow, timeout=CLI_BOUND_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a restore whose pack reads trickle was still held after {CLI_BOUND_S} s") from None
+        assert done.returncode != 0 and "deadline" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    finally:
+        proxy.close()
