@@ -119,6 +119,50 @@ def test_a_trickling_store_fails_the_call_within_retry_for(trickling, call):
     assert handler.requests >= 1
 
 
+class _SlowLink(_Trickle):
+    """A steady slow link, not a trickle: the whole answer at once, then the body at 1 MiB/s."""
+
+    def do_GET(self) -> None:
+        rng = self.headers.get("Range")
+        first, last = (int(x) for x in rng.removeprefix("bytes=").split("-")) if rng else (0, BIG - 1)
+        self.send_response(206 if rng else 200)
+        if rng:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{BIG}")
+        self.send_header("Content-Length", str(last - first + 1))
+        self.end_headers()
+        body = BIG_DATA[first:last + 1]
+        try:
+            for i in range(0, len(body), 64 * 1024):
+                if self.stop.wait(1 / 16):
+                    return
+                self.wfile.write(body[i:i + 64 * 1024])
+        except OSError:
+            pass
+
+
+BIG = 3 * 1024 * 1024
+BIG_DATA = os.urandom(BIG)
+
+
+@pytest.mark.parametrize("call", ["get", "get_range"])
+def test_a_slow_steady_link_is_not_a_trickle(call, monkeypatch: pytest.MonkeyPatch):
+    """3 MiB at 1 MiB/s (3 s) with no budget left (``retry_for=0``: one attempt of MIN_ATTEMPT_S, 2 s):
+    the bytes moving at more than deadline.MIN_RATE keep the request alive, and it returns them all."""
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 40)
+    handler = type("SlowLink", (_SlowLink,), {"stop": threading.Event()})
+    with loopback_store(handler) as inner:
+        store = RetryingStore(inner, retry_for=0)
+        got: list[bytes] = []
+        try:
+            exc, _took = _bounded(lambda: got.append(store.get("catalogs/big") if call == "get"
+                                                     else store.get_range("packs/ab/pack", 0, BIG)))
+        finally:
+            handler.stop.set()
+    assert exc is None and got == [BIG_DATA], exc
+
+
 def test_a_trickling_stream_fails_within_retry_for(monkeypatch: pytest.MonkeyPatch):
     """A range long enough to be streamed (store/s3.py STREAM_ABOVE): each read has the budget."""
     from ogrefs.store import s3

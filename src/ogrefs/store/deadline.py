@@ -17,7 +17,11 @@ How, in three parts:
   out to the last byte of its answer read: the connections the request
   takes from the pool (:func:`track`, called by the pool) and those it names
   (a stream's) are shut down when the scope's deadline passes, and the guard
-  says so (``fired``) so the error can say why;
+  says so (``fired``) so the error can say why.  A request that moves many
+  bytes (a pack put or read, each piece of a large object's body) is given
+  at least the time they take at :data:`MIN_RATE` (``size=``,
+  :meth:`Guard.allow`): a slow link is not a trickle, and a budget of 60 s
+  must not fail every 32 MiB upload slower than 0.55 MB/s;
 * one watchdog thread per process keeps the guards in a heap by deadline and
   shuts their sockets down then -- again every :data:`REABORT_S` until the
   guard ends, in case a connection was still being opened.
@@ -41,7 +45,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["ATTEMPT_S", "MIN_ATTEMPT_S", "Guard", "guard", "scope", "track"]
+__all__ = ["ATTEMPT_S", "MIN_ATTEMPT_S", "MIN_RATE", "Guard", "guard", "scope", "track"]
 
 #: An attempt without a budget (commands without ``--retry-for``) ends after this long: a 32 MiB pack
 #: at 0.3 MB/s still arrives, a trickle does not hold the call for ever.
@@ -49,6 +53,8 @@ ATTEMPT_S = 120.0
 #: However little of the budget is left, an attempt may take this long (``--retry-for 0`` is one attempt,
 #: not none).
 MIN_ATTEMPT_S = 2.0
+#: The slowest transfer a request is given time for: bytes moved below this rate are a stall, not a link.
+MIN_RATE = 256 * 1024  # bytes/s: a 32 MiB pack may take 128 s, a 6 KB answer has the budget alone
 #: After the deadline, sockets of the guard are shut down again this often until the request ends.
 REABORT_S = 0.25
 
@@ -63,6 +69,11 @@ class Guard:
         self.conns: list[Any] = list(conns)
         self.armed = False
         self.fired = False
+
+    def allow(self, size: int) -> None:
+        """The request moves ``size`` more bytes from now: give them their time at MIN_RATE."""
+        if self.armed and size > 0:
+            _WATCHDOG.extend(self, time.monotonic() + size / MIN_RATE)
 
     def _abort(self) -> None:
         """Shut down the sockets of the request's connections (the watchdog thread, under its lock)."""
@@ -103,6 +114,11 @@ class _Watchdog:
                 self._heap = [e for e in self._heap if e[2].armed]
                 heapq.heapify(self._heap)
 
+    def extend(self, g: Guard, at: float) -> None:
+        with self._cond:
+            if g.armed and not g.fired and at > g.at:
+                g.at = at  # the entry in the heap, when it comes up, is pushed again at the new time
+
     def add(self, g: Guard, conn: Any) -> None:
         with self._cond:
             g.conns.append(conn)
@@ -121,6 +137,9 @@ class _Watchdog:
                     self._cond.wait(at - now)
                     continue
                 heapq.heappop(self._heap)
+                if g.at > at:  # extended since it was pushed
+                    heapq.heappush(self._heap, (g.at, next(self._seq), g))
+                    continue
                 g.fired = True
                 g._abort()
                 heapq.heappush(self._heap, (now + REABORT_S, next(self._seq), g))
@@ -142,8 +161,9 @@ def scope(seconds: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def guard(conns: Iterable[Any] = ()) -> Iterator[Guard]:
-    """One request: ``conns`` and the connections it takes are shut down at the scope's deadline.
+def guard(conns: Iterable[Any] = (), size: int = 0) -> Iterator[Guard]:
+    """One request: ``conns`` and the connections it takes are shut down at the scope's deadline, or once
+    ``size`` bytes had time to move at MIN_RATE if that is later.
 
     Without a scope (a backend used without the retry layer) nothing is
     armed.  Inside another guard (a request made by a request), the outer
@@ -153,9 +173,12 @@ def guard(conns: Iterable[Any] = ()) -> Iterator[Guard]:
     if outer is not None:
         for conn in conns:
             _WATCHDOG.add(outer, conn)
+        outer.allow(size)
         yield outer
         return
     at = getattr(_local, "at", None)
+    if at is not None and size > 0:
+        at = max(at, time.monotonic() + size / MIN_RATE)
     g = Guard(float("inf") if at is None else at, conns)
     if at is None:
         yield g

@@ -35,7 +35,9 @@ Why it looks the way it does:
   read; at the deadline its connection is shut down (store/s3conns.py finds
   it), and the request fails as a TransientError that says so.  botocore's
   ``read_timeout`` is per socket read: a store trickling a byte at a time
-  never trips it.
+  never trips it.  A request moving many bytes (a put, a range, an object
+  whose length the answer gives) has at least their time at
+  ``deadline.MIN_RATE``.
 * put is a single PutObject: S3 makes it atomic (all or nothing) and packs
   are tens of MiB, far below the 5 GiB single-part limit.
 * A small put sends its body at once.  botocore asks every PutObject to
@@ -237,13 +239,13 @@ class S3Store(Store):
         raise err from exc
 
     @contextlib.contextmanager
-    def _in_time(self, op: str, key: str, conns: Iterable[Any] = ()) -> Iterator[None]:
-        """One request within its deadline (see the module docstring).  Once the deadline has cut the
-        connection, whatever the request made of the rest is not an answer (a status line cut after
-        ``200 OK`` parses as an empty body): it fails, saying why."""
-        with deadline.guard(conns) as g:
+    def _in_time(self, op: str, key: str, conns: Iterable[Any] = (), size: int = 0) -> Iterator[deadline.Guard]:
+        """One request (moving about ``size`` bytes) within its deadline (see the module docstring).  Once
+        the deadline has cut the connection, whatever the request made of the rest is not an answer (a
+        status line cut after ``200 OK`` parses as an empty body): it fails, saying why."""
+        with deadline.guard(conns, size) as g:
             try:
-                yield
+                yield g
             except Exception:  # noqa: BLE001 - re-raised unless the deadline explains it
                 if not g.fired:
                     raise
@@ -267,10 +269,10 @@ class S3Store(Store):
 
     def get(self, key: str) -> bytes:
         validate_key(key)
-        with self._in_time("get", key):
+        with self._in_time("get", key) as g:
             try:
                 resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
-                data: bytes = resp["Body"].read()
+                data = _read_body(resp["Body"], int(resp.get("ContentLength") or 0), g)
             except Exception as exc:  # translated; nothing escapes untyped
                 self._fail(exc, "get", key)
             expected = resp.get("ContentLength")
@@ -281,7 +283,7 @@ class S3Store(Store):
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         validate_key(key)
         check_range(offset, length)
-        with self._in_time("get_range", key):
+        with self._in_time("get_range", key, size=length):
             return self._get_range(key, offset, length)
 
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -359,7 +361,7 @@ class S3Store(Store):
     def put(self, key: str, data: bytes) -> None:
         validate_key(key)
         body = data if isinstance(data, bytes) else bytes(data)
-        with self._in_time("put", key):
+        with self._in_time("put", key, size=len(body)):
             try:
                 self._client.put_object(Bucket=self.bucket, Key=self._full(key), Body=body)
             except Exception as exc:
@@ -421,6 +423,24 @@ class S3Store(Store):
             close()
 
 
+#: A whole object's body is read in pieces of this size, each given its time at ``deadline.MIN_RATE``.
+BODY_PIECE = 1024 * 1024
+
+
+def _read_body(body: Any, declared: int, g: deadline.Guard) -> bytes:
+    """All of a GET's body, piece by piece: a large object on a slow link keeps its deadline moving while
+    each piece comes at ``deadline.MIN_RATE``, and a length the store declared buys no time of itself."""
+    parts: list[bytes] = []
+    got = 0
+    while True:
+        g.allow(min(BODY_PIECE, max(declared - got, 0)))
+        piece: bytes = body.read(BODY_PIECE)
+        if not piece:
+            return b"".join(parts)
+        parts.append(piece)
+        got += len(piece)
+
+
 class _S3Range(RangeReader):
     """A GET body read piece by piece; ends early only with an error."""
 
@@ -433,7 +453,7 @@ class _S3Range(RangeReader):
     def read(self, n: int) -> bytes:
         if self._left <= 0 or n <= 0:
             return b""
-        with self._store._in_time("get_range", self._key, [connection_of(self._body)]):
+        with self._store._in_time("get_range", self._key, [connection_of(self._body)], size=min(n, self._left)):
             return self._read(n)
 
     def _read(self, n: int) -> bytes:
