@@ -29,8 +29,9 @@ left of the budget (at least ``deadline.MIN_ATTEMPT_S``), or
 ``deadline.ATTEMPT_S`` without one.  A backend shuts the attempt's
 connection down then, so a store that trickles its answer a byte at a time
 fails the attempt (a TransientError) instead of holding the call: a call
-with ``retry_for`` ends within ``retry_for`` plus ``MIN_ATTEMPT_S``, plus one
-connect timeout at worst, whatever the store does.
+with ``retry_for`` ends within ``retry_for`` plus ``MIN_ATTEMPT_S`` (or the
+time its bytes take at ``deadline.MIN_RATE``, if longer: a slow link is not
+a stall), plus one connect timeout at worst, whatever the store does.
 
 Backoff is exponential with jitter (each delay is drawn from the upper half
 of the exponential step), so that many threads hitting the same outage do
