@@ -49,7 +49,8 @@ def test_forget_shows_each_group_and_why_each_snapshot_is_kept(tmp_path, env):
     for d in (a, a, b):
         run(["snapshot", str(d)], env)
     out = run(["forget", "--keep-last", "1", "--dry-run"], env).stdout
-    assert out.count("snapshots of host [") == 2 and f"paths [{a}]:" in out and f"paths [{b}]:" in out
+    assert out.count("snapshots of box [") == 2 and out.count("], host [") == 2  # the box, then --group-by's fields
+    assert f"paths [{a}]:" in out and f"paths [{b}]:" in out
     assert out.count("keep 1 snapshots:") == 2 and out.count("would forget 1 snapshots:") == 1
     assert [line.endswith("  last") for line in out.splitlines()].count(True) == 2  # each kept one says why
     groups = json.loads(run(["forget", "--keep-last", "1", "--dry-run", "--json"], env).stdout)["groups"]

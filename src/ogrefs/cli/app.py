@@ -649,14 +649,14 @@ def forget(obj: Context, snaps, keep_last, keep_hourly, keep_daily, keep_weekly,
 
 
 def _forget_groups(kept: list, removed: list, grouping: tuple[str, ...]) -> list[tuple[dict, list, list]]:
-    """(the group's fields, kept with reasons, removed) per --group-by group, in the order first met."""
+    """(the group's fields: its box, then --group-by's; kept with reasons; removed) per group, in the order first met."""
     from ogrefs.maint.forget import group_key
 
     out: dict[tuple, tuple[dict, list, list]] = {}
 
     def slot(m) -> tuple[dict, list, list]:
         key = group_key(m, grouping)
-        return out.setdefault(key, (dict(zip(grouping, key)), [], []))
+        return out.setdefault(key, (dict(zip(("box", *grouping), key)), [], []))  # group_key: the box first
 
     for m, reasons in kept:
         slot(m)[1].append((m, reasons))
