@@ -327,7 +327,9 @@ def test_every_retry_is_told_with_its_error_and_what_is_left() -> None:
     notes.clear()
     timed = RetryingStore(faulty, retry_for=10, sleep=Sleeps(), clock=clock, on_retry=notes.append)
     faulty.fail_next(1)
-    assert timed.get("k") == b"v" and len(notes) == 1 and notes[0].seconds_left == 9
+    # the budget less the seconds read off the clock before the retry (one a reading: how many is the
+    # wrapper's own business, the per-attempt deadline reads it too)
+    assert timed.get("k") == b"v" and len(notes) == 1 and 5 <= notes[0].seconds_left <= 9
 
 
 @pytest.mark.parametrize("exc", [NotFound, PermissionDenied, ShortRead, StoreError])
