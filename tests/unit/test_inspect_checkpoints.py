@@ -253,7 +253,8 @@ def test_malicious_pickle_is_never_loaded(tmp_path):
     assert any("open" in g for g in fc.unusual_globals)
     assert any("system" in g for g in fc.unusual_globals)
     c = unit(section, str(run / "model_step5.pt"))
-    assert c["warnings"] and "it would run them if loaded" in c["warnings"][0]
+    assert c["coherent"] is False and any("weights_only" in p for p in c["problems"])
+    assert (section["latest_coherent"] or {}).get("id") != c["id"]
 
 
 # ------------------------------------------------------- file verdicts
@@ -319,11 +320,11 @@ def test_safetensors_truncated_and_padded(tmp_path):
     assert check_file(str(tmp_path / "tiny.safetensors")).ok is False
 
 
-def test_legacy_torch_file_is_recognised_but_unverified(tmp_path):
+def test_legacy_torch_file_that_stops_after_its_magic_number_is_torn(tmp_path):
     p = tmp_path / "old.pt"
     p.write_bytes(b"\x80\x02\x8a\x0a" + TORCH_LEGACY_MAGIC.to_bytes(10, "little") + b".\x80\x02}q\x00.")
     fc = check_file(str(p))
-    assert fc.kind == "torch-legacy" and fc.ok is None
+    assert fc.kind == "torch-legacy" and fc.ok is False and "cut off" in fc.problems[0]
 
 
 # -------------------------------------------------------- HF Trainer
@@ -567,9 +568,31 @@ def dcp_step(run, name: str, sizes: dict[str, int], *, meta_names=None, metadata
             state_dict_metadata={"model.layer.weight": None, "optimizer.state.layer.weight.exp_avg": None},
             storage_data={i: _StorageInfo(n, 0, 64) for i, n in enumerate(names)},
         )
-        with open(os.path.join(d, ".metadata"), "wb") as f:
+        with open(os.path.join(d, ".metadata"), "wb") as f, _as_module("torch.distributed.checkpoint.metadata",
+                                                                    Metadata=_Metadata, _StorageInfo=_StorageInfo):
             pickle.dump(md, f, protocol=4)
     return d
+
+
+@contextlib.contextmanager
+def _as_module(name: str, **classes):
+    """Pickle ``classes`` under ``name`` (the real module's GLOBAL names), without importing it."""
+    saved, mod = sys.modules.get(name), types.ModuleType(name)
+    olds = {}
+    for attr, cls in classes.items():
+        olds[cls] = (cls.__module__, cls.__qualname__)
+        cls.__module__, cls.__qualname__ = name, attr
+        setattr(mod, attr, cls)
+    sys.modules[name] = mod
+    try:
+        yield
+    finally:
+        for cls, (m, q) in olds.items():
+            cls.__module__, cls.__qualname__ = m, q
+        if saved is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = saved
 
 
 def test_fsdp_distcp_shards(tmp_path):

@@ -49,7 +49,8 @@ from ogrefs.inspect.ckptfiles import (
     components_from_name,
     kind_from_name,
 )
-from ogrefs.inspect.ckptsets import SHARD_RE, set_problems
+from ogrefs.inspect.ckptrules import framework_problems, resume_rule
+from ogrefs.inspect.ckptsets import SHARD_RE, is_family_member, set_problems
 
 __all__ = ["analyze_checkpoints", "is_candidate_name", "POINTER_NAMES", "COMPONENTS"]
 
@@ -89,7 +90,12 @@ def is_candidate_name(name: bytes) -> bool:
         or name == b".metadata"
         or name.endswith((b".safetensors.index.json", b".bin.index.json"))
         or name in _POINTER_NAMES_B
+        or name.endswith(b".pkl") and name.startswith(_ACCELERATE_PKL)
     )
+
+
+#: accelerate's save_state files that end in .pkl (other .pkl files are data, not checkpoints)
+_ACCELERATE_PKL = (b"random_states_", b"custom_checkpoint_", b"sampler", b"dl_state_dict")
 
 
 @dataclass
@@ -296,12 +302,19 @@ def _judge_runs(units: list[_Unit], pointers: _Pointers) -> tuple[list[dict], li
     incomplete = []
     for run_dir in sorted(runs):
         members = runs[run_dir]
-        best = _judge_run(members)
-        ptr_out = _resolve_pointers(run_dir, pointers.get(run_dir, []), members, best)
+        _expect_siblings(members)
+        advanced = _judge_run(members)
+        ptr_out, hits = _resolve_pointers(run_dir, pointers.get(run_dir, []), members, advanced)
+        resume, resume_out, run_problems = _resume(members, hits, advanced)
+        best = resume if resume is not None and resume.coherent else advanced
         members.sort(key=_Unit.order_key, reverse=True)
         run_out.append({
             "dir": run_dir,
+            "framework": _run_format(members),
             "latest_coherent": best.id if best else None,
+            "most_advanced_coherent": advanced.id if advanced else None,
+            "resume": resume_out,
+            "problems": run_problems,
             "pointers": ptr_out,
             "checkpoints": [m.to_json() for m in members],
         })
@@ -316,8 +329,12 @@ def _judge_runs(units: list[_Unit], pointers: _Pointers) -> tuple[list[dict], li
         ):
             run_out.append({
                 "dir": d,
+                "framework": None,
                 "latest_coherent": None,
-                "pointers": _resolve_pointers(d, ptrs, [], None),
+                "most_advanced_coherent": None,
+                "resume": None,
+                "problems": [],
+                "pointers": _resolve_pointers(d, ptrs, [], None)[0],
                 "checkpoints": [],
             })
     return run_out, run_best, incomplete
@@ -329,6 +346,8 @@ def _not_a_checkpoint(u: _Unit) -> bool:
     c = u.checks[0]
     if c.kind == "unknown" and not c.problems:
         return True  # neither zip, safetensors nor pickle: "shard-00087.bin" is data
+    if c.ok is not False and c.facts.get("top_type") == "tensor":
+        return True  # one tensor ("data/tokens.pt"): data, never a model's state_dict
     if u.name_step is not None or u.name_epoch is not None:
         return False  # "ckpt_100.pt" left empty by a crash is worth reporting
     if components_from_name(os.path.basename(c.path)):
@@ -387,7 +406,9 @@ def _build_units(files_by_dir: dict[str, list[str]], pointers: dict) -> list[_Un
                 continue
             stem = n.rsplit(".", 1)[0] if "." in n else n
             step, epoch = _name_progress(stem)
-            if step is not None or epoch is not None:
+            if n.endswith(".ckpt"):
+                key = ("file", n)  # Lightning: one file per checkpoint ("step=20.ckpt", "step=20-v1.ckpt")
+            elif step is not None or epoch is not None:
                 key: object = ("at", step, epoch)
             elif components_from_name(n) or kind in ("index", "progress"):
                 key = ("unnumbered",)
@@ -395,7 +416,10 @@ def _build_units(files_by_dir: dict[str, list[str]], pointers: dict) -> list[_Un
                 key = ("file", n)
             groups.setdefault(key, []).append(n)
         for key, members in groups.items():
-            if key[0] == "at":
+            if key[0] == "file":
+                step, epoch = _name_progress(key[1].rsplit(".", 1)[0])
+                label = key[1]
+            elif key[0] == "at":
                 step, epoch = key[1], key[2]
                 label = f"step {step}" if step is not None else f"epoch {epoch:g}"
             else:
@@ -427,21 +451,23 @@ class _Read:
 
 def _evaluate(u: _Unit) -> None:
     """Per-checkpoint verdict: completeness, components, progress point."""
+    read = _read_files(u)
+    u.format = _format_of(u, read.facts)
+    if u.format == "accelerate":
+        _accelerate_progress(u, read)
     if u.name_step is not None:
         what = "directory" if u.is_dir else "file name"
-        u.evidence.append(f"{what} says step {u.name_step}")
+        u.evidence.insert(0, f"{what} says step {u.name_step}")
     elif u.name_epoch is not None:
-        u.evidence.append(f"name says epoch {u.name_epoch:g}")
-    read = _read_files(u)
+        u.evidence.insert(0, f"name says epoch {u.name_epoch:g}")
     problems, evidence = set_problems(u.checks, u.path if u.is_dir else None, read.facts.get("dp_world_size"))
-    u.problems += problems
+    u.problems += problems + framework_problems(u.format, u.checks)
     u.evidence += evidence
     _settle_progress(u, read)
     u.components = read.components
     # Opaque content (legacy pickle, non-dict pickle, unrecognised DCP keys)
     # leaves the components unknown unless something else names them.
     u.components_known = not read.opaque or bool(read.components - {"progress"})
-    u.format = _format_of(u, read.facts)
     if u.format.startswith("hf-trainer") and "progress" not in read.components:
         u.problems.append("no trainer_state.json (the HF Trainer writes it when a save completes)")
     for p in u.inner_pointers:
@@ -474,18 +500,32 @@ def _read_files(u: _Unit) -> _Read:
             read.epoch = c.epoch
         if c.facts.get("opaque"):
             read.opaque = True
-        if c.kind == "torch-legacy":
-            u.evidence.append(f"{base}: legacy torch.save file, not verified")
         read.facts.update({k: c.facts[k] for k in ("dp_world_size", "mp_world_size", "deepspeed", "lightning")
                            if k in c.facts})
+        if "scheduler_steps" in c.facts:
+            read.facts["scheduler_steps"] = c.facts["scheduler_steps"]
         if c.unusual_globals:
-            u.warnings.append(
-                f"{base}: pickle names callables outside torch/numpy/collections "
-                f"({', '.join(c.unusual_globals[:5])}); it would run them if loaded"
+            u.problems.append(
+                f"{base}: its pickle names {', '.join(c.unusual_globals[:5])}, outside torch's weights_only "
+                "allowlist: torch.load(weights_only=True), torch's default, refuses it, and loading it "
+                "otherwise would run them"
             )
         for e in c.evidence:
             u.evidence.append(e if e.startswith(base) else f"{base}: {e}")
     return read
+
+
+def _accelerate_progress(u: _Unit, read: _Read) -> None:
+    """accelerate's ``checkpoint_<N>`` counts saves, not steps: the step is in the saved state."""
+    if u.name_step is not None:
+        read.steps.pop(f"directory {u.name!r}", None)
+        u.evidence.insert(0, f"directory {u.name} is accelerate's save index {u.name_step}, not a step")
+        u.name_step = None
+    for base in [b for b, v in read.steps.items() if b.startswith("random_states_") and v == 0]:
+        del read.steps[base]  # accelerate's own step counter only moves under accelerator.accumulate()
+    if not read.steps and read.facts.get("scheduler_steps") is not None:
+        read.steps["scheduler.bin last_epoch"] = read.facts["scheduler_steps"]
+        u.evidence.append(f"step {read.facts['scheduler_steps']} from the LR scheduler's last_epoch")
 
 
 def _settle_progress(u: _Unit, read: _Read) -> None:
@@ -512,6 +552,9 @@ def _format_of(u: _Unit, facts: dict) -> str:
         fmt = "torch-dcp"
     elif "trainer_state.json" in names:
         fmt = "hf-trainer"
+    elif names & {"random_states_0.pkl", "optimizer.bin"} or any(
+            n.startswith(("random_states_", "custom_checkpoint_")) for n in names):
+        fmt = "accelerate"
     elif "model_optim_rng.pt" in names:
         fmt = "megatron"
     elif facts.get("lightning") or any(n.endswith(".ckpt") for n in names):
@@ -527,6 +570,58 @@ def _format_of(u: _Unit, facts: dict) -> str:
         if names & _HF_FILES or any(n.startswith(("rng_state", "model-0", "pytorch_model-0")) for n in names):
             fmt = "hf-trainer" if fmt == "checkpoint-dir" else f"hf-trainer+{fmt}"
     return fmt
+
+
+def _run_format(members: list[_Unit]) -> str:
+    """The run's framework: the format most of its checkpoints have."""
+    fmts = [m.format for m in members]
+    return max(sorted(set(fmts)), key=fmts.count)
+
+
+def _expect_siblings(members: list[_Unit]) -> None:
+    """A directory checkpoint lacking a file that every other finished save of its run and framework holds.
+
+    Rank and shard families are left to the world-size rules (a restart may change the world).
+    """
+    def names(u: _Unit) -> set[str]:
+        return {n for c in u.checks
+                if not is_family_member(n := os.path.relpath(c.path, u.path)) and n != "rng_state.pth"}
+
+    dirs = [m for m in members if m.is_dir and m.complete is not None]
+    whole = [m for m in dirs if not m.problems]
+    for m in dirs:
+        others = [o for o in whole if o is not m and o.format == m.format]
+        if not others:
+            continue
+        missing = [n for n in sorted(set.intersection(*(names(o) for o in others)) - names(m))
+                   if not any(n in p for p in m.problems)]  # not said twice
+        if missing:
+            m.problems.append(f"no {', '.join(missing[:3])} (every other {m.format} save in this run has it: "
+                              "the save did not finish or the file was removed)")
+            m.complete = False
+
+
+def _resume(members: list[_Unit], hits: list[_Unit], advanced: _Unit | None) -> tuple[_Unit | None, dict | None, list[str]]:
+    """The framework's own resume target, its JSON, and the run's problems where it and the most advanced coherent checkpoint disagree."""
+    fmt = _run_format(members)
+    target, rule = resume_rule(fmt, members, hits)
+    problems: list[str] = []
+    if target is None:
+        return None, ({"id": None, "rule": rule} if rule else None), problems
+    out = {"id": target.id, "name": target.name, "step": target.step, "epoch": target.epoch,
+           "coherent": target.coherent, "rule": rule}
+    if not target.coherent:
+        problems.append(f"the run would resume from {target.name}, which is not coherent"
+                        + (f"; the most advanced coherent checkpoint is {advanced.name}" if advanced else ""))
+    elif advanced is not None and advanced is not target and advanced.order_key()[:3] > target.order_key()[:3]:
+        problems.append(f"the run would resume from {target.name} ({target.where()}) but {advanced.name} "
+                        f"({advanced.where()}) is more advanced: two runs in one directory (a restart)?")
+    later = [m for m in members if m.coherent and m.step is not None and target.step is not None
+             and m.step > target.step and m.mtime < target.mtime and m is not target]
+    if later and not problems:
+        problems.append(f"{target.name} ({target.where()}) was written after {later[0].name} "
+                        f"({later[0].where()}): a restarted run in the same directory")
+    return target, out, problems
 
 
 def _judge_run(members: list[_Unit]) -> _Unit | None:
@@ -563,8 +658,10 @@ def _judge_run(members: list[_Unit]) -> _Unit | None:
     return max(coherent, key=_Unit.order_key) if coherent else None
 
 
-def _resolve_pointers(run_dir: str, ptrs, members: list[_Unit], best: _Unit | None) -> list[dict]:
+def _resolve_pointers(run_dir: str, ptrs, members: list[_Unit], best: _Unit | None) -> tuple[list[dict], list[_Unit]]:
+    """Each pointer's record, and the checkpoints they resolve to (the newest pointer's first)."""
     out = []
+    hits: list[tuple[float, _Unit]] = []
     for path, kind, target in ptrs:
         tgt_path = os.path.normpath(os.path.join(run_dir, target)) if target else ""
         hit = None
@@ -593,6 +690,7 @@ def _resolve_pointers(run_dir: str, ptrs, members: list[_Unit], best: _Unit | No
                 + (f"; latest coherent is {best.name}" if best else "")
             )
         if hit is not None:
+            hits.append((_mtime(path), hit))
             hit.evidence.append(f"{os.path.basename(path)} ({kind}) points here")
             if best is not None and best is not hit and best.order_key() > hit.order_key():
                 best.evidence.append(
@@ -600,4 +698,11 @@ def _resolve_pointers(run_dir: str, ptrs, members: list[_Unit], best: _Unit | No
                     "pointers are usually written after a save finishes"
                 )
         out.append(rec)
-    return out
+    return out, [h for _t, h in sorted(hits, key=lambda t: -t[0])]
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return 0.0

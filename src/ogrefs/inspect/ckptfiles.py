@@ -11,8 +11,12 @@ unpickles (pickles are read with :mod:`ogrefs.inspect.pickle_scan`):
 * safetensors: the 8-byte header length, the JSON header, each tensor's
   byte range against its dtype and shape, and the sum against the file
   size.
-* legacy (pre-1.6) torch.save pickles: recognised, but their integrity
-  cannot be judged without loading them, so ``ok`` is ``None``.
+* legacy (pre-1.6, or ``_use_new_zipfile_serialization=False``) torch.save
+  files, as far as their structure allows without unpickling: five
+  pickles in a row (magic number, protocol, sys_info, the object, the
+  storage keys) and then each storage's raw bytes behind an 8-byte element
+  count; every storage the object names must be there with the count the
+  object records, and the file must end where the last one ends.
 * JSON records (``trainer_state.json``, ``*.index.json``) and
   ``torch.distributed.checkpoint`` ``.metadata`` files.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickletools
 import re
 import struct
 import zipfile
@@ -242,6 +247,8 @@ def components_from_pickle(summary: PickleSummary) -> tuple[set[str], int | None
         v = keys.get(k)
         if isinstance(v, int) and not isinstance(v, bool):
             facts[k] = v
+    if "scheduler" in comps and isinstance(keys.get("last_epoch"), int):
+        facts["scheduler_steps"] = keys["last_epoch"]
     if "pytorch-lightning_version" in keys or "lightning_version" in keys:
         facts["lightning"] = True
     if "ds_version" in keys or "ds_config" in keys:
@@ -363,12 +370,7 @@ def _check_raw_pickle(f, fc: FileCheck, deadline: Deadline | None) -> None:
     if head[:3] == b"\x80\x02\x8a" and head[3] == 10 and (
         int.from_bytes(head[4:14], "little") == TORCH_LEGACY_MAGIC
     ):
-        fc.kind = "torch-legacy"
-        fc.ok = None
-        fc.facts["opaque"] = True
-        fc.evidence.append(
-            "legacy (pre-zip) torch.save format: intact-ness cannot be checked without loading"
-        )
+        _check_legacy(f, fc, deadline)
         return
     if not head.startswith(b"\x80"):
         # Not a pickle (protocol 2+ always starts with PROTO): data shards,
@@ -392,8 +394,75 @@ def _check_raw_pickle(f, fc: FileCheck, deadline: Deadline | None) -> None:
         fc.evidence.append("pickle opcode stream reaches STOP")
 
 
+#: bytes per element of the storage types a legacy torch.save file names
+_STORAGE_BYTES = {
+    "Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+    "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Untyped": 1,
+}
+
+
+def _pickle_end(f) -> int:
+    """Offset just past the pickle that starts at ``f``'s position (parsed, never run); ValueError if cut."""
+    for op, _arg, _pos in pickletools.genops(f):
+        if op.name == "STOP":
+            return f.tell()
+    raise ValueError("pickle ends before STOP")  # pragma: no cover - genops raises first
+
+
+def _check_legacy(f, fc: FileCheck, deadline: Deadline | None) -> None:
+    """The legacy torch.save layout walked end to end: pickles, then every storage's count and bytes."""
+    fc.kind = "torch-legacy"
+    try:
+        for _ in range(3):  # magic number, protocol version, sys_info
+            _pickle_end(f)
+        start = f.tell()
+        end = _pickle_end(f)
+        if end - start > _MAX_PICKLE_BYTES:
+            fc.ok, fc.facts["opaque"] = None, True
+            fc.evidence.append("legacy torch.save object pickle too large to scan")
+            return
+        f.seek(start)
+        summary = scan_pickle(f.read(end - start), deadline)
+        keys = [a for op, a, _p in pickletools.genops(f) if isinstance(a, str) and op.name != "PROTO"]
+    except (ValueError, EOFError, IndexError, struct.error) as exc:
+        fc.ok = False
+        fc.problems.append(f"legacy torch.save file cut off inside its pickles ({exc})")
+        return
+    _apply_pickle(fc, summary)
+    if summary.error:
+        fc.ok = False
+        fc.problems.append(f"legacy torch.save object pickle: {summary.error}")
+        return
+    pos, bad = f.tell(), []
+    for key in keys:
+        width = _STORAGE_BYTES.get(summary.storage_types.get(key, "").rpartition(".")[2][: -len("Storage")])
+        f.seek(pos)
+        raw = f.read(8)
+        if len(raw) < 8 or width is None:
+            bad.append(f"storage {key}: " + ("no element count" if len(raw) < 8 else "unknown storage type"))
+            break
+        count = int.from_bytes(raw, "little")
+        if summary.storages.get(key) not in (None, count):
+            bad.append(f"storage {key}: {count} elements, the object records {summary.storages[key]}")
+        pos += 8 + count * width
+    missing = sorted(set(summary.storages) - set(keys))
+    if missing:
+        bad.append(f"{len(missing)} storage(s) the object names are not written (e.g. {missing[0]})")
+    if not bad and pos != fc.size:
+        bad.append(f"storages end at byte {pos} but the file has {fc.size}"
+                   + ("; truncated" if pos > fc.size else ""))
+    if bad:
+        fc.ok = False
+        fc.problems.append("legacy torch.save file: " + "; ".join(bad[:3]))
+        return
+    fc.ok = True
+    fc.evidence.append(f"legacy torch.save layout whole: {len(keys)} storage(s), ends at the last one")
+
+
 def _apply_pickle(fc: FileCheck, summary: PickleSummary) -> None:
     comps, step, epoch, evidence, facts = components_from_pickle(summary)
+    if "num_processes" in summary.world_sizes:
+        facts["num_processes"] = summary.world_sizes["num_processes"]
     fc.components |= comps
     if step is not None:
         fc.step = step

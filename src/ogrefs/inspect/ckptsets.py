@@ -29,7 +29,13 @@ _RANK_FAMILIES = (
      "ZeRO optimizer shard rank"),
     (re.compile(r"^(?P<pre>mp_rank_)(?P<r>\d+)(?P<post>_model_states\.pt)$"), "model-parallel rank"),
     (re.compile(r"^(?P<pre>__)(?P<r>\d+)(?P<post>_\d+\.distcp)$"), "DCP writer rank"),
+    (re.compile(r"^(?P<pre>random_states_)(?P<r>\d+)(?P<post>\.pkl)$"), "accelerate RNG state process"),
 )
+
+
+def is_family_member(name: str) -> bool:
+    """Is ``name`` one of a rank or shard family, whose count depends on the world size or the model size?"""
+    return bool(SHARD_RE.match(name)) or any(rx.match(name) for rx, _label in _RANK_FAMILIES)
 
 
 def set_problems(checks: list[FileCheck], root: str | None, dp_world_size: int | None) -> tuple[list[str], list[str]]:

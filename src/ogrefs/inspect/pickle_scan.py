@@ -25,17 +25,21 @@ That is enough to learn, for the outermost object of the pickle:
 from __future__ import annotations
 
 import pickletools
+import re
 from dataclasses import dataclass, field
 
 from ogrefs.inspect.deadline import Deadline
 
-__all__ = ["PickleSummary", "scan_pickle", "SAFE_GLOBAL_PREFIXES"]
+__all__ = ["PickleSummary", "scan_pickle", "SAFE_GLOBAL_PREFIXES", "is_safe_global"]
 
-#: Globals that ordinary torch / numpy / Lightning / HF checkpoints name.
-#: Anything else is listed in :attr:`PickleSummary.unusual_globals`.
+#: Globals that ordinary torch / numpy / Lightning / HF checkpoints name outside torch's
+#: own: the frameworks load these files with their classes allowed
+#: (``torch.serialization.add_safe_globals``, HF's numpy allowlist) or write them for
+#: themselves (``training_args.bin``).  Anything else is in :attr:`PickleSummary.unusual_globals`.
 SAFE_GLOBAL_PREFIXES = (
-    "torch.",
-    "collections.",
+    "collections.OrderedDict",
+    "collections.Counter",
+    "collections.defaultdict",
     "numpy.",
     "_codecs.encode",
     "builtins.set",
@@ -59,10 +63,29 @@ SAFE_GLOBAL_PREFIXES = (
     "pathlib.",
     "datetime.",
     "enum.",
-    "functools.partial",
     "typing.",
 )
+#: The torch globals of torch.load(weights_only=True)'s allowlist (tensor and storage
+#: rebuilders, storage types, dtypes, layouts, Size, device) and of DCP's metadata.
+#: A bare "torch." prefix would let ``torch.hub.load`` or ``torch.utils.cpp_extension``
+#: through.
+_TORCH_SAFE = re.compile(
+    r"^torch\.(?:_utils\._rebuild_\w+|_tensor\._rebuild_from_type(?:_v2)?|Tensor|nn\.parameter\.\w+"
+    r"|storage\.(?:Typed|Untyped)Storage|serialization\._get_layout|distributed\.\w+(?:\.\w+)*"
+    r"|torch_version\.TorchVersion|_C\._nn\.gelu|[A-Z]\w*Storage|Size|device|dtype|layout|memory_format"
+    r"|float\d*|bfloat16|half|double|u?int\d*|long|short|bool|complex\d*|cfloat|cdouble|q?u?int\d+x?\d*"
+    r"|float8_\w+|strided|sparse_\w+|_mkldnn|contiguous_format|channels_last\w*|preserve_format)$"
+)
 
+
+def is_safe_global(name: str) -> bool:
+    """Would torch.load with the frameworks' allowlists accept this global without running arbitrary code?"""
+    if name.startswith("torch."):
+        return bool(_TORCH_SAFE.match(name))
+    return name.startswith(SAFE_GLOBAL_PREFIXES)
+
+
+_WORLD_KEYS = frozenset({"num_processes", "world_size", "dp_world_size"})
 _MAX_TOP_KEYS = 2000
 _MAX_SMALL_DICT = 16
 _MAX_STR = 256
@@ -104,14 +127,17 @@ class PickleSummary:
     #: first dotted segment of every string key set into any dict
     #: ("model" for "model.layer.weight"); DCP metadata keys look like that
     key_prefixes: set[str] = field(default_factory=set)
+    #: world sizes recorded at any depth (``num_processes`` in the accelerate state that HF's
+    #: ``training_args.bin`` carries, ``dp_world_size``): key -> first integer seen
+    world_sizes: dict[str, int] = field(default_factory=dict)
+    #: persistent-id storage key -> its storage type's global ("torch.FloatStorage")
+    storage_types: dict[str, str] = field(default_factory=dict)
     error: str | None = None
     truncated: bool = False
 
     @property
     def unusual_globals(self) -> list[str]:
-        return sorted(
-            g for g in self.globals if not g.startswith(SAFE_GLOBAL_PREFIXES)
-        )
+        return sorted(g for g in self.globals if not is_safe_global(g))
 
 
 _STR_OPS = {
@@ -172,6 +198,8 @@ def scan_pickle(data: bytes, deadline: Deadline | None = None) -> PickleSummary:
                     out.top_keys[key] = _scalar(v)
             if isinstance(key, str) and len(out.key_prefixes) < _MAX_PREFIXES:
                 out.key_prefixes.add(key.split(".", 1)[0])
+            if key in _WORLD_KEYS and isinstance(v, tuple) and v[0] == "v" and type(v[1]) is int:
+                out.world_sizes.setdefault(key, v[1])
             if isinstance(target, _Dict) and isinstance(key, str):
                 if len(target.items) < _MAX_SMALL_DICT:
                     target.items[key] = _scalar(v)
@@ -282,6 +310,9 @@ def scan_pickle(data: bytes, deadline: Deadline | None = None) -> PickleSummary:
                     if len(parts) >= 3 and parts[0] == "storage" and isinstance(parts[2], str):
                         numel = parts[4] if len(parts) > 4 and isinstance(parts[4], int) else None
                         out.storages[parts[2]] = numel
+                        kind = pid[1][1]
+                        if isinstance(kind, tuple) and kind[0] == "global":
+                            out.storage_types[parts[2]] = kind[1]
                 stack.append("tensor")
             elif name == "REDUCE":
                 _args, func = stack.pop(), stack.pop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ogrefs.inspect.ckptrules import FRAMEWORK_NAMES
 from ogrefs.inspect.compare import gpu_summary
 
 __all__ = ["format_environment", "format_checkpoint"]
@@ -31,6 +32,36 @@ def format_checkpoint(c: dict) -> str:
     return f"{c.get('id')} ({'; '.join(bits)}; {comps}; {_size(c.get('size'))})"
 
 
+def _where(c: dict) -> str:
+    if c.get("step") is not None:
+        return f"step {c['step']}"
+    return f"epoch {c['epoch']:g}" if c.get("epoch") is not None else "no step recorded"
+
+
+def _run_lines(run: dict) -> list[str]:
+    """A run's framework, what it would resume from and why, and where that and the most advanced disagree."""
+    lines = []
+    resume = run.get("resume") or {}
+    if run.get("checkpoints"):
+        fmt = run.get("framework") or "?"
+        head = f"Run {run.get('dir')} ({FRAMEWORK_NAMES.get(fmt, fmt)}): "
+        if resume.get("id"):
+            state = "coherent" if resume.get("coherent") else "NOT coherent"
+            head += f"resumes from {resume.get('name')} ({_where(resume)}, {state}; {resume.get('rule')})"
+        else:
+            head += resume.get("rule") or "no resume target"
+        adv = next((c for c in run["checkpoints"] if c.get("id") == run.get("most_advanced_coherent")), None)
+        if adv is not None and adv.get("id") != resume.get("id"):
+            head += f"; most advanced coherent: {adv.get('name')} ({_where(adv)})"
+        lines.append(head)
+    for p in run.get("problems") or []:
+        lines.append(f"  problem: {p}")
+    for p in run.get("pointers", []):
+        if p.get("problem"):
+            lines.append(f"  pointer {p['path']}: {p['problem']}")
+    return lines
+
+
 def format_environment(env: dict) -> list[str]:
     """Lines describing a manifest, most useful first."""
     lines: list[str] = []
@@ -47,9 +78,7 @@ def format_environment(env: dict) -> list[str]:
     else:
         lines.append("Checkpoints: none found")
     for run in ck.get("runs", []):
-        for p in run.get("pointers", []):
-            if p.get("problem"):
-                lines.append(f"  pointer {p['path']}: {p['problem']}")
+        lines += _run_lines(run)
     bad = ck.get("incomplete") or []
     if bad:
         lines.append(f"Not usable ({len(bad)}):")
