@@ -73,3 +73,15 @@ def test_bare_latest_is_the_newest_whole_box_snapshot_never_a_later_partial_one(
     repo = _Repo(ms[2:])
     assert resolve_snapshot(repo, "latest")["id"].startswith("05")
     assert select_snapshot(_Repo(ms[2:4]), "latest")[0]["id"].startswith("04")  # /srv covers /srv/proj
+
+
+def test_latest_checkpoint_follows_a_restarted_run(monkeypatch):
+    monkeypatch.setenv("OGREFS_BOX", "a")
+    # 02 holds step 400; the run restarted in the same directory and 03 holds its step 200, written later:
+    # that is what the framework resumes from.  04 holds step 100 written before 02's: a deleted newer one.
+    old, restart, stale = _m(2, "a", 400), _m(3, "a", 200), _m(4, "a", 100)
+    for m, t in ((old, 1000.0), (restart, 2000.0)):
+        m["environment"]["checkpoints"]["latest_coherent"]["mtime"] = t
+    assert resolve_snapshot(_Repo([_m(1, "a", 100), old, restart]), "latest-checkpoint")["id"].startswith("03")
+    stale["environment"]["checkpoints"]["latest_coherent"]["mtime"] = 500.0
+    assert resolve_snapshot(_Repo([old, stale]), "latest-checkpoint")["id"].startswith("02")

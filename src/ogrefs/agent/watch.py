@@ -7,9 +7,12 @@ three levels deep) with their sizes and modification times.  While that
 listing keeps changing nothing is judged: a checkpoint being written is never
 examined.  Once it has stayed the same for ``quiet_s`` (complete and quiet),
 the candidates are judged by the same code as a snapshot's environment
-(:func:`~ogrefs.inspect.checkpoints.analyze_checkpoints`), and a *coherent*
-checkpoint more advanced than the last one reported (per run: step, then
-epoch) is returned.  A torn or incomplete checkpoint is never returned; a
+(:func:`~ogrefs.inspect.checkpoints.analyze_checkpoints`), and the run's
+*latest coherent* checkpoint (the one its framework would resume from, when
+that is coherent) is returned when it is new: more advanced than the last one
+reported (per run: step, then epoch), or another checkpoint written after it
+(a run restarted in the same directory saves a lower step later, and that is
+what it resumes from).  A torn or incomplete checkpoint is never returned; a
 later one that completes it is.
 
 Owned by one thread (the agent's watch thread); no locks.
@@ -95,6 +98,7 @@ class CheckpointWatch:
         self._since = 0.0
         self._judged: tuple | None = None
         self.reported: dict[str, tuple] = {}  # run -> progress key of the last checkpoint reported
+        self._reported_at: dict[str, tuple[str, float]] = {}  # run -> (path, mtime) of the last one reported
         self.last_verdict: dict | None = None  # what the last judgement saw (for --json events)
         self.judged_now = False  # the last scan judged the candidates
 
@@ -105,6 +109,7 @@ class CheckpointWatch:
         """A checkpoint already in a snapshot: only one more advanced than it is new."""
         if ck is not None:
             self.reported[ck.run] = max(self.reported.get(ck.run, (-2, -2)), ck.key())
+            self._reported_at[ck.run] = (ck.path, _newest_mtime(ck.path))
 
     def scan(self, now: float | None = None) -> Checkpoint | None:
         """A new coherent checkpoint, once the candidates have been quiet for ``quiet_s``; else None."""
@@ -122,17 +127,35 @@ class CheckpointWatch:
         self._judged = sig
         self.judged_now = True
         section, _hints, _notes = analyze_checkpoints(cands, Deadline(JUDGE_DEADLINE_S))
-        found = None
+        found, found_mtime = None, 0.0
         for run in section.get("runs", []):
             best = next((c for c in run["checkpoints"] if c["id"] == run.get("latest_coherent")), None)
             if best is None:
                 continue
             ck = Checkpoint(run["dir"], best.get("step"), best.get("epoch"), best.get("path"))
-            if ck.key() > self.reported.get(ck.run, (-2, -2)) and (found is None or ck.key() > found.key()):
-                found = ck
+            if self._is_new(ck, best.get("mtime") or 0.0) and (found is None or ck.key() > found.key()):
+                found, found_mtime = ck, best.get("mtime") or 0.0
         self.last_verdict = {"candidates": sum(len(v) for v in cands.values()),
                              "incomplete": [i["path"] for i in section.get("incomplete", [])],
                              "new": found.as_dict() if found else None}
         if found is not None:
             self.reported[found.run] = found.key()
+            self._reported_at[found.run] = (found.path, found_mtime)
         return found
+
+    def _is_new(self, ck: Checkpoint, mtime: float) -> bool:
+        """More advanced than the run's last reported checkpoint, or another one written after it (a restart)."""
+        if ck.key() > self.reported.get(ck.run, (-2, -2)):
+            return True
+        path, at = self._reported_at.get(ck.run, (None, None))
+        return path is not None and path != ck.path and at is not None and mtime > at
+
+
+def _newest_mtime(path: str) -> float | None:
+    """The newest modification time of a checkpoint file, or of the files of a checkpoint directory."""
+    try:
+        if not os.path.isdir(path):
+            return os.stat(path).st_mtime
+        return max((e.stat().st_mtime for e in os.scandir(path) if e.is_file()), default=None)
+    except OSError:
+        return None

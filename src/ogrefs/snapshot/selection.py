@@ -34,7 +34,9 @@ Selectors, as the CLI takes them (``show``, ``restore``, ``mount``, ``diff``,
   the one holding the most advanced coherent training checkpoint (step, then
   epoch; the newest snapshot breaks ties) of the run its newest
   checkpoint-holding snapshot trains, so a later snapshot that holds an older
-  or torn checkpoint is never taken for progress.
+  or torn checkpoint is never taken for progress; except where the newest
+  snapshot's checkpoint was written after that most advanced one: a run
+  restarted in the same directory, which its framework resumes from.
 
 Every selector is narrowed by :class:`Filters` (``--path``, ``--tag``,
 ``--host``, as restic's): ``--path`` keeps the snapshots whose recorded paths
@@ -116,14 +118,15 @@ def default_box(repo=None) -> str:
 
 
 def checkpoint_of(m: Manifest) -> dict[str, Any] | None:
-    """The coherent checkpoint a snapshot holds: {run, step, epoch, path} of its latest coherent one, or None."""
+    """The coherent checkpoint a snapshot holds: {run, step, epoch, path, mtime} of its latest coherent one, or None."""
     env = m.get("environment")
     ck = ((env or {}).get("checkpoints") or {}).get("latest_coherent") if isinstance(env, dict) else None
     if not isinstance(ck, dict) or not ck.get("coherent"):
         return None
     step, epoch = ck.get("step"), ck.get("epoch")
     return {"run": ck.get("run"), "step": step if isinstance(step, int) else None,
-            "epoch": epoch if isinstance(epoch, (int, float)) else None, "path": ck.get("path")}
+            "epoch": epoch if isinstance(epoch, (int, float)) else None, "path": ck.get("path"),
+            "mtime": ck["mtime"] if isinstance(ck.get("mtime"), (int, float)) else None}
 
 
 def _progress(ck: dict[str, Any]) -> tuple:
@@ -228,4 +231,11 @@ def _latest_checkpoint(mine: list[Manifest], box: str) -> Manifest:
         raise SnapshotNotFound(f"no snapshot of box {box!r} holds a coherent training checkpoint")
     run = held[-1][1]["run"]  # the run the box trains now: that of its newest checkpoint-holding snapshot
     same_run = [(i, m, ck) for i, (m, ck) in enumerate(held) if ck["run"] == run]
-    return max(same_run, key=lambda t: (_progress(t[2]), t[0]))[1]
+    best = max(same_run, key=lambda t: (_progress(t[2]), t[0]))
+    newest = same_run[-1]
+    # A run restarted in the same directory saves a lower step later, and resumes from it (the
+    # capture's latest coherent checkpoint follows the framework's resume rule): written after the
+    # most advanced one, it is the state to go back to.
+    if newest[2]["mtime"] is not None and best[2]["mtime"] is not None and newest[2]["mtime"] > best[2]["mtime"]:
+        return newest[1]
+    return best[1]
