@@ -58,6 +58,14 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def ckpt_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str | None]]:
+    """framework -> (its clean saves, skip reason or None): real saves made by the frameworks, once per session."""
+    from tests.ckpt_corpus import build_all
+
+    return build_all(str(tmp_path_factory.mktemp("ckpt-corpus")))
+
+
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "file":

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+
+import pytest
 
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog
@@ -87,3 +90,33 @@ def test_show_and_diff_report_the_driver_on_both_sides(tmp_path):
     assert "driver of this box: no NVIDIA driver" in shown  # this test box has none
     diffed = run(["diff", snap["id"], snap["id"]], fresh).stdout
     assert diffed.count("535.104.05") == 2 and "driver of this box:" in diffed
+
+
+def test_show_names_each_frameworks_step_and_resume_target(ckpt_corpus, tmp_path):
+    """show, text and JSON, on the clean saves the frameworks made (tests/ckpt_corpus.py)."""
+    box = tmp_path / "box"
+    for name in ("hf", "accelerate", "lightning", "dcp", "deepspeed", "plain"):
+        src, skip = ckpt_corpus[name]
+        if not skip:
+            shutil.copytree(src, box / name, symlinks=True)
+    if not box.exists():
+        pytest.skip("no framework installed")
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
+    run(["init"], env)
+    snap = json.loads(run(["snapshot", "--json", str(box)], env).stdout)
+    shown = json.loads(run(["show", "--json", snap["id"]], env).stdout)
+    runs = {r["dir"]: r for r in shown["environment"]["checkpoints"]["runs"]}
+    text = run(["show", snap["id"]], env).stdout
+    expect = {
+        "hf/run": ("HF Trainer", "checkpoint-40", 40), "accelerate/checkpoints": ("accelerate", "checkpoint_3", 40),
+        "lightning/clean": ("Lightning", "last.ckpt", 40), "dcp": ("torch.distributed.checkpoint", "step_40", 40),
+        "deepspeed/clean": ("DeepSpeed", "global_step40", 40), "plain/zip": ("torch", "step_40.pt", 40),
+    }
+    for sub, (fw, target, step) in expect.items():
+        if ckpt_corpus[sub.split("/")[0]][1]:
+            continue
+        d = str(box / sub)
+        assert runs[d]["resume"]["name"] == target and runs[d]["resume"]["step"] == step and runs[d]["resume"]["coherent"]
+        assert runs[d]["framework"] and not runs[d]["problems"]
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"Run {d} "))
+        assert f"({fw})" in line and f"resumes from {target} (step {step}, coherent" in line

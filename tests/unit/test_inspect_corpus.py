@@ -1,6 +1,6 @@
 """Checkpoints that the frameworks themselves wrote, judged: clean, killed, cut, restarted, planted.
 
-The clean saves are made once per test session by ``ckpt_corpus.py`` (the frameworks' own save
+The clean saves are made once per test session by tests/ckpt_corpus.py (the frameworks' own save
 APIs on CPU, one process each, the distributed ones with two ranks on gloo).  Each test copies
 the clean run it needs (mtimes kept) and damages the copy the way a crash, a disk or a person
 does.  A framework that is not installed here skips its tests with the reason.
@@ -8,63 +8,20 @@ does.  A framework that is not installed here skips its tests with the reason.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from ogrefs.inspect.checkpoints import analyze_checkpoints, is_candidate_name
 from ogrefs.inspect.deadline import Deadline
 
-from tests.cli_run import run as run_cli
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_BUILDS = ("hf", "deepspeed", "lightning", "torch", "accelerate")  # the slowest first: two run at a time
-_WHERE = {"plain": ("torch", "plain"), "dcp": ("torch", "dcp"), "hf-ddp": ("hf", "ddp")}
-_BUILD_TIMEOUT_S = 240
-
-
-def _build(root: str, name: str) -> tuple[str, str | None, float]:
-    """(directory, skip reason or None, seconds) of one framework's clean saves."""
-    out = os.path.join(root, name)
-    t0 = time.monotonic()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run([sys.executable, os.path.join(_HERE, "ckpt_corpus.py"), name, out], env=env,
-                              capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, cwd=root)
-    except subprocess.TimeoutExpired:
-        return out, f"{name}: its saves took over {_BUILD_TIMEOUT_S} s", time.monotonic() - t0
-    if proc.returncode == 3:
-        return out, proc.stderr.strip().splitlines()[-1], time.monotonic() - t0
-    if proc.returncode != 0:
-        raise AssertionError(f"building the {name} corpus failed:\n{proc.stderr[-3000:]}")
-    return out, None, time.monotonic() - t0
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """framework -> (clean directory, skip reason); built two at a time, once per session."""
-    root = str(tmp_path_factory.mktemp("ckpt-corpus"))
-    with ThreadPoolExecutor(2) as pool:
-        built = dict(zip(_BUILDS, pool.map(lambda n: _build(root, n), _BUILDS)))
-    print("corpus build seconds:", {k: round(v[2], 1) for k, v in built.items()}, file=sys.stderr)
-    out = {k: (v[0], v[1]) for k, v in built.items()}
-    for name, (build, sub) in _WHERE.items():
-        out[name] = (os.path.join(built[build][0], sub), built[build][1])
-    return out
-
-
 @pytest.fixture
-def clean(corpus, tmp_path):
+def clean(ckpt_corpus, tmp_path):
     """A copy of one framework's clean saves: clean("hf") -> its directory under tmp_path."""
     def copy(name: str) -> str:
-        src, skip = corpus[name]
+        src, skip = ckpt_corpus[name]
         if skip:
             pytest.skip(skip)
         dst = str(tmp_path / name)
@@ -245,6 +202,14 @@ def test_accelerate_unfinished_save(clean, damage):
     assert latest(section)["id"] == os.path.join(d, "checkpoint_2") and latest(section)["step"] == 30
 
 
+def test_accelerate_without_registered_state_steps_from_the_scheduler(clean):
+    d = os.path.join(clean("accelerate"), "bare", "checkpoints")
+    section = analyze(d)
+    assert latest(section)["id"] == os.path.join(d, "checkpoint_3") and latest(section)["step"] == 40
+    section = damaged(d, "checkpoint_3", "no random_states_0.pkl")  # the file it writes last
+    assert latest(section)["id"] == os.path.join(d, "checkpoint_2")
+
+
 def test_accelerate_lone_save_without_its_random_states(clean):
     d = os.path.join(clean("accelerate"), "checkpoints")
     for i in range(3):
@@ -330,33 +295,3 @@ def test_deepspeed_restarted_run(clean):
     r = run_of(section, d)
     assert r["resume"]["name"] == "global_step20" and r["latest_coherent"] == os.path.join(d, "global_step20")
     assert any("more advanced" in p and "global_step40" in p for p in r["problems"])
-
-
-# ---------------------------------------------------------------- show, end to end
-
-
-def test_show_names_framework_step_and_resume_target(corpus, tmp_path):
-    box = tmp_path / "box"
-    for name in ("hf", "accelerate", "lightning", "dcp", "deepspeed", "plain"):
-        src, skip = corpus[name]
-        if not skip:
-            shutil.copytree(src, box / name, symlinks=True)
-    if not box.exists():
-        pytest.skip("no framework installed")
-    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
-    run_cli(["init"], env)
-    snap = json.loads(run_cli(["snapshot", "--json", str(box)], env).stdout)
-    runs = {r["dir"]: r for r in snap["environment"]["checkpoints"]["runs"]}
-    text = run_cli(["show", snap["id"]], env).stdout
-    expect = {
-        "hf/run": ("HF Trainer", "checkpoint-40", 40), "accelerate/checkpoints": ("accelerate", "checkpoint_3", 40),
-        "lightning/clean": ("Lightning", "last.ckpt", 40), "dcp": ("torch.distributed.checkpoint", "step_40", 40),
-        "deepspeed/clean": ("DeepSpeed", "global_step40", 40), "plain/zip": ("torch", "step_40.pt", 40),
-    }
-    for sub, (fw, target, step) in expect.items():
-        if corpus[sub.split("/")[0]][1]:
-            continue
-        d = str(box / sub)
-        assert runs[d]["resume"]["name"] == target and runs[d]["resume"]["step"] == step
-        line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"Run {d} "))
-        assert f"({fw})" in line and f"resumes from {target} (step {step}, coherent" in line

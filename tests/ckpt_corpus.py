@@ -1,9 +1,10 @@
 """Real checkpoints made by the frameworks' own save APIs, on CPU, for the checkpoint tests.
 
-Run as ``python ckpt_corpus.py BUILD OUT_DIR`` (one process per build, so that
-one framework's imports and global state cannot leak into another's).  Each writes a
-small training run's saves under OUT_DIR and exits 0, or exits 3 with one line on
-stderr when the framework is not installed here.  The tests (test_inspect_corpus.py)
+:func:`build_all` (the ``ckpt_corpus`` fixture of tests/conftest.py, once per test session)
+runs this file as ``python ckpt_corpus.py BUILD OUT_DIR``, one process per build so that one
+framework's imports and global state cannot leak into another's, two at a time.  Each writes
+a small training run's saves under OUT_DIR and exits 0, or exits 3 with one line on stderr
+when the framework is not installed here.  The tests (tests/unit/test_inspect_corpus.py)
 build the damaged cases from these clean saves.
 
 Every run trains a few steps of a tiny model; the saves are what the framework writes,
@@ -12,8 +13,47 @@ not imitations.  The frameworks with a distributed save run two processes on glo
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: the slowest first, two at a time: about 25 s in all on the project's 2-core machine
+_BUILDS = ("hf", "deepspeed", "lightning", "torch", "accelerate")
+_WHERE = {"plain": ("torch", "plain"), "dcp": ("torch", "dcp"), "hf-ddp": ("hf", "ddp")}
+_BUILD_TIMEOUT_S = 240
+
+
+def _build(root: str, name: str) -> tuple[str, str | None, float]:
+    """(directory, skip reason or None, seconds) of one framework's clean saves."""
+    out = os.path.join(root, name)
+    t0 = time.monotonic()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(_HERE, "ckpt_corpus.py"), name, out], env=env,
+                              capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, cwd=root)
+    except subprocess.TimeoutExpired:
+        return out, f"{name}: its saves took over {_BUILD_TIMEOUT_S} s", time.monotonic() - t0
+    if proc.returncode == 3:
+        return out, proc.stderr.strip().splitlines()[-1], time.monotonic() - t0
+    if proc.returncode != 0:
+        raise AssertionError(f"building the {name} corpus failed:\n{proc.stderr[-3000:]}")
+    return out, None, time.monotonic() - t0
+
+
+def build_all(root: str) -> dict[str, tuple[str, str | None]]:
+    """framework -> (directory of its clean saves, skip reason or None); built two at a time under ``root``."""
+    with ThreadPoolExecutor(2) as pool:
+        built = dict(zip(_BUILDS, pool.map(lambda n: _build(root, n), _BUILDS)))
+    print("corpus build seconds:", {k: round(v[2], 1) for k, v in built.items()}, file=sys.stderr)
+    out = {k: (v[0], v[1]) for k, v in built.items()}
+    for name, (build, sub) in _WHERE.items():
+        out[name] = (os.path.join(built[build][0], sub), built[build][1])
+    return out
 
 
 def _missing(name: str) -> None:
@@ -118,23 +158,30 @@ def accel(out: str) -> None:
         def load_state_dict(self, d: dict) -> None:
             self.step = d["step"]
 
-    torch.manual_seed(0)
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True))
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
-    model, opt, sched = acc.prepare(model, opt, sched)
-    progress = Progress()
-    acc.register_for_checkpointing(progress)
-    for step in range(1, 41):
-        with acc.accumulate(model):
-            acc.backward(model(torch.randn(3, 4)).sum())
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-        progress.step = step
-        if step % 10 == 0:
-            acc.save_state()
+    def train(project: str, with_progress: bool) -> None:
+        torch.manual_seed(0)
+        config = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True)
+        acc = Accelerator(cpu=True, project_config=config)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        progress = Progress()
+        if with_progress:
+            acc.register_for_checkpointing(progress)
+        for step in range(1, 41):
+            # with progress: accumulate() moves accelerate's own step counter too; without, only the scheduler counts
+            with acc.accumulate(model) if with_progress else contextlib.nullcontext():
+                acc.backward(model(torch.randn(3, 4)).sum())
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            progress.step = step
+            if step % 10 == 0:
+                acc.save_state()
+
+    train(out, True)
+    train(os.path.join(out, "bare"), False)  # no registered state: random_states_0.pkl is written last
 
 
 def lightning(out: str) -> None:
@@ -250,14 +297,22 @@ def ds(out: str) -> None:
         _missing("deepspeed")
     import torch.multiprocessing as mp
 
-    for sub, seed, steps in (("clean", 0, 40), ("restarted", 0, 40), ("restarted", 1, 20)):
+    import shutil
+
+    for sub, seed, steps in (("clean", 0, 40), ("restarted", 1, 20)):
         d = os.path.join(out, sub)
+        if sub == "restarted":  # the first run is the clean one: a copy, mtimes kept, spares a third run
+            shutil.copytree(os.path.join(out, "clean"), d)
         os.makedirs(d, exist_ok=True)
-        init = "file://" + os.path.join(out, f".rendezvous-{sub}-{seed}")
+        init = "file://" + os.path.join(out, f".rendezvous-{sub}")
         mp.start_processes(_ds_rank, args=(d, init, seed, steps), nprocs=2, start_method="fork")
         os.unlink(init[len("file://"):])
 
 
 if __name__ == "__main__":
+    try:
+        import torch  # noqa: F401  (every build needs it)
+    except ImportError:
+        _missing("torch")
     {"torch": torch_only, "hf": hf, "accelerate": accel, "lightning": lightning, "dcp": dcp, "deepspeed": ds}[
         sys.argv[1]](sys.argv[2])
