@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: the slowest first, two at a time: about 25 s in all on the project's 2-core machine
 _BUILDS = ("hf", "deepspeed", "lightning", "torch", "accelerate")
-_WHERE = {"plain": ("torch", "plain"), "dcp": ("torch", "dcp"), "hf-ddp": ("hf", "ddp")}
+_WHERE = {"plain": ("torch", "plain"), "planted": ("torch", "planted"), "dcp": ("torch", "dcp"),
+          "hf-ddp": ("hf", "ddp")}
 _BUILD_TIMEOUT_S = 240
 
 
@@ -258,9 +259,39 @@ def dcp(out: str) -> None:
     os.unlink(os.path.join(out, ".rendezvous"))
 
 
+class _RunsCode:
+    """Pickled as a call of os.system: loading the file would create ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def planted(out: str) -> None:
+    """A plain loop's step_10.pt, then a step_20.pt whose pickle would run os.system, named by ``latest``.
+
+    In both torch.save formats.  ``RAN`` beside them appears if anything ever loads one.
+    """
+    import torch
+
+    for sub, kw in (("zip", {}), ("legacy", {"_use_new_zipfile_serialization": False})):
+        d = os.path.join(out, sub)
+        os.makedirs(d)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, extra in ((10, {}), (20, {"hook": _RunsCode(os.path.join(out, "RAN"))})):
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, **extra}
+            torch.save(state, os.path.join(d, f"step_{step}.pt"), **kw)
+        with open(os.path.join(d, "latest"), "w") as f:
+            f.write("step_20.pt\n")
+
+
 def torch_only(out: str) -> None:
-    """The frameworks that need nothing but torch, in one process: the plain loop and DCP."""
+    """The frameworks that need nothing but torch, in one process: the plain loop, planted pickles and DCP."""
     plain(os.path.join(out, "plain"))
+    planted(os.path.join(out, "planted"))
     dcp(os.path.join(out, "dcp"))
 
 

@@ -9,7 +9,6 @@ does.  A framework that is not installed here skips its tests with the reason.
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 
 import pytest
@@ -113,31 +112,18 @@ def test_plain_loop_restarted_in_the_same_directory(clean):
     assert latest(section)["step"] == 20
 
 
-def test_pickle_that_would_run_code_is_never_loaded_nor_coherent(clean, tmp_path):
-    d = os.path.join(clean("plain"), "zip")
-    marker = tmp_path / "ran"
-
-    class Boom:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    import zipfile
-
-    good = os.path.join(d, "step_40.pt")
-    evil = os.path.join(d, "step_50.pt")
-    with zipfile.ZipFile(good) as src, zipfile.ZipFile(evil, "w") as dst:
-        for info in src.infolist():
-            data = src.read(info)
-            if info.filename.endswith("data.pkl"):
-                data = pickle.dumps({"model": {}, "optimizer": {}, "step": 50, "x": Boom()}, protocol=2)
-            dst.writestr(info, data)
-    with open(os.path.join(d, "latest"), "w") as f:
-        f.write("step_50.pt\n")
+@pytest.mark.parametrize("sub", ["zip", "legacy"])
+def test_pickle_that_would_run_code_is_never_loaded_nor_coherent(clean, ckpt_corpus, sub):
+    d = os.path.join(clean("planted"), sub)
     section = analyze(d)
-    assert not marker.exists()
-    c = unit(section, evil)
+    marker = os.path.join(ckpt_corpus["planted"][0], "RAN")  # the path the pickles were built to touch
+    assert not os.path.exists(marker), "a planted pickle was loaded"
+    c = unit(section, os.path.join(d, "step_20.pt"))
+    assert c["files"][0]["ok"] is True  # whole, yet refused by torch.load(weights_only=True)
     assert c["coherent"] is False and any("weights_only" in p and "system" in p for p in c["problems"])
-    assert latest(section)["id"] == good
+    r = run_of(section, d)
+    assert r["latest_coherent"] == os.path.join(d, "step_10.pt") and r["resume"]["coherent"] is False
+    assert "not coherent" in r["pointers"][0]["problem"]
 
 
 # ---------------------------------------------------------------- HF Trainer

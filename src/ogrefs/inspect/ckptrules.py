@@ -103,4 +103,4 @@ def resume_rule(fmt: str, members: list, pointer_hits: list) -> tuple[object | N
         return pointer_hits[0], "the checkpoint the latest pointer names"
     if fmt == "deepspeed":
         return None, "no latest file: DeepSpeed's load_checkpoint finds nothing to resume"
-    return max(members, key=lambda m: m.order_key()), "the highest step (no pointer file)"
+    return max(members, key=lambda m: m.order_key()), "the most advanced checkpoint (no pointer file)"
