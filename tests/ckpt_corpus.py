@@ -181,8 +181,39 @@ def accel(out: str) -> None:
             if step % 10 == 0:
                 acc.save_state()
 
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the processes first: an Accelerator made here sets up the process state, which a fork would copy
+    mp.start_processes(_accel_rank, args=(port, os.path.join(out, "ddp")), nprocs=2, start_method="fork")
     train(out, True)
     train(os.path.join(out, "bare"), False)  # no registered state: random_states_0.pkl is written last
+
+
+def _accel_rank(rank: int, port: int, out: str) -> None:
+    """One of 2 processes (gloo): each save_state writes random_states_0.pkl and random_states_1.pkl."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    for step in range(1, 21):
+        acc.backward(model(torch.randn(3, 4)).sum())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step % 10 == 0:
+            acc.save_state()
 
 
 def lightning(out: str) -> None:

@@ -196,6 +196,16 @@ def test_accelerate_without_registered_state_steps_from_the_scheduler(clean):
     assert latest(section)["id"] == os.path.join(d, "checkpoint_2")
 
 
+def test_accelerate_two_processes_highest_ones_random_states_missing(clean):
+    d = os.path.join(clean("accelerate"), "ddp", "checkpoints")
+    assert latest(analyze(d))["id"] == os.path.join(d, "checkpoint_1") and latest(analyze(d))["step"] == 20
+    # random_states_1.pkl is the last process's: removing it leaves no gap in 0..N-1
+    section = damaged(d, "checkpoint_1", "no random_states_1.pkl")
+    c = unit(section, os.path.join(d, "checkpoint_1"))
+    assert any("random_states_1.pkl missing" in p for p in c["problems"])
+    assert latest(section)["id"] == os.path.join(d, "checkpoint_0")
+
+
 def test_accelerate_lone_save_without_its_random_states(clean):
     d = os.path.join(clean("accelerate"), "checkpoints")
     for i in range(3):

@@ -49,7 +49,7 @@ from ogrefs.inspect.ckptfiles import (
     components_from_name,
     kind_from_name,
 )
-from ogrefs.inspect.ckptrules import framework_problems, resume_rule
+from ogrefs.inspect.ckptrules import framework_problems, resume_rule, sibling_problems
 from ogrefs.inspect.ckptsets import SHARD_RE, is_family_member, set_problems
 
 __all__ = ["analyze_checkpoints", "is_candidate_name", "POINTER_NAMES", "COMPONENTS"]
@@ -523,9 +523,13 @@ def _accelerate_progress(u: _Unit, read: _Read) -> None:
         u.name_step = None
     for base in [b for b, v in read.steps.items() if b.startswith("random_states_") and v == 0]:
         del read.steps[base]  # accelerate's own step counter only moves under accelerator.accumulate()
-    if not read.steps and read.facts.get("scheduler_steps") is not None:
-        read.steps["scheduler.bin last_epoch"] = read.facts["scheduler_steps"]
-        u.evidence.append(f"step {read.facts['scheduler_steps']} from the LR scheduler's last_epoch")
+    sched = read.facts.get("scheduler_steps")
+    world = sum(1 for c in u.checks if re.match(r"^random_states_\d+\.pkl$", os.path.basename(c.path)))
+    if not read.steps and sched is not None and world and sched % world == 0:
+        # accelerate steps a prepared scheduler once per process per optimizer step (its default)
+        read.steps["scheduler.bin last_epoch"] = sched // world
+        u.evidence.append(f"step {sched // world} from the LR scheduler's last_epoch {sched}"
+                          + (f" over {world} processes" if world > 1 else ""))
 
 
 def _settle_progress(u: _Unit, read: _Read) -> None:
@@ -598,6 +602,9 @@ def _expect_siblings(members: list[_Unit]) -> None:
         if missing:
             m.problems.append(f"no {', '.join(missing[:3])} (every other {m.format} save in this run has it: "
                               "the save did not finish or the file was removed)")
+        more = [p for p in sibling_problems(m.format, m.checks, [o.checks for o in others]) if p not in m.problems]
+        m.problems += more
+        if missing or more:
             m.complete = False
 
 

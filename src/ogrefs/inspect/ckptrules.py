@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["framework_problems", "resume_rule", "FRAMEWORK_NAMES"]
+__all__ = ["framework_problems", "sibling_problems", "resume_rule", "FRAMEWORK_NAMES"]
 
 #: How ``show`` names each format.
 FRAMEWORK_NAMES = {
@@ -41,6 +41,7 @@ FRAMEWORK_NAMES = {
     "megatron": "Megatron",
 }
 
+_ACC_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
 _HF_RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _LAST_CKPT = re.compile(r"^last(?:-v\d+)?\.ckpt$")
 _NUMBER = re.compile(r"(\d+)$")
@@ -79,6 +80,30 @@ def _hf_problems(names: set[str], checks: list) -> list[str]:
         return [f"RNG state of process(es) {', '.join(map(str, missing[:5]))} missing "
                 f"(e.g. rng_state_{missing[0]}.pth): a {world}-process run writes one per process"]
     return []
+
+
+def sibling_problems(fmt: str, checks: list, others: list[list]) -> list[str]:
+    """What the run's other finished saves (their checks) say this one lacks, where the save records no world size.
+
+    accelerate writes ``random_states_<process>.pkl`` from every process but records the
+    process count nowhere; when every other save of the run has the same count, this one
+    must have it too (the highest process's file leaves no gap when it is the one missing).
+    """
+    if fmt != "accelerate" or not others:
+        return []
+
+    def ranks(cs: list) -> set[int]:
+        return {int(m.group(1)) for c in cs if (m := _ACC_RNG.match(os.path.basename(c.path)))}
+
+    worlds = {max(ranks(cs), default=-1) + 1 for cs in others}
+    if len(worlds) != 1:
+        return []  # the run's saves disagree (a restart with another world): nothing to hold this one to
+    world = worlds.pop()
+    missing = sorted(set(range(world)) - ranks(checks))
+    if not missing:
+        return []
+    return [f"random_states_{missing[0]}.pkl missing ({len(missing)} of {world} processes' random states): every "
+            f"other save of this run has {world} (accelerate records no process count; the save did not finish)"]
 
 
 def resume_rule(fmt: str, members: list, pointer_hits: list) -> tuple[object | None, str]:
