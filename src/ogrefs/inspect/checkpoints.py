@@ -21,13 +21,22 @@ The steps, in words:
    checkpoint as a whole: shards named by an index or ``-0000N-of-0000M``
    all present, rank shards 0..N-1 all present (and as many as DeepSpeed's
    recorded ``dp_world_size``), DCP ``.metadata`` present and naming only
-   present shards of sufficient size, and every progress point recorded
-   (directory name, ``trainer_state.json``, pickle keys) agreeing.
+   present shards of sufficient size, the files its framework writes in
+   every finished save present (:mod:`ogrefs.inspect.ckptrules`), the files
+   every other finished save of its run holds present, no pickle naming a
+   global outside torch's ``weights_only`` allowlist, and every progress
+   point recorded (directory name, ``trainer_state.json``, pickle keys)
+   agreeing.  accelerate's ``checkpoint_<N>`` is a save index, not a step.
 5. Within a run, the components that the run's complete checkpoints hold
    are expected of every checkpoint; one lacking any is not coherent
    ("no optimizer state for step 10; optimizer state exists only for
-   step 9").  The run's latest coherent checkpoint is the coherent one with
-   the highest progress point (step, then epoch), then the newest mtime.
+   step 9").  The run's most advanced coherent checkpoint is the coherent
+   one with the highest progress point (step, then epoch), then the newest
+   mtime.  Its framework's own resume target (the highest ``checkpoint-N``,
+   the newest ``last*.ckpt``, the ``latest`` pointer, ...) is reported beside
+   it; the run's latest coherent checkpoint is that target when it is
+   coherent, else the most advanced one, and a problem is named where the
+   two disagree (a restart in the same directory, a torn target).
 6. The overall latest coherent checkpoint is picked across runs: training
    checkpoints (with a progress point, optimizer or progress record) before
    bare weights, then the newest mtime.  Modification time only chooses

@@ -15,8 +15,11 @@ That is enough to learn, for the outermost object of the pickle:
 * the tensor storages it references through persistent ids
   (``('storage', <type>, '<key>', '<location>', <numel>)``), so a torch
   zip can be checked for every ``data/<key>`` member it needs;
-* the globals it names, so callables outside the usual torch / numpy /
-  collections set can be reported as suspicious;
+* the globals it names, so that a file naming one outside torch's
+  ``weights_only`` allowlist (and the frameworks' own classes) is known to be
+  refused by ``torch.load(weights_only=True)`` and to run code otherwise;
+* the world sizes recorded at any depth (``num_processes`` inside the
+  accelerate state that HF's ``training_args.bin`` carries);
 * ``(relative_path, offset, length)`` records built by ``BUILD`` (used by
   ``torch.distributed.checkpoint`` ``.metadata`` files) and ``*.distcp``
   file names mentioned anywhere.
