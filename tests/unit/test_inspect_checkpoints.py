@@ -325,6 +325,8 @@ def test_legacy_torch_file_that_stops_after_its_magic_number_is_torn(tmp_path):
     p.write_bytes(b"\x80\x02\x8a\x0a" + TORCH_LEGACY_MAGIC.to_bytes(10, "little") + b".\x80\x02}q\x00.")
     fc = check_file(str(p))
     assert fc.kind == "torch-legacy" and fc.ok is False and "cut off" in fc.problems[0]
+    p.write_bytes(b"\x80\x02\x8a")  # cut inside the magic number's opcode: a verdict, not an IndexError
+    assert check_file(str(p)).ok is not True
 
 
 # -------------------------------------------------------- HF Trainer

@@ -23,6 +23,7 @@ unpickles (pickles are read with :mod:`ogrefs.inspect.pickle_scan`):
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickletools
@@ -367,7 +368,7 @@ def _check_raw_pickle(f, fc: FileCheck, deadline: Deadline | None) -> None:
     head = f.read(64)
     f.seek(0)
     # PROTO 2, LONG1 of 10 bytes: the legacy torch.save magic number.
-    if head[:3] == b"\x80\x02\x8a" and head[3] == 10 and (
+    if head[:4] == b"\x80\x02\x8a\x0a" and (
         int.from_bytes(head[4:14], "little") == TORCH_LEGACY_MAGIC
     ):
         _check_legacy(f, fc, deadline)
@@ -401,7 +402,7 @@ _STORAGE_BYTES = {
 }
 
 
-def _pickle_end(f) -> int:
+def _pickle_end(f: io.BytesIO) -> int:
     """Offset just past the pickle that starts at ``f``'s position (parsed, never run); ValueError if cut."""
     for op, _arg, _pos in pickletools.genops(f):
         if op.name == "STOP":
@@ -409,32 +410,48 @@ def _pickle_end(f) -> int:
     raise ValueError("pickle ends before STOP")  # pragma: no cover - genops raises first
 
 
+def _legacy_pickles(f, fc: FileCheck, deadline: Deadline | None) -> tuple[PickleSummary, list[str], int] | None:
+    """(the object pickle's summary, the storage keys, where the storages start), or None with the verdict set.
+
+    The five pickles are parsed from memory (at most the scan cap), so that a length field
+    in a damaged file never makes a read allocate it.
+    """
+    head = io.BytesIO(f.read(_MAX_PICKLE_BYTES + (1 << 20)))
+    try:
+        for _ in range(3):  # magic number, protocol version, sys_info
+            _pickle_end(head)
+        start = head.tell()
+        end = _pickle_end(head)
+        keys = [a for op, a, _p in pickletools.genops(head) if isinstance(a, str) and op.name != "PROTO"]
+    except Exception as exc:  # pickletools raises ValueError, EOFError, struct.error ... on a cut stream
+        if len(head.getbuffer()) < fc.size:
+            fc.ok, fc.facts["opaque"] = None, True
+            fc.evidence.append("legacy torch.save pickles too large to scan")
+        else:
+            fc.ok = False
+            fc.problems.append(f"legacy torch.save file cut off inside its pickles ({type(exc).__name__}: {exc})")
+        return None
+    return scan_pickle(head.getbuffer()[start:end].tobytes(), deadline), keys, head.tell()
+
+
 def _check_legacy(f, fc: FileCheck, deadline: Deadline | None) -> None:
     """The legacy torch.save layout walked end to end: pickles, then every storage's count and bytes."""
     fc.kind = "torch-legacy"
-    try:
-        for _ in range(3):  # magic number, protocol version, sys_info
-            _pickle_end(f)
-        start = f.tell()
-        end = _pickle_end(f)
-        if end - start > _MAX_PICKLE_BYTES:
-            fc.ok, fc.facts["opaque"] = None, True
-            fc.evidence.append("legacy torch.save object pickle too large to scan")
-            return
-        f.seek(start)
-        summary = scan_pickle(f.read(end - start), deadline)
-        keys = [a for op, a, _p in pickletools.genops(f) if isinstance(a, str) and op.name != "PROTO"]
-    except (ValueError, EOFError, IndexError, struct.error) as exc:
-        fc.ok = False
-        fc.problems.append(f"legacy torch.save file cut off inside its pickles ({exc})")
+    parsed = _legacy_pickles(f, fc, deadline)
+    if parsed is None:
         return
+    summary, keys, pos = parsed
     _apply_pickle(fc, summary)
     if summary.error:
         fc.ok = False
         fc.problems.append(f"legacy torch.save object pickle: {summary.error}")
         return
-    pos, bad = f.tell(), []
-    for key in keys:
+    bad: list[str] = []
+    for i, key in enumerate(keys):
+        if deadline is not None and i % 4096 == 0 and deadline.expired():
+            fc.ok = None
+            fc.problems.append("deadline reached while checking the legacy storages")
+            return
         width = _STORAGE_BYTES.get(summary.storage_types.get(key, "").rpartition(".")[2][: -len("Storage")])
         f.seek(pos)
         raw = f.read(8)
@@ -445,6 +462,9 @@ def _check_legacy(f, fc: FileCheck, deadline: Deadline | None) -> None:
         if summary.storages.get(key) not in (None, count):
             bad.append(f"storage {key}: {count} elements, the object records {summary.storages[key]}")
         pos += 8 + count * width
+        if pos > fc.size:
+            bad.append(f"storage {key}: {count} elements end at byte {pos} but the file has {fc.size}; truncated")
+            break
     missing = sorted(set(summary.storages) - set(keys))
     if missing:
         bad.append(f"{len(missing)} storage(s) the object names are not written (e.g. {missing[0]})")
