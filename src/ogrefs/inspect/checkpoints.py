@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -58,7 +59,7 @@ from ogrefs.inspect.ckptfiles import (
     components_from_name,
     kind_from_name,
 )
-from ogrefs.inspect.ckptrules import framework_problems, resume_rule, sibling_problems
+from ogrefs.inspect.ckptrules import framework_problems, process_count, resume_rule, sibling_problems
 from ogrefs.inspect.ckptsets import SHARD_RE, is_family_member, set_problems
 
 __all__ = ["analyze_checkpoints", "is_candidate_name", "POINTER_NAMES", "COMPONENTS"]
@@ -595,23 +596,35 @@ def _expect_siblings(members: list[_Unit]) -> None:
     """A directory checkpoint lacking a file that every other finished save of its run and framework holds.
 
     Rank and shard families are left to the world-size rules (a restart may change the world).
+    Counted once per run, so a run of thousands of saves costs thousands of steps, not millions.
     """
     def names(u: _Unit) -> set[str]:
         return {n for c in u.checks
                 if not is_family_member(n := os.path.relpath(c.path, u.path)) and n != "rng_state.pth"}
 
     dirs = [m for m in members if m.is_dir and m.complete is not None]
-    whole = [m for m in dirs if not m.problems]
+    whole = {id(m) for m in dirs if not m.problems}
+    held: dict[str, Counter] = {}  # format -> file name -> how many finished saves hold it
+    worlds: dict[str, Counter] = {}  # format -> process count -> how many finished saves have it
+    saves: Counter = Counter()  # format -> how many finished saves
     for m in dirs:
-        others = [o for o in whole if o is not m and o.format == m.format]
+        if id(m) in whole:
+            saves[m.format] += 1
+            held.setdefault(m.format, Counter()).update(names(m))
+            worlds.setdefault(m.format, Counter())[process_count(m.format, m.checks)] += 1
+    for m in dirs:
+        mine = id(m) in whole
+        others = saves[m.format] - mine
         if not others:
             continue
-        missing = [n for n in sorted(set.intersection(*(names(o) for o in others)) - names(m))
-                   if not any(n in p for p in m.problems)]  # not said twice
+        have = names(m)
+        missing = [n for n, k in sorted(held[m.format].items())
+                   if k == others and n not in have and not any(n in p for p in m.problems)]  # not said twice
         if missing:
             m.problems.append(f"no {', '.join(missing[:3])} (every other {m.format} save in this run has it: "
                               "the save did not finish or the file was removed)")
-        more = [p for p in sibling_problems(m.format, m.checks, [o.checks for o in others]) if p not in m.problems]
+        other_worlds = worlds[m.format] - Counter([process_count(m.format, m.checks)] if mine else [])
+        more = [p for p in sibling_problems(m.format, m.checks, other_worlds) if p not in m.problems]
         m.problems += more
         if missing or more:
             m.complete = False

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 
-__all__ = ["framework_problems", "sibling_problems", "resume_rule", "FRAMEWORK_NAMES"]
+__all__ = ["framework_problems", "process_count", "sibling_problems", "resume_rule", "FRAMEWORK_NAMES"]
 
 #: How ``show`` names each format.
 FRAMEWORK_NAMES = {
@@ -82,24 +83,27 @@ def _hf_problems(names: set[str], checks: list) -> list[str]:
     return []
 
 
-def sibling_problems(fmt: str, checks: list, others: list[list]) -> list[str]:
-    """What the run's other finished saves (their checks) say this one lacks, where the save records no world size.
+def process_count(fmt: str, checks: list) -> int | None:
+    """How many processes wrote a save, where only its files tell (accelerate: its random_states files)."""
+    if fmt != "accelerate":
+        return None
+    return max((int(m.group(1)) for c in checks if (m := _ACC_RNG.match(os.path.basename(c.path)))), default=-1) + 1
 
+
+def sibling_problems(fmt: str, checks: list, other_worlds: "Counter[int | None]") -> list[str]:
+    """What the run's other finished saves say this one lacks, where the save records no world size.
+
+    ``other_worlds`` counts the other finished saves of the run by :func:`process_count`.
     accelerate writes ``random_states_<process>.pkl`` from every process but records the
     process count nowhere; when every other save of the run has the same count, this one
     must have it too (the highest process's file leaves no gap when it is the one missing).
     """
-    if fmt != "accelerate" or not others:
-        return []
-
-    def ranks(cs: list) -> set[int]:
-        return {int(m.group(1)) for c in cs if (m := _ACC_RNG.match(os.path.basename(c.path)))}
-
-    worlds = {max(ranks(cs), default=-1) + 1 for cs in others}
-    if len(worlds) != 1:
-        return []  # the run's saves disagree (a restart with another world): nothing to hold this one to
-    world = worlds.pop()
-    missing = sorted(set(range(world)) - ranks(checks))
+    worlds = [w for w, k in other_worlds.items() if k > 0]
+    if fmt != "accelerate" or len(worlds) != 1 or worlds[0] is None:
+        return []  # no other save, or they disagree (a restart with another world): nothing to hold this one to
+    world = worlds[0]
+    have = {int(m.group(1)) for c in checks if (m := _ACC_RNG.match(os.path.basename(c.path)))}
+    missing = sorted(set(range(world)) - have)
     if not missing:
         return []
     return [f"random_states_{missing[0]}.pkl missing ({len(missing)} of {world} processes' random states): every "
