@@ -319,6 +319,7 @@ def _hf_checkpoint(run: Path, step: int) -> Path:
     buf = io.BytesIO()
     torch.save({"state": {0: {"step": step, "exp_avg": torch.rand(MiB // 2)}}, "param_groups": [{"lr": 0.1}]}, buf)
     (d / "optimizer.pt").write_bytes(buf.getvalue())
+    torch.save({"cpu": torch.random.get_rng_state()}, d / "rng_state.pth")  # the Trainer saves it with the optimizer
     (d / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": step / 100}))
     return d
 
