@@ -524,6 +524,17 @@ def test_hf_checkpoint_with_deepspeed_inside(tmp_path):
     assert section["count"] == 1
 
 
+def test_hf_checkpoints_with_deepspeed_inside_are_alike_whatever_their_step(tmp_path):
+    # checkpoint-50/global_step50/... and checkpoint-60/global_step60/...: the same files, under step-named dirs
+    run = tmp_path / "out"
+    for step in (50, 60):
+        deepspeed_step(hf_checkpoint(run, step), step, range(2), world=2)
+    section = analyze(tmp_path)
+    for step in (50, 60):
+        u = unit(section, str(run / f"checkpoint-{step}"))
+        assert u["coherent"] is True, u["problems"]
+
+
 def test_megatron_iteration_dirs(tmp_path):
     run = tmp_path / "megatron"
     for it in (100, 200):

@@ -599,8 +599,10 @@ def _expect_siblings(members: list[_Unit]) -> None:
     Counted once per run, so a run of thousands of saves costs thousands of steps, not millions.
     """
     def names(u: _Unit) -> set[str]:
-        return {n for c in u.checks
-                if not is_family_member(n := os.path.relpath(c.path, u.path)) and n != "rng_state.pth"}
+        # "global_step50/x.pt" and "global_step60/x.pt" are the same file of two saves
+        return {re.sub(r"\d+(?=[^/]*/)", "N", rel) for c in u.checks
+                if not is_family_member(base := os.path.basename(c.path)) and base != "rng_state.pth"
+                and (rel := os.path.relpath(c.path, u.path))}
 
     dirs = [m for m in members if m.is_dir and m.complete is not None]
     whole = {id(m) for m in dirs if not m.problems}
