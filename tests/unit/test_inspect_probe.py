@@ -214,6 +214,12 @@ def test_format_puts_latest_checkpoint_first(tmp_path, monkeypatch):
     assert lines[0].startswith(f"Latest coherent checkpoint: {c} (hf-trainer; step 100; epoch 1; model, progress;")
     assert any(line.startswith("    because: ") and "global_step=100" in line for line in lines)
     assert f"  {bad}: no trainer_state.json (the HF Trainer writes it when a save completes)" in lines
+    # the HF Trainer itself would resume from the torn checkpoint-200 (the highest N): said so, with the fallback
+    run = tmp_path / "run"
+    assert (f"Run {run} (HF Trainer): resumes from checkpoint-200 (step 200, NOT coherent; the highest checkpoint-N, "
+            "as HF Trainer resumes); most advanced coherent: checkpoint-100 (step 100)") in lines
+    assert ("  problem: the run would resume from checkpoint-200, which is not coherent; "
+            "the most advanced coherent checkpoint is checkpoint-100") in lines
     assert any(line.startswith(f"Python env {tmp_path / 'venv'} (venv, Python 3.11.4, 1 packages") for line in lines)
     assert any(line.startswith("GPUs: no GPU (") for line in lines)
     empty = copy.deepcopy(env)
