@@ -116,7 +116,8 @@ def test_show_names_each_frameworks_step_and_resume_target(ckpt_corpus, tmp_path
         if ckpt_corpus[sub.split("/")[0]][1]:
             continue
         d = str(box / sub)
-        assert runs[d]["resume"]["name"] == target and runs[d]["resume"]["step"] == step and runs[d]["resume"]["coherent"]
+        resume = runs[d]["resume"]
+        assert resume["name"] == target and resume["step"] == step and resume["coherent"]
         assert runs[d]["framework"] and not runs[d]["problems"]
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"Run {d} "))
         assert f"({fw})" in line and f"resumes from {target} (step {step}, coherent" in line

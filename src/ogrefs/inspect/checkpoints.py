@@ -632,8 +632,13 @@ def _expect_siblings(members: list[_Unit]) -> None:
             m.complete = False
 
 
-def _resume(members: list[_Unit], hits: list[_Unit], advanced: _Unit | None) -> tuple[_Unit | None, dict | None, list[str]]:
-    """The framework's own resume target, its JSON, and the run's problems where it and the most advanced coherent checkpoint disagree."""
+def _resume(members: list[_Unit], hits: list[_Unit],
+            advanced: _Unit | None) -> tuple[_Unit | None, dict | None, list[str]]:
+    """The framework's own resume target, its JSON, and the run's problems.
+
+    A problem wherever the target and the most advanced coherent checkpoint disagree: the
+    target torn, or coherent but behind another save (two runs in one directory).
+    """
     fmt = _run_format(members)
     target, rule = resume_rule(fmt, members, hits)
     problems: list[str] = []
