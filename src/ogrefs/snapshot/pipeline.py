@@ -56,8 +56,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from ogrefs.repo.catalog import FLAG_CHANGED, ROOT_INO, Catalog, CatalogWriter, Inode, Listed
+from ogrefs.repo.catalog import ROOT_INO, Catalog, CatalogWriter, Inode, Listed
+from ogrefs.snapshot import origin
 from ogrefs.snapshot.frommount import MountedSnapshots
+from ogrefs.snapshot.origin import LocalRead, Reuse, Sources
 from ogrefs.snapshot.indexsync import IndexSync
 from ogrefs.snapshot.packer import PackStats, Packer
 from ogrefs.snapshot.readahead import ReadAhead
@@ -146,18 +148,6 @@ def read_xattrs(path: bytes) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def live_extents(index: IndexSync, live_packs: set[str], extents: list) -> list | None:
-    """Extents ``(offset, length, chunk, location or None)`` located in live packs; None if some data is gone."""
-    rows = []
-    for off, length, cid, loc in extents:
-        if loc is None or loc.pack not in live_packs:
-            loc = index.lookup(cid, live_packs)
-            if loc is None:
-                return None  # the data it pointed to is gone: read the file again
-        rows.append((off, length, cid, loc))
-    return rows
-
-
 def normalize_roots(paths: list[bytes]) -> list[bytes]:
     """Absolute, normalized, without duplicates or paths nested in another root."""
     out: list[bytes] = []
@@ -215,61 +205,33 @@ class Snapshotter:
     def _unreadable(self, path: bytes, exc: OSError) -> None:
         self.unreadable.append({"path": os.fsdecode(path), "error": exc.strerror or str(exc)})
 
-    def _reuse_from_parent(self, path: bytes, lst: os.stat_result, ino: int, old: Inode | None) -> bool:
-        if old is None or self._parent_cat is None or not old.is_reg or old.flags & FLAG_CHANGED:
-            return False
-        if (old.size, old.mtime_ns, old.ctime_ns, old.src_ino, old.src_dev) != (
-                lst.st_size, lst.st_mtime_ns, lst.st_ctime_ns, lst.st_ino, lst.st_dev):
-            return False
-        rows = self._live_rows(self._parent_cat, old.ino)
-        if rows is None:
-            return False
-        self.cat.add_inode(ino, lst, self._names.user(lst.st_uid), self._names.group(lst.st_gid))
-        self.cat.add_located_extents(ino, rows)
+    def _take(self, ino: int, path: bytes, reuse: Reuse, lst: os.stat_result | None = None) -> None:
+        """Record a file's extents as a catalog has them (origin.py said which); the bookkeeping of every reuse.
+
+        ``lst``: the file as the walk saw it (its inode row is written from it); None where the inode row was
+        copied from the mounted catalog already (a listing)."""
+        if lst is not None:
+            user = reuse.user[0] if reuse.user is not None else self._names.user(lst.st_uid)
+            grp = reuse.grp[0] if reuse.grp is not None else self._names.group(lst.st_gid)
+            self.cat.add_inode(ino, lst, user, grp)
+        self.cat.add_located_extents(ino, reuse.rows)
         self.stats.reused_files += 1
-        self.stats.chunks += len(rows)
-        return True
+        self.stats.chunks += len(reuse.rows)
+        if reuse.from_mount:
+            self.stats.mount_reused_files += 1
+            self._mounted.unchanged_paths.add(os.fsdecode(path))
 
-    def _live_rows(self, cat: Catalog, old_ino: int) -> list | None:
-        """A file's extents in ``cat`` with locations in live packs; None if some data is gone."""
-        return live_extents(self._index, self._live_packs, cat.located_extents(old_ino))
-
-    def _reuse_from_mount(self, path: bytes, lst: os.stat_result, ino: int) -> bool:
-        """A file of the mounted snapshot that nothing has changed: its entry, unread (mounted.py says how)."""
-        origin = self._own.origin(path) if self._own is not None else None
-        if origin is None or (origin.in_upper and not origin.metacopy):
-            return False  # new or copied up: read as usual
-        mount = origin.layer.mount
-        cat = self._mounted.catalog(mount.snapshot)
-        if cat is None:  # another repository: its chunk ids mean nothing here; read locally where we can
-            if not mount.local_complete(origin.cat_path):
-                return False
-            local = mount.tree_path(origin.cat_path)
-            try:
-                if os.lstat(local).st_size != lst.st_size:
-                    return False
-            except OSError:
-                return False
+    def _file_data(self, path: bytes, lst: os.stat_result, ino: int, old: Inode | None) -> None:
+        """A regular file's data: taken as a catalog has it, read from a local copy, or read (origin.py)."""
+        found = origin.of_file(self._sources, path, lst, old)
+        if isinstance(found, Reuse):
+            self._take(ino, path, found, lst)
+        elif isinstance(found, LocalRead):
             before = self.stats.read_bytes
-            self._read_file(local, lst, ino, record_st=lst)
+            self._read_file(found.path, lst, ino, record_st=lst)
             self.stats.local_copy_bytes += self.stats.read_bytes - before
-            return True
-        old = self._mounted.entry(cat, mount.snapshot, origin.cat_path)
-        if old is None or not old.is_reg or old.flags & FLAG_CHANGED or old.size != lst.st_size:
-            return False
-        if not origin.metacopy and old.mtime_ns != lst.st_mtime_ns:
-            return False  # not the snapshot's file (the box's own content below the snapshot's)
-        rows = self._live_rows(cat, old.ino)
-        if rows is None:
-            return False
-        self.cat.add_inode(ino, lst, old.user if old.uid == lst.st_uid else self._names.user(lst.st_uid),
-                           old.grp if old.gid == lst.st_gid else self._names.group(lst.st_gid))
-        self.cat.add_located_extents(ino, rows)
-        self.stats.reused_files += 1
-        self.stats.mount_reused_files += 1
-        self.stats.chunks += len(rows)
-        self._mounted.unchanged_paths.add(os.fsdecode(path))
-        return True
+        else:
+            self._read_file(path, lst, ino)
 
     def _old_children(self, old_parent: int | None) -> dict[bytes, Inode] | None:
         if self._parent_cat is None or old_parent is None:
@@ -313,8 +275,7 @@ class Snapshotter:
         elif stat.S_ISREG(mode):
             self.stats.files += 1
             self.stats.bytes += lst.st_size
-            if not (self._reuse_from_mount(path, lst, ino) or self._reuse_from_parent(path, lst, ino, old)):
-                self._read_file(path, lst, ino)
+            self._file_data(path, lst, ino, old)
         elif stat.S_ISLNK(mode):
             self.stats.others += 1
             try:
@@ -372,8 +333,8 @@ class Snapshotter:
             return True
         if path in self.rules.table or (old.nlink > 1 and not old.is_dir):
             return False
-        rows = live_extents(self._index, self._live_packs, listed.extents) if old.is_reg and not old.flags & FLAG_CHANGED else None
-        if old.is_reg and rows is None:
+        reuse = origin.of_listed(self._sources, listed) if old.is_reg else None
+        if old.is_reg and reuse is None:
             return False
         ino = self.cat.new_ino()
         self.cat.add_dirent(parent_ino, name, ino)
@@ -385,14 +346,10 @@ class Snapshotter:
             self.stats.dirs += 1
             prev = old_children.get(name) if old_children is not None else None
             self._walk_dir(ino, path, dev, prev.ino if prev is not None and prev.is_dir else None, old.ino)
-        elif rows is not None:
+        elif reuse is not None:
             self.stats.files += 1
             self.stats.bytes += old.size
-            self.cat.add_located_extents(ino, rows)
-            self.stats.reused_files += 1
-            self.stats.mount_reused_files += 1
-            self.stats.chunks += len(rows)
-            self._mounted.unchanged_paths.add(os.fsdecode(path))
+            self._take(ino, path, reuse)
         else:  # symbolic links (their target is in the row), fifos, devices
             self.stats.others += 1
         self._tick()
@@ -477,6 +434,7 @@ class Snapshotter:
                 self._find_parent(roots)
                 self._live_packs = packs.result() - set(trash.result()[0])
             self._index = IndexSync(self.repo, frozenset(self._live_packs))  # beside the walk's start
+            self._sources = Sources(self._index, self._live_packs, self._parent_cat, self._own, self._mounted)
         except BaseException:
             self._lock.release()
             raise

@@ -24,7 +24,7 @@ idle 2-core VM; docs/benchmarks.md has the snapshot it shortens).
 
 A chunk must still be where the catalog says: a subtree with a chunk in a
 pack that is not live for this run (forgotten, repacked) is refused whole,
-and the walk finds those chunks again file by file (live_extents).
+and the walk finds those chunks again file by file (origin.live_extents).
 
 Nothing the per-entry walk decides is skipped: :func:`plan_copy` applies the
 same rules to every entry (excludes and ``--exclude-if-present`` markers,
