@@ -39,9 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ogrefs.errors import OgrefsError
 from ogrefs.agent.notices import Notice, NoticeSource
 from ogrefs.agent.watch import Checkpoint, CheckpointWatch, run_dirs_of
+from ogrefs.box.records import pid_alive, runtime_dir
+from ogrefs.errors import OgrefsError, UsageError
+from ogrefs.maint.forget import apply_policy
+from ogrefs.maint.remove import remove_snapshot
+from ogrefs.snapshot.selection import box_of, checkpoint_of, default_box
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,6 @@ class AgentOptions:
 
 
 def status_path() -> Path:
-    from ogrefs.box.records import runtime_dir
-
     return runtime_dir() / "agent.json"
 
 
@@ -160,8 +162,6 @@ class Agent:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        from ogrefs.snapshot.selection import checkpoint_of, default_box
-
         self.status["box"] = self.opts.box or default_box(self.repo)
         watch = CheckpointWatch(self.opts.watch_dirs, self.opts.quiet_s)
         last = self._last_of_box()
@@ -237,8 +237,6 @@ class Agent:
                 event["before_deadline_s"] = round(notice.deadline - ended, 3)
         if ck is not None:
             event["checkpoint"] = ck.as_dict()
-        from ogrefs.snapshot.selection import checkpoint_of
-
         held = checkpoint_of(manifest)
         self._taken.put((run_dirs_of(manifest), held and Checkpoint(held["run"], held["step"], held["epoch"],
                                                                     held["path"])))
@@ -261,8 +259,6 @@ class Agent:
         return take_snapshot(self.repo, opts)
 
     def _last_of_box(self) -> dict | None:
-        from ogrefs.snapshot.selection import box_of
-
         mine = [m for m in self.repo.list_snapshots(on_error=lambda *_: None) if box_of(m) == self.status["box"]]
         return mine[-1] if mine else None
 
@@ -270,10 +266,6 @@ class Agent:
         """Forget this box's snapshots the policy does not keep (manifests, catalogs, access traces; prune frees packs)."""
         if self.opts.policy is None or self.opts.policy.empty():
             return []
-        from ogrefs.maint.forget import apply_policy
-        from ogrefs.maint.remove import remove_snapshot
-        from ogrefs.snapshot.selection import box_of
-
         mine = [m for m in self.repo.list_snapshots(on_error=lambda *_: None) if box_of(m) == self.status["box"]]
         _kept, removed = apply_policy(mine, self.opts.policy)
         for m in removed:
@@ -292,9 +284,6 @@ class Agent:
 
 
 def read_status(path: Path | None = None) -> dict:
-    from ogrefs.errors import UsageError
-    from ogrefs.box.records import pid_alive
-
     p = path or status_path()
     try:
         st = json.loads(p.read_text())

@@ -8,6 +8,7 @@ function runs in the calling thread and owns what it creates.
 
 from __future__ import annotations
 
+import os
 import secrets
 import stat
 import tarfile
@@ -83,8 +84,6 @@ _TAR_TYPES = {stat.S_IFDIR: tarfile.DIRTYPE, stat.S_IFLNK: tarfile.SYMTYPE, stat
 
 def _tar_info(name: bytes, n: Inode) -> tarfile.TarInfo:
     """Type, mode, owner and size of an entry (names, link target and mtime go to :class:`PaxWriter` raw)."""
-    import os
-
     info = tarfile.TarInfo()
     kind = stat.S_IFMT(n.mode)
     if kind not in _TAR_TYPES:

@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,6 +61,10 @@ from ogrefs.repo.catalog import Catalog
 log = logging.getLogger(__name__)
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: Counters of the vfs (VfsStats) and the fetcher (FetchStats, snapshot_stats) that the status names otherwise.
+STATUS_NAMES = {"read_wait": "read_wait_s", "hits_memory": "cache_hits_memory", "hits_disk": "cache_hits_disk",
+                "misses": "cache_misses", "in_flight": "chunks_in_flight", "queued": "chunks_queued"}
 
 
 @dataclass(frozen=True)
@@ -271,22 +275,16 @@ class Daemon:
             await trio.to_thread.run_sync(teardown_in_box, self.box_ns, self.plan.state_dir, self.plan.registration)
 
     def status(self) -> dict[str, Any]:
-        """What ``ogrefs status`` shows: the registration's info and the counters of every part."""
-        st = self.fetcher.snapshot_stats()
+        """What ``ogrefs status`` shows: the registration's info and the counters of every part.
+
+        The vfs's and the fetcher's counters go in under their own names (:data:`STATUS_NAMES` renames the
+        few a reader of the status knows by another), so a counter added there shows here unasked."""
         fs, vs = self.fs, self.fs.stats
-        return {**self.info, "time": time.time(), "bytes_read": vs.bytes_read, "reads": vs.reads,
-                "opens": vs.opens, "open_files": fs.open_files, "lookups": vs.lookups,
-                "getattrs": vs.getattrs, "dir_opens": vs.dir_opens, "xattr_lists": vs.xattr_lists,
-                "referenced_inodes": fs.referenced_inodes, "read_errors": vs.read_errors,
-                "read_wait_s": round(vs.read_wait, 3),
-                "bytes_fetched": st["bytes_fetched"], "bytes_bridged": st["bytes_bridged"],
-                "requests": st["requests"],
-                "chunks_fetched": st["chunks_fetched"], "cache_hits": st["hits_memory"] + st["hits_disk"],
-                "cache_hits_memory": st["hits_memory"], "cache_hits_disk": st["hits_disk"],
-                "cache_misses": st["misses"], "chunks_in_flight": st["in_flight"], "chunks_queued": st["queued"],
-                "errors": st["errors"], "corrupt": st["corrupt"], "retries": st["retries"],
-                "cache_write_errors": st["cache_write_errors"], "local_opens": getattr(vs, "local_opens", 0),
-                "page_cache_pushed": vs.page_cache_pushed,
+        counters = {**asdict(vs), **self.fetcher.snapshot_stats()}
+        counters["read_wait"] = round(counters["read_wait"], 3)
+        return {**self.info, "time": time.time(), **{STATUS_NAMES.get(k, k): v for k, v in counters.items()},
+                "cache_hits": counters["hits_memory"] + counters["hits_disk"],
+                "open_files": fs.open_files, "referenced_inodes": fs.referenced_inodes,
                 "open_push": fs.open_push.stats() if fs.open_push is not None else None,
                 "materialize": self.prefetch.stats(), "trace_replayed": len(self.plan.trace_entries or []),
                 "snapshot_yield": self.snapshot_gate.stats() if self.snapshot_gate is not None else None,

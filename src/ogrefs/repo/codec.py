@@ -16,6 +16,7 @@ safe to run in worker threads; zstd and BLAKE3 release the GIL.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import blake3
@@ -235,9 +236,7 @@ class RepoCodec:
         return blake3.blake3(data, key=self._id_key).digest()
 
     def _seal(self, plain: bytes, aad: bytes) -> bytes:
-        import os as _os
-
-        nonce = _os.urandom(NONCE_LEN)
+        nonce = os.urandom(NONCE_LEN)
         return nonce + self._aead.encrypt(nonce, plain, aad)
 
     def _open(self, sealed: bytes | memoryview, aad: bytes, what: str) -> bytes:

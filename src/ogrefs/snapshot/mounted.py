@@ -40,6 +40,7 @@ import stat
 from dataclasses import dataclass, field
 
 from ogrefs.box.copyplan import complete_paths_at
+from ogrefs.box.records import process_start, registered_mounts, writable_state
 from ogrefs.snapshot.walk import mount_table
 
 XATTR_METACOPY = "trusted.overlay.metacopy"
@@ -171,8 +172,6 @@ def _xattr_names(path: bytes) -> set[str]:
 
 def own_mounts() -> list[OwnMount]:
     """The writable ogrefs mounts of this box whose overlays are mounted now (in this mount namespace)."""
-    from ogrefs.box.records import registered_mounts, writable_state
-
     table = mount_table()
     out = []
     for info in registered_mounts():
@@ -227,8 +226,6 @@ def own_layer_root(ws: dict, o: dict, mount_id: int | None) -> bytes | None:
     at the target now is the one it mounted (``mount_id``); and the descriptor is still that directory
     (``own_dev``/``own_ino``). Anything missing, different or unreadable: None, never a guess.
     """
-    from ogrefs.box.records import process_start
-
     pid, start, fd = ws.get("keeper_pid"), ws.get("keeper_start"), o.get("own_fd")
     if ws.get("finalized") or not all(isinstance(v, int) for v in (pid, start, fd, mount_id)):
         return None

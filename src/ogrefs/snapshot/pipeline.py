@@ -57,12 +57,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ogrefs.repo.catalog import ROOT_INO, Catalog, CatalogWriter, Inode, Listed
+from ogrefs.box.records import clear_snapshot_running, mark_snapshot_running, mark_snapshot_started
 from ogrefs.snapshot import origin
 from ogrefs.snapshot.frommount import MountedSnapshots
 from ogrefs.snapshot.origin import LocalRead, Reuse, Sources
 from ogrefs.snapshot.indexsync import IndexSync
 from ogrefs.snapshot.packer import PackStats, Packer
+from ogrefs.snapshot.mounted import OwnMounts, own_mounts
 from ogrefs.snapshot.readahead import ReadAhead
+from ogrefs.snapshot.selection import box_of, machine_box, resolve_snapshot
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.repo import Repository
 from ogrefs.repo.trash import read_trash
@@ -360,12 +363,8 @@ class Snapshotter:
         """The parent: --parent, else the newest snapshot of this box and paths, else the one the box runs from."""
         if self.opts.no_parent:
             return
-        from ogrefs.snapshot.selection import box_of
-
         want = sorted(os.fsdecode(r) for r in roots)
         if self.opts.parent:
-            from ogrefs.snapshot.selection import resolve_snapshot
-
             manifest = resolve_snapshot(self.repo, self.opts.parent, box=self.box)
         else:
             candidates = [m for m in self.repo.list_snapshots()
@@ -383,8 +382,6 @@ class Snapshotter:
         """ogrefs' own writable mounts (mounted.py), the one this box runs from, and the box name."""
         own = self.opts.own_mounts
         if own is None and self.opts.detect_mounts:
-            from ogrefs.snapshot.mounted import OwnMounts, own_mounts
-
             own = OwnMounts(own_mounts())
         self._own = own if own is not None and own.mounts else None
         self._from = self._own.covering(roots) if self._own is not None else None
@@ -393,8 +390,6 @@ class Snapshotter:
             self._running_mark = _mark_snapshot_running(self._from.state_dir)
         if self._from is not None and self._mounted.catalog(self._from.snapshot) is not None:
             self._mounted.from_manifest = self.repo.load_manifest(self._from.snapshot)
-        from ogrefs.snapshot.selection import box_of, machine_box
-
         self.box = self.opts.box or (box_of(self._mounted.from_manifest) if self._mounted.from_manifest
                                      else machine_box(self.opts.host))
         for obs in self.opts.observers:
@@ -629,15 +624,11 @@ def take_snapshot(repo: Repository, opts: SnapshotOptions,
                           "nothing was saved as a snapshot") from None
     finally:
         if snap._running_mark is not None:  # the mount the box runs from takes up its background work again
-            from ogrefs.box.records import clear_snapshot_running
-
             clear_snapshot_running(snap._running_mark)
 
 
 def _mark_snapshot_started(state_dir: bytes) -> None:
     """Tell the mount this box runs from that a snapshot starts: its access trace ends here (lazy/trace/recorder.py)."""
-    from ogrefs.box.records import mark_snapshot_started
-
     try:
         mark_snapshot_started(Path(os.fsdecode(state_dir)))
     except OSError as exc:  # the trace then records on (to its quiet period): nothing of the snapshot is lost
@@ -647,8 +638,6 @@ def _mark_snapshot_started(state_dir: bytes) -> None:
 def _mark_snapshot_running(state_dir: bytes) -> Path | None:
     """Tell the mount this box runs from that a snapshot runs: its prefetch and materialization wait
     (lazy/background/snapshotgate.py) and leave the CPU, the disk and the store to it; the mark, or None."""
-    from ogrefs.box.records import mark_snapshot_running
-
     try:
         return mark_snapshot_running(Path(os.fsdecode(state_dir)))
     except OSError as exc:  # the mount's background work then goes on beside the snapshot: nothing is lost

@@ -1,7 +1,8 @@
 """Fetch chunks on demand: memory → disk cache → one ranged GET per run of adjacent chunks.
 
-The fetch path every lazy reader shares (the FUSE mount today; prefetch from a
-recorded trace, hints and background materialization next):
+The fetch path every lazy reader shares, at its priority: the vfs's reads
+(``Priority.READ``), the replay of a recorded trace (``TRACE``), the hints
+(``HINT``), and the streamed rest and materialization (``BACKGROUND``):
 
 1. ``get(ref)`` answers from memory: the :class:`~ogrefs.lazy.fetch.residency.Residency`
    it was given holds the LRU of verified chunks, the chunks a replay holds for
