@@ -19,6 +19,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogrefs.snapshot.selection import box_name
+
 FAKE_NVIDIA = Path(__file__).resolve().parent / "fake_nvidia"
 LIBDIR = "usr/lib/x86_64-linux-gnu"
 
@@ -37,6 +39,11 @@ class Provider:
     kernel: str
     driver: str
     cuda: int  # CUDA driver API version, e.g. 12020
+
+    @property
+    def box(self) -> str:
+        """The box ogrefs names a snapshot taken on this machine (host name, machine id, instance id)."""
+        return box_name(self.hostname, self.machine_id.encode(), self.instance_id.encode())
 
     @property
     def cuda_text(self) -> str:

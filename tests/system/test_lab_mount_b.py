@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
 
 A, B = PROVIDERS["a"], PROVIDERS["b"]
 MOUNT_TIMEOUT_S = 120
-SNAP = os.environ.get("OGREFS_LAB_SNAP") or f"{A.hostname}:latest"  # A's newest (a bare `latest` on B is B's)
+SNAP = os.environ.get("OGREFS_LAB_SNAP") or f"{A.box}:latest"  # A's newest (a bare `latest` on B is B's)
 B_OWN = tuple(p for p in fixtures.IDENTITY_FILES if p not in ("/etc/passwd", "/etc/group", "/etc/shadow"))
 PYTHONS = {
     "debian-3.11.2": ("/usr/local/bin/ogrefs", ()),

@@ -48,7 +48,7 @@ def boot_b(lab, tmp_path):
     """Box A snapshots itself; box B, with the unit enabled, boots; yields (NspawnBox, SnapshotA)."""
     snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv")
     root = fixtures.prepared_box(lab["b"], tmp_path / "b")
-    install_unit(root, A.hostname)
+    install_unit(root, A.box)  # the user names box A on B: its name as `ogrefs snapshots` lists it
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     (scratch / f"{B.hostname}.txt").write_text("B's local NVMe\n")

@@ -83,6 +83,7 @@ def test_whole_box_snapshot_from_inside_into_srv(snap_a):
     """A's own ogrefs, on Debian's Python 3.11.2, snapshots A as a whole box into file:///srv/ogrefs."""
     m = snap_a.manifest
     assert (m["whole_box"], m["paths"], m["host"]) == (True, ["/"], A.hostname)
+    assert m["box"] == A.box  # its host name and its own machine id: not a clone's box of the same name
     assert m["totals"]["files"] > 10000 and m["unreadable"] == []
     skipped = {s["path"] for s in m.get("skipped_mounts", [])}
     assert "/mnt/scratch" in skipped, m.get("skipped_mounts")  # another disk (a tmpfs here): listed, not silent

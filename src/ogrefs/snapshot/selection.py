@@ -95,9 +95,15 @@ def machine_box(host: str | None = None) -> str:
     machine has no machine id."""
     host = host or socket.gethostname()
     machine = next((i for i in map(_read_id, MACHINE_ID_FILES) if i), b"")
-    if not machine:
+    return box_name(host, machine, _read_id(INSTANCE_ID_FILE))
+
+
+def box_name(host: str, machine_id: bytes, instance_id: bytes = b"") -> str:
+    """The box of a machine with this host name, machine id and cloud instance id (the host name alone
+    without a machine id): what :func:`machine_box` reads, named here so a lab can say it of another root."""
+    if not machine_id:
         return host
-    digest = hashlib.sha256(b"ogrefs box\0" + machine + b"\0" + _read_id(INSTANCE_ID_FILE)).hexdigest()
+    digest = hashlib.sha256(b"ogrefs box\0" + machine_id + b"\0" + instance_id).hexdigest()
     return f"{host}-{digest[:8]}"
 
 
