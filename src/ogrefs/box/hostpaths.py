@@ -33,6 +33,7 @@ the fork), the keeper writes the merged layer before any overlay is up.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import logging
 import os
@@ -43,8 +44,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from ogrefs.errors import UsageError
-from ogrefs.box import mountsys
+from ogrefs.errors import OgrefsError, UsageError
+from ogrefs.box import mountsys, safepath
 from ogrefs.repo.catalog import ROOT_INO
 
 log = logging.getLogger(__name__)
@@ -185,17 +186,31 @@ def plan(catalog: Any, rules: list[Rule], host_root: str = "/") -> HostPlan:
             if rule.kind == "host":
                 hidden.setdefault(parent, set()).add(name)
                 out.kept.append(path)
-            elif rule.kind == "prefer-host" and node.is_dir and os.path.isdir(host):
-                mine = {os.fsencode(n) for n in os.listdir(host)}
+            elif rule.kind == "prefer-host" and node.is_dir and (mine := _host_names(host)):
                 theirs = {n for n, _ in catalog.children(node.ino)}
                 if mine & theirs:
                     hidden.setdefault(node.ino, set()).update(mine & theirs)
                     out.kept.extend(f"{path}/{os.fsdecode(n)}" for n in sorted(mine & theirs))
-            elif rule.kind in ("accounts", "merge", "dpkg") and node.is_reg and os.path.isfile(host):
-                out.merges.append((rule.kind, path))
+            elif rule.kind in ("accounts", "merge", "dpkg") and node.is_reg and os.path.lexists(host):
+                out.merges.append((rule.kind, path))  # what is there is read (or refused) by read_bounded
     out.hidden = {p: frozenset(names) for p, names in hidden.items()}
     out.kept = sorted(set(out.kept))
     return out
+
+
+def _host_names(path: str) -> set[bytes]:
+    """Names in this box's directory ``path``, reached by safepath; none where it cannot be (said in the log)."""
+    try:
+        fd, _trusted = safepath.open_dir(path)
+    except safepath.Untrusted as exc:
+        log.warning("not preferred from this box: %s", exc)
+        return set()
+    except OSError:
+        return set()
+    try:
+        return {os.fsencode(n) for n in os.listdir(safepath.fd_path(fd))}
+    finally:
+        os.close(fd)
 
 
 class HostView:
@@ -332,10 +347,53 @@ def merge_dpkg_status(snap: str, host: str) -> str:
     return "".join(block + "\n\n" for block in kept)
 
 
-def _read(path: str) -> str:
+#: The most of a file the keeper reads to merge it, per kind: far above a real one (authorized_keys of
+#: hundreds of keys: ~100 KiB; a dpkg status of 5,000 packages: ~10 MiB), far below what hurts the box.
+MAX_MERGE_BYTES = {"merge": 1 << 20, "accounts": 16 << 20, "dpkg": 64 << 20}
+
+
+class NotMerged(OgrefsError):
+    """A file to merge is not a plain file reached without a user's symlink, or is too big: never read."""
+
+
+def read_bounded(path: str, limit: int) -> str:
+    """The text of the regular file ``path``, read as root without following what a user controls.
+
+    Its directory is reached by safepath (a user's symlink on the way is
+    refused); the file is opened ``O_NOFOLLOW | O_NONBLOCK`` (a symlink is
+    not followed, a FIFO does not block the open) and must be a regular file
+    of at most ``limit`` bytes (a FIFO or device is never read, a huge file
+    never held). Raises :class:`NotMerged` with the reason, OSError (ENOENT ...).
+    """
     try:
-        return Path(path).read_text(errors="surrogateescape")
-    except OSError:
+        parent, _trusted = safepath.open_dir(os.path.dirname(path) or "/")
+    except safepath.Untrusted as exc:
+        raise NotMerged(str(exc)) from None
+    try:
+        try:
+            fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=parent)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotMerged(f"{path} is a symlink: not followed") from None
+            raise
+    finally:
+        os.close(parent)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise NotMerged(f"{path} is not a regular file")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise NotMerged(f"{path} is larger than {limit >> 20} MiB")
+    return data.decode(errors="surrogateescape")
+
+
+def _read(path: str) -> str:
+    """``path``'s text for a merge's side reads (passwd beside shadow); "" when it cannot be read safely."""
+    try:
+        return read_bounded(path, MAX_MERGE_BYTES["accounts"])
+    except (OSError, OgrefsError):
         return ""
 
 
@@ -397,6 +455,10 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
             rel = path[len(shows.rstrip("/")) + 1:]
             try:
                 _write_merged(kind, path, Path(o.lower) / rel, layer, rel, Path(o.lower))
+            except NotMerged as exc:  # a user's symlink, FIFO or huge file there: said where the mount says
+                log.warning("not merged: %s; the snapshot's %s is shown", exc, path)
+                kept.append(f"{path}: not merged ({exc}); the snapshot's copy is shown")
+                continue
             except OSError as exc:
                 log.warning("cannot merge %s (%s): the snapshot's copy is shown", path, exc)
                 continue
@@ -438,8 +500,8 @@ def unmount_layers(state_dir: Path) -> None:
 
 
 def _write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, lower_root: Path) -> None:
-    snap_text = snap_file.read_text(errors="surrogateescape")
-    host_text = Path(path).read_text(errors="surrogateescape")
+    snap_text = read_bounded(str(snap_file), MAX_MERGE_BYTES[kind])
+    host_text = read_bounded(path, MAX_MERGE_BYTES[kind])
     if kind == "accounts":
         text = merge_accounts(path, snap_text, host_text, host_dir=os.path.dirname(path),
                               snap_dir=str(snap_file.parent))

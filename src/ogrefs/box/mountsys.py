@@ -166,6 +166,21 @@ def mount_id(mountpoint: "os.PathLike[str] | str") -> int | None:
     return int(line[0][0]) if line is not None and line[0][0].isdigit() else None
 
 
+def overlays_with_upper(upper: str) -> list[tuple[int, int, str]]:
+    """(mount id, parent mount id, mount point) of each overlay whose upper directory is ``upper``
+    (one of ours: each of our overlays has its own)."""
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields, sb = left.split(), right.split()
+            if len(fields) < 5 or len(sb) < 3 or sb[0] != "overlay":
+                continue
+            if f"upperdir={upper}" in [unescape_mountinfo(o) for o in sb[2].split(",")]:
+                found.append((int(fields[0]), int(fields[1]), unescape_mountinfo(fields[4])))
+    return found
+
+
 def mounted_fstype(mountpoint: Path) -> str | None:
     """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
     line = _top_mount_line(mountpoint)

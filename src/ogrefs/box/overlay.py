@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from ogrefs.box.records import Overlay, save_overlays, unescape_mountinfo  # overlays.json's format lives there
-from ogrefs.box import mountsys
+from ogrefs.box import mountsys, safepath
 from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.errors import OgrefsError, UsageError
 
@@ -170,12 +170,12 @@ def kept_below(o: Overlay, keep: list[str]) -> list[str]:
     return outermost(own + subs)
 
 
-def lowerdir(o: Overlay) -> str:
-    """The overlay's lower layers, top first: synthesized host files, the snapshot, the box's own."""
+def lowerdir(o: Overlay, own: str | None = None) -> str:
+    """The overlay's lower layers, top first: synthesized host files, the snapshot, the box's own (``own``:
+    how the options name that directory, :func:`_own_layer`; None: no such layer)."""
     layers = [o.merged] if o.merged else []
     layers.append(o.lower)
-    own = o.host_dir or o.target
-    if o.keep_existing and os.path.isdir(own) and os.listdir(own):
+    if own is not None:
         layers.append(own)  # the box's own content stays visible below the snapshot's
     return ":".join(layers)
 
@@ -192,53 +192,86 @@ def uses_metacopy(o: Overlay) -> bool:
     return os.path.exists(_metacopy_marker(o)) or os.environ.get(METACOPY_ENV) == "1"
 
 
-def mount_options(o: Overlay, lowers: str | None = None) -> str:
+def mount_options(o: Overlay, lowers: str) -> str:
     metacopy = ",metacopy=on" if uses_metacopy(o) else ""  # implies redirect_dir=on (the kernel's rule)
-    return f"lowerdir={lowers or lowerdir(o)},upperdir={o.upper},workdir={o.work}{metacopy}"
+    return f"lowerdir={lowers},upperdir={o.upper},workdir={o.work}{metacopy}"
 
 
-def _hold_own(o: Overlay, lowers: str) -> int | None:
-    """An O_PATH descriptor of the box's own directory when ``lowers`` has it as the lowest layer, else None.
+class Refused(OverlayError):
+    """A path the overlay would be mounted on, or a directory it would bind back, is reached through a
+    symlink that a user other than root controls: left out (the box keeps its own tree there)."""
 
-    Opened immediately before the overlay covers that path: afterwards the path reaches the overlay, the
-    descriptor still the directory the overlay was mounted over (snapshot/mounted.py reads it there).
+
+def _open_target(o: Overlay) -> tuple[int, bool]:
+    """``o``'s target as safepath reaches it (made if missing); :class:`Refused` with the reason."""
+    try:
+        return safepath.open_dir(o.target, create=True)
+    except safepath.Untrusted as exc:
+        raise Refused(f"{o.target} not overlaid: {exc}") from None
+    except OSError as exc:
+        raise OverlayError(f"overlay at {o.target} failed: {exc.strerror}") from None
+
+
+def _own_layer(o: Overlay, target_fd: int, trusted: bool) -> tuple[int | None, str | None]:
+    """The box's own directory as the overlay's lowest layer: a descriptor of it and how the options name it.
+
+    (None, None) when there is none (not kept, or empty). Named by its path
+    when root alone controls every step to it (the kernel then finds the
+    same directory), else by ``/proc/self/fd/N`` of the descriptor: never by
+    a path a user can point elsewhere between this look and the mount.
     """
-    own = o.host_dir or o.target
-    if not o.keep_existing or not lowers.endswith(":" + own):
-        return None
-    return os.open(own, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    if not o.keep_existing:
+        return None, None
+    if o.host_dir:
+        try:
+            fd, trusted = safepath.open_dir(o.host_dir)
+        except safepath.Untrusted as exc:
+            raise Refused(f"{o.target} not overlaid: {exc}") from None
+    else:
+        fd = os.dup(target_fd)
+    if not os.listdir(safepath.fd_path(fd)):
+        os.close(fd)
+        return None, None
+    return fd, (o.host_dir or o.target) if trusted else safepath.fd_path(fd)
 
 
 def mount_one(o: Overlay, keep: list[str] | None = None, hold_own: bool = False) -> Overlay:
     """Mount ``o``; then bind the box's submounts and ogrefs' own directories back on top of it.
 
     Returns ``o`` with ``binds`` set to what was bound back (saved, so unmount
-    takes them down first). Directories to bind back are opened (O_PATH)
-    before the overlay covers them and bound from ``/proc/self/fd/N``.
+    takes them down first). The target, the own layer and the directories to
+    bind back are reached by safepath (no symlink a user controls followed,
+    :class:`Refused` otherwise) and used through their descriptors.
 
     ``hold_own`` (the keeper, which lives as long as the mount): when the box's
-    own directory is the lowest layer, an O_PATH descriptor of it is opened just
-    before the mount and left open; the result records it (``own_fd``, its
+    own directory is the lowest layer, its descriptor (opened before the mount)
+    is left open; the result records it (``own_fd``, its
     ``own_dev``/``own_ino``, the overlay's ``mount_id``). Otherwise those are None:
     an overlay mounted again by another process (finalize, a rollback) never
     carries a descriptor that is not the one its lowest layer was opened from.
     """
-    lowers = lowerdir(o)
-    own_fd = _hold_own(o, lowers) if hold_own else None
+    target_fd, trusted = _open_target(o)
+    own_fd = None
     try:
-        up = _mount_one(o, keep, lowers)
+        own_fd, own = _own_layer(o, target_fd, trusted)
+        up = _mount_one(o, keep, target_fd, lowerdir(o, own))
     except BaseException:
         if own_fd is not None:
             os.close(own_fd)
         raise
-    if own_fd is None:
+    finally:
+        os.close(target_fd)
+    if own_fd is None or not hold_own:
+        if own_fd is not None:
+            os.close(own_fd)
         return replace(up, own_fd=None, own_dev=None, own_ino=None, mount_id=None)
     st = os.fstat(own_fd)
     return replace(up, own_fd=own_fd, own_dev=st.st_dev, own_ino=st.st_ino, mount_id=mountsys.mount_id(o.target))
 
 
-def _mount_one(o: Overlay, keep: list[str] | None, lowers: str) -> Overlay:
-    """:func:`mount_one` but for the own directory's descriptor: mount with ``lowers``, bind back, return ``o``."""
+def _mount_one(o: Overlay, keep: list[str] | None, target_fd: int, lowers: str) -> Overlay:
+    """:func:`mount_one` but for the own directory's descriptor: mount with ``lowers`` on ``target_fd``,
+    bind back, return ``o``."""
     for d in (o.upper, o.work):
         os.makedirs(d, mode=0o700, exist_ok=True)
     # overlayfs shows the upper directory's own attributes on the mount's root:
@@ -248,48 +281,104 @@ def _mount_one(o: Overlay, keep: list[str] | None, lowers: str) -> Overlay:
         os.chown(o.upper, st.st_uid, st.st_gid)
         os.chmod(o.upper, stat.S_IMODE(st.st_mode))
         os.utime(o.upper, ns=(st.st_atime_ns, st.st_mtime_ns))
-    os.makedirs(o.target, exist_ok=True)
     back = kept_below(o, keep or [])
-    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in back}
+    fds: dict[str, int] = {}
+    root = None
     try:
+        for p in back:
+            fds[p] = _open_kept(o, p)
         try:
-            mountsys.overlay(o.target, mount_options(o, lowers))
+            mountsys.overlay(safepath.fd_path(target_fd), mount_options(o, lowers))
         except OSError as exc:
             extra = " (with metacopy=on)" if uses_metacopy(o) else ""
             raise OverlayError(f"overlay at {o.target} failed{extra}: {exc.strerror}") from None
-        if "ro" in mountsys.super_options(o.target):  # the kernel could not use the work directory
-            mountsys.umount(o.target, lazy=True)
+        root = _overlay_root(o, target_fd)
+        if os.fstatvfs(root).f_flag & os.ST_RDONLY:  # the kernel could not use the work directory
+            mountsys.umount(safepath.fd_path(root), lazy=True)
             raise OverlayError(f"overlay at {o.target} came up read-only: the kernel cannot use its work "
                                f"directory {o.work} (immutable, read-only or full? see dmesg)")
         if uses_metacopy(o):
             Path(_metacopy_marker(o)).touch()
-        done: list[str] = []
-        try:
-            for p in back:
-                os.makedirs(p, exist_ok=True)
-                mountsys.bind(f"/proc/self/fd/{fds[p]}", p, recursive=True)
-                done.append(p)
-        except OSError as exc:
-            for p in reversed(done):
-                mountsys.umount(p, lazy=True)
-            mountsys.umount(o.target, lazy=True)
-            raise OverlayError(f"overlay at {o.target}: cannot keep {p} visible ({exc.strerror})") from None
+        _bind_back(o, root, fds)
     finally:
-        for fd in fds.values():
+        for fd in list(fds.values()) + ([root] if root is not None else []):
             os.close(fd)
     return replace(o, binds=tuple(back))
 
 
+def _overlay_root(o: Overlay, target_fd: int) -> int:
+    """A descriptor of the root of the overlay just mounted on ``target_fd``: its path walked again.
+
+    Proven to be that overlay (its upper directory, on the mount the target
+    lies on); a target a user moved meanwhile is no longer reached by the
+    path: the overlay is detached where it went and :class:`Refused` says so.
+    """
+    ours = [m for m in mountsys.overlays_with_upper(o.upper) if m[1] == safepath.mount_id_of(target_fd)]
+    try:
+        fd = safepath.open_dir(o.target)[0]
+    except (OSError, OgrefsError):
+        fd = None
+    if fd is not None and safepath.mount_id_of(fd) in [m[0] for m in ours]:
+        return fd
+    if fd is not None:
+        os.close(fd)
+    for _id, _parent, where in ours:
+        mountsys.umount(where, lazy=True)
+    raise Refused(f"{o.target} not overlaid: it was moved away while the overlay went up")
+
+
+def _open_kept(o: Overlay, path: str) -> int:
+    """A descriptor of ``path`` (a directory to keep visible inside ``o``), opened before ``o`` covers it."""
+    try:
+        return safepath.open_dir(path)[0]
+    except safepath.Untrusted as exc:
+        raise Refused(f"{o.target} not overlaid: {path} cannot be kept visible: {exc}") from None
+    except OSError as exc:
+        raise OverlayError(f"overlay at {o.target}: cannot keep {path} visible ({exc.strerror})") from None
+
+
+def _bind_back(o: Overlay, root: int, fds: dict[str, int]) -> None:
+    """Bind each directory of ``fds`` back at its path inside the overlay whose root is open as ``root``.
+
+    The place is walked from that root following no symlink at all (what is
+    there is the snapshot's and the upper directory's, not the box's); on any
+    failure the overlay is detached with what was bound inside it, and OverlayError says why.
+    """
+    p = ""
+    try:
+        for p, fd in fds.items():
+            try:
+                at = safepath.open_dir(p[len(o.target.rstrip("/")):], create=True, start=root, follow=False)[0]
+            except safepath.Untrusted as exc:
+                raise Refused(f"{o.target} not overlaid: {p} cannot be kept visible inside it: {exc}") from None
+            try:
+                mountsys.bind(safepath.fd_path(fd), safepath.fd_path(at), recursive=True)
+            finally:
+                os.close(at)
+    except (OSError, OverlayError) as exc:
+        mountsys.umount(safepath.fd_path(root), lazy=True)  # detached with what was bound inside it
+        if isinstance(exc, OverlayError):
+            raise
+        raise OverlayError(f"overlay at {o.target}: cannot keep {p} visible ({exc.strerror})") from None
+
+
 def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None = None,
-              hold_own: bool = False) -> list[Overlay]:
+              hold_own: bool = False, refused: list[str] | None = None) -> list[Overlay]:
     """Mount every overlay or none (those already up are taken down again); saves and returns them.
 
     ``hold_own``: see :func:`mount_one` (the keeper's call; its descriptors stay open for its life).
+    ``refused``, when given, receives the one-line reason of each overlay left out (:class:`Refused`:
+    a user's symlink on the way) instead of the whole mount failing on it.
     """
     done: list[Overlay] = []
     try:
         for o in overlays:
-            done.append(mount_one(o, keep, hold_own))
+            try:
+                done.append(mount_one(o, keep, hold_own))
+            except Refused as exc:
+                if refused is None:
+                    raise
+                refused.append(str(exc))
     except BaseException:
         unmount_all(done, lazy=True)
         for fd in (o.own_fd for o in done if o.own_fd is not None):

@@ -213,6 +213,7 @@ def _report(st: dict, as_json: bool) -> None:
         f" {st['retries']} retried requests)",
     ]
     lines.extend(f"  {note}" for note in st.get("trace_notes") or [])
+    lines.extend(f"  {why}" for why in st.get("refused") or [])  # overlays left out: a user's symlink on the way
     lines.extend(_prefetch_lines(st.get("materialize") or {}, sys.stdout.isatty()))
     y = st.get("snapshot_yield") or {}
     if y.get("yielding"):

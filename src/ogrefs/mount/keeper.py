@@ -108,7 +108,10 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
     host = hostpaths.prepare(layout.overlays, state, layout.host_paths)  # opens host files before they are covered
     target = str(layout.target)
     way_back = rescue.prepare(rescue_dir(plan.registration)) if target == "/" else None
-    up = overlay.mount_all(host.overlays, state, keep=keep, hold_own=True)  # own-dir fds held for our life
+    refused: list[str] = []  # a user's symlink on the way to a target: that path keeps the box's own tree
+    up = overlay.mount_all(host.overlays, state, keep=keep, hold_own=True, refused=refused)  # own fds: held
+    for why in refused:
+        log.warning("%s", why)
     owned = set(layout.host_paths.kept) if layout.host_paths is not None else set()
     shown = topfiles.show([e for e in layout.top_files or [] if "/" + e["name"] not in owned], state / "lower",
                           state)
@@ -120,7 +123,7 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
         ldconfig = f"not run: {exc}"
     return {"overlays": [o.target for o in up], "binds": [b for o in up for b in o.binds],
             "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown,
-            "rescue": f"{way_back.directory}/detach.sh" if way_back else None}
+            "rescue": f"{way_back.directory}/detach.sh" if way_back else None, "refused": refused}
 
 
 def rescue_dir(reg: Registration) -> Path:
@@ -230,6 +233,7 @@ def describe(info: dict[str, Any]) -> str:
                                                                         if len(kept) > 12 else ""))
     if binds:
         parts.append(f"still visible: {', '.join(binds)}")
+    parts += info.get("refused") or []  # each a whole reason: a user's symlink kept a path from being covered
     return "; ".join(parts + notes)  # an account that gives way is said in full
 
 

@@ -189,7 +189,8 @@ def own_mounts() -> list[OwnMount]:
             for root in (m.state_dir + b"/lower", m.state_dir + b"/tree"):
                 if lower == root or lower.startswith(root + b"/"):
                     merged = os.fsencode(o["merged"]) if o.get("merged") else None
-                    lowers = classify_lowers(mp.options, lower, merged, os.fsencode(o.get("host_dir") or o["target"]))
+                    lowers = classify_lowers(mp.options, lower, merged, os.fsencode(o.get("host_dir") or o["target"]),
+                                             o.get("own_fd"))
                     own_root = own_layer_root(ws, o, mp.mount_id) if lowers == LOWER_OVER_OWN else None
                     if lowers == LOWER_OVER_OWN and own_root is None:
                         lowers = UNKNOWN  # the own layer cannot be proven readable: walk through the mount
@@ -204,14 +205,17 @@ def own_mounts() -> list[OwnMount]:
 LOWER_ONLY, LOWER_OVER_OWN, UNKNOWN = "lower_only", "lower_over_own", "unknown"
 
 
-def classify_lowers(options: str, lower: bytes, merged: bytes | None, own: bytes) -> str:
+def classify_lowers(options: str, lower: bytes, merged: bytes | None, own: bytes, own_fd: object = None) -> str:
     """What an overlay's mount options name as its lower layers: exactly ``[merged:]lower`` (LOWER_ONLY),
-    exactly ``[merged:]lower:own`` (LOWER_OVER_OWN: the box's own directory lowest), or anything else."""
+    exactly ``[merged:]lower:own`` (LOWER_OVER_OWN: the box's own directory lowest; named by the keeper's
+    descriptor ``/proc/self/fd/<own_fd>`` where a user controls a step of its path, box/overlay.py), or
+    anything else."""
     want = os.fsdecode(lower if merged is None else merged + b":" + lower)
     got = [opt[len("lowerdir="):] for opt in options.split(",") if opt.startswith("lowerdir=")]
     if got == [want]:
         return LOWER_ONLY
-    if got == [want + ":" + os.fsdecode(own)]:
+    by_fd = isinstance(own_fd, int) and got == [f"{want}:/proc/self/fd/{own_fd}"]
+    if got == [want + ":" + os.fsdecode(own)] or by_fd:
         return LOWER_OVER_OWN
     return UNKNOWN
 
