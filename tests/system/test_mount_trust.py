@@ -163,3 +163,32 @@ print(json.dumps(layer.kept))
     assert proc.returncode == 0, proc.stderr
     why = f"{keys}: not merged ({keys} is not a regular file); the snapshot's copy is shown"
     assert json.loads(proc.stdout) == [why]
+
+
+def test_run_of_a_snapshot_with_a_symlink_where_a_bind_goes_makes_nothing_outside_its_root(tmp_path):
+    """A snapshot from another box has ``mnt -> <outside>``, where this box has a data disk mounted at
+    ``mnt/data``: `ogrefs run` binds that disk only beneath its root, never through the snapshot's symlink."""
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "marker").write_text("snap\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (top / "mnt").symlink_to(outside)  # absolute: resolved by root from the box's /
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"),
+               OGREFS_RUN_DIR=str(tmp_path / "runs"))
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "init"], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "ogrefs", "-q", "snapshot", str(top)], env=env, check=True, timeout=120)
+    (top / "mnt").unlink()
+    (top / "mnt/data").mkdir(parents=True)  # this box's own data disk is mounted there
+    try:
+        proc = in_namespace({"env": env}, f"""
+            mount -t tmpfs -o size=1m ogrefs-test-disk {top}/mnt/data
+            {OGREFS} run latest --no-host-paths -- cat {top}/marker > {tmp_path}/ran.txt
+        """, check=False)
+    finally:
+        kill_registered_daemons(tmp_path / "run")
+    assert os.listdir(outside) == []
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "ran.txt").read_text() == "snap\n"
+    assert f"this box's {top}/mnt/data is not shown inside the snapshot" in proc.stderr

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from ogrefs.box import mountsys
+from ogrefs.box import mountsys, safepath
 from ogrefs.mount.client import mount, unmount
 from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.box.overlay import mounts_below, outermost
@@ -98,16 +98,44 @@ def _child(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snap
     try:
         binds = ([f"/{name}" for name in HOST_BINDS] if not nspawn else []) + _host_disks(root)
         for source in binds:
-            target = str(root) + source
-            os.makedirs(target, exist_ok=True)
-            mountsys.bind(source, target, recursive=True)
-            bound.append(target)
+            if _bind_inside(root, source):
+                bound.append(str(root) + source)
         return _enter(root, command, nspawn)
     finally:
         for target in reversed(bound):
             mountsys.umount(target, lazy=True)
         with contextlib.suppress(OgrefsError):
             unmount(root, lazy=True)
+
+
+def _bind_inside(root: Path, source: str) -> bool:
+    """Bind this box's ``source`` at the same path inside ``root``; False (said on stderr) where it cannot be.
+
+    The place is walked from the root's descriptor following no symlink of
+    the snapshot's (a forged snapshot's ``/proc -> /etc`` would have root make
+    and cover a directory outside the run's root) and made there if missing;
+    the bind goes on that directory's descriptor. The source is this box's
+    own, reached by safepath.
+    """
+    try:
+        top = safepath.open_dir(str(root))[0]
+        try:
+            at = safepath.open_dir(source, create=True, start=top, follow=False)[0]
+        finally:
+            os.close(top)
+        try:
+            src = safepath.open_dir(source)[0]
+            try:
+                mountsys.bind(safepath.fd_path(src), safepath.fd_path(at), recursive=True)
+            finally:
+                os.close(src)
+        finally:
+            os.close(at)
+    except (OSError, OgrefsError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"ogrefs: this box's {source} is not shown inside the snapshot ({why})", file=sys.stderr)
+        return False
+    return True
 
 
 def _host_disks(root: Path) -> list[str]:
