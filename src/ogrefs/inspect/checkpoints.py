@@ -61,6 +61,7 @@ from ogrefs.inspect.ckptfiles import (
 )
 from ogrefs.inspect.ckptrules import framework_problems, process_count, resume_rule, sibling_problems
 from ogrefs.inspect.ckptsets import SHARD_RE, is_family_member, set_problems
+from ogrefs.inspect.files import open_regular
 
 __all__ = ["analyze_checkpoints", "is_candidate_name", "POINTER_NAMES", "COMPONENTS"]
 
@@ -203,7 +204,7 @@ def _read_pointer(path: str) -> tuple[str, str] | None:
             return "symlink", os.readlink(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
             return None
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             text = f.read(4096).decode("utf-8", "replace").strip()
         first = text.splitlines()[0].strip() if text else ""
         return "file", first

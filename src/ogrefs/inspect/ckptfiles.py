@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ogrefs.inspect.deadline import Deadline
 from ogrefs.inspect.pickle_scan import PickleSummary, scan_pickle
+from ogrefs.inspect.files import open_regular
 
 __all__ = [
     "FileCheck",
@@ -264,7 +265,7 @@ def check_file(path: str, deadline: Deadline | None = None) -> FileCheck:
     try:
         st = os.lstat(path)
         fc.size, fc.mtime = st.st_size, st.st_mtime
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(16)
             f.seek(0)
             if name.endswith(".json"):

@@ -19,6 +19,8 @@ import os
 import re
 from typing import Callable, Iterable
 
+from ogrefs.inspect.files import open_regular
+
 __all__ = [
     "read_toolkit",
     "read_header_version",
@@ -58,7 +60,7 @@ def so_version(name: str) -> str | None:
 def read_header_version(path: str, prefix: str) -> str | None:
     """``MAJOR.MINOR.PATCH`` from ``#define <prefix>_MAJOR 8`` style lines."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, follow=True) as f:
             text = f.read(256 * 1024).decode("latin-1")
     except OSError:
         return None
@@ -104,7 +106,7 @@ def read_toolkit(path: str) -> dict:
         except OSError:
             pass
     try:
-        with open(os.path.join(path, "version.json"), "rb") as f:
+        with open_regular(os.path.join(path, "version.json"), follow=True) as f:
             data = json.loads(f.read(1 << 20))
         v = data.get("cuda", {}).get("version")
         if isinstance(v, str):
@@ -113,7 +115,7 @@ def read_toolkit(path: str) -> dict:
     except (OSError, ValueError, AttributeError):
         pass
     try:
-        with open(os.path.join(path, "version.txt"), encoding="utf-8", errors="replace") as f:
+        with open_regular(os.path.join(path, "version.txt"), "r", follow=True, encoding="utf-8", errors="replace") as f:
             m = re.search(r"CUDA Version\s+([0-9][0-9.]*)", f.read(4096))
         if m:
             out["version"], out["source"] = m.group(1), "version.txt"
@@ -144,7 +146,7 @@ def read_toolkit(path: str) -> dict:
                     return out
     for header, macro in (("cuda_runtime_api.h", "CUDART_VERSION"), ("cuda.h", "CUDA_VERSION")):
         try:
-            with open(os.path.join(path, "include", header), "rb") as f:
+            with open_regular(os.path.join(path, "include", header), follow=True) as f:
                 text = f.read(512 * 1024).decode("latin-1")
         except OSError:
             continue

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 
 from ogrefs.inspect.deadline import Deadline
+from ogrefs.inspect.files import open_regular
 
 __all__ = ["read_git", "git_executable", "parse_git_config", "sanitize_url"]
 
@@ -45,7 +46,7 @@ def git_executable() -> str | None:
 
 def _read_text(path: str, limit: int = 1 << 20) -> str | None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read(limit).decode("utf-8", "replace")
     except OSError:
         return None

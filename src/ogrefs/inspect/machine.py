@@ -10,6 +10,8 @@ import os
 import platform
 import socket
 
+from ogrefs.inspect.files import open_regular
+
 __all__ = ["machine_info", "read_os_release"]
 
 
@@ -17,7 +19,7 @@ def read_os_release(path: str = "/etc/os-release") -> dict:
     """The os-release fields ogrefs shows (``{}`` when unreadable)."""
     fields: dict[str, str] = {}
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open_regular(path, "r", follow=True, encoding="utf-8", errors="replace") as f:
             for line in f:
                 line = line.strip()
                 if not line or line.startswith("#") or "=" not in line:
@@ -38,7 +40,7 @@ def read_os_release(path: str = "/etc/os-release") -> dict:
 
 def _cpu_model(path: str = "/proc/cpuinfo") -> str | None:
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open_regular(path, "r", follow=True, encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 # x86: "model name"; arm64: often only "CPU part" / none
@@ -51,7 +53,7 @@ def _cpu_model(path: str = "/proc/cpuinfo") -> str | None:
 
 def _memory_bytes(path: str = "/proc/meminfo") -> int | None:
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
+        with open_regular(path, "r", follow=True, encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("MemTotal:"):
                     parts = line.split()

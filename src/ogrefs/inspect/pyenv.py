@@ -19,6 +19,7 @@ import os
 import re
 
 from ogrefs.inspect.deadline import Deadline
+from ogrefs.inspect.files import open_regular
 
 __all__ = [
     "canonical_name",
@@ -42,7 +43,7 @@ def read_dist_headers(path: str) -> tuple[str | None, str | None]:
     """(Name, Version) from a METADATA / PKG-INFO file's header block."""
     name = version = None
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             chunk = f.read(64 * 1024)
     except OSError:
         return None, None
@@ -72,7 +73,7 @@ def _from_dir_name(entry: str) -> tuple[str, str | None]:
 def read_pyvenv_cfg(path: str) -> dict:
     out: dict[str, str] = {}
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open_regular(path, "r", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition("=")
                 if sep:
@@ -91,7 +92,7 @@ _TORCH_FIELD_RE = re.compile(
 def read_torch_version(path: str) -> dict | None:
     """``{"version": "2.1.0+cu121", "cuda": "12.1", "hip": None}`` from version.py text."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open_regular(path, "r", encoding="utf-8", errors="replace") as f:
             text = f.read(64 * 1024)
     except OSError:
         return None

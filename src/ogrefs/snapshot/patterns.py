@@ -20,6 +20,7 @@ import os
 from typing import Collection
 
 from ogrefs.errors import UsageError
+from ogrefs.inspect.files import open_regular
 
 #: The Cache Directory Tagging Specification's signature (https://bford.info/cachedir/).
 CACHEDIR_SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"
@@ -53,7 +54,7 @@ def check_pattern(pattern: str) -> str:
 def read_pattern_file(path: str, what: str = "--exclude-file") -> list[str]:
     """Lines of a pattern or path file: blank lines and ``#`` comments skipped, line ends stripped."""
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+        with open_regular(path, "r", follow=True, encoding="utf-8", errors="surrogateescape") as fh:
             lines = [line.rstrip("\r\n") for line in fh]
     except OSError as exc:
         raise UsageError(f"{what} {path}: {exc.strerror}") from None
@@ -85,7 +86,7 @@ def marked_directory(path: bytes, markers: list[tuple[bytes, bytes | None]],
                 return True
             continue
         try:
-            with open(marker, "rb") as fh:
+            with open_regular(marker) as fh:
                 if fh.read(len(header)) == header:
                     return True
         except OSError:
