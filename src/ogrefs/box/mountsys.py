@@ -18,6 +18,7 @@ import ctypes
 import errno
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ogrefs.box.records import unescape_mountinfo
@@ -135,18 +136,83 @@ def tune_readahead(mountpoint: "os.PathLike[str] | str", kb: int) -> None:
         log.info("could not raise kernel read-ahead (%s); sequential reads will be slower", exc)
 
 
-def _top_mount_line(mountpoint: "os.PathLike[str] | str") -> tuple[list[str], list[str]] | None:
-    """The mountinfo line of what is mounted exactly at ``mountpoint`` (the top one), split at " - ": the
-    fields before (mount id first, mount point fifth) and after (type, source, super options); None if nothing."""
-    target = os.path.abspath(mountpoint)
-    found = None
+@dataclass(frozen=True)
+class MountRow:
+    """One line of ``/proc/self/mountinfo``: what it takes to tell whose a mount is."""
+
+    id: int
+    point: str
+    fstype: str
+    source: str
+    super_options: tuple[str, ...]
+
+
+def mount_table() -> list[MountRow]:
+    """This namespace's mounts, in mountinfo's order (a parent before what is mounted on or in it)."""
+    rows = []
     with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
         for line in fh:
             left, _, right = line.partition(" - ")
-            fields = left.split()
-            if len(fields) >= 5 and unescape_mountinfo(fields[4]) == target:
-                found = (fields, right.split())
-    return found
+            fields, after = left.split(), right.split()
+            if len(fields) < 5 or not fields[0].isdigit():
+                continue
+            rows.append(MountRow(int(fields[0]), unescape_mountinfo(fields[4]), after[0] if after else "?",
+                                 unescape_mountinfo(after[1]) if len(after) > 1 else "",
+                                 tuple(after[2].split(",")) if len(after) > 2 else ()))
+    return rows
+
+
+def mount_at(mountpoint: "os.PathLike[str] | str") -> MountRow | None:
+    """What is mounted exactly at ``mountpoint`` (the top one: the last in mountinfo), or None."""
+    target = os.path.abspath(mountpoint)
+    return next((r for r in reversed(mount_table()) if r.point == target), None)
+
+
+#: mountinfo's (type, source) of what ogrefs mounts that holds a daemon's FUSE session: the FUSE mount
+#: itself (``fsname=ogrefs``, ``subtype=ogrefs``; a bind of one of its files shows the same) and the
+#: overlays over it (:func:`overlay` names them ``ogrefs``). No other program makes either.
+OGREFS_KINDS = (("fuse.ogrefs", "ogrefs"), ("overlay", "ogrefs"))
+
+
+def is_ogrefs(row: MountRow | None, fstype: str | None = None) -> bool:
+    """Whether ``row`` is a mount ogrefs made (of ``fstype`` if given), by what the kernel reports of it.
+
+    The check before every umount2 of a path ogrefs recorded: a path whose top
+    mount is the box's own (its root, a disk) is never touched. Not by mount
+    id: a mount ogrefs puts up again (an unmount's rollback, ``finalize``)
+    gets a new one, and a recursive bind (the keeper binds the state
+    directory back over an overlay) shows a copy of the FUSE mount, with an id
+    of its own, at the same path.
+    """
+    return row is not None and (row.fstype, row.source) in OGREFS_KINDS and (fstype is None or row.fstype == fstype)
+
+
+def detach_ogrefs_mounts(keep: list[str]) -> list[str]:
+    """In a namespace of this process's own: detach the copies of ogrefs' mounts; the points detached.
+
+    A mount namespace copied from the box holds a reference to each FUSE mount
+    in it: after the box unmounts one (a read-only mount, another writable
+    mount's lower), its daemon would never get the kernel's DESTROY and would
+    wait for this process's exit. So every ``fuse.ogrefs`` copy goes, and
+    every ogrefs overlay over one, except an overlay that covers a path in
+    ``keep`` (what this process runs from: its interpreter, state, cache,
+    ``/etc``): that mount then waits for this process, which does depend on
+    it. Children first (mountinfo's order reversed); a copy with something
+    else mounted on top of it stays (umount2 takes a path, and the top there
+    is not ours).
+    """
+    def covers(point: str) -> bool:
+        inside = point.rstrip("/") + "/"
+        return any(k == point or k.startswith(inside) for k in keep)
+
+    done = []
+    for row in reversed(mount_table()):
+        if not is_ogrefs(row) or (row.fstype == "overlay" and covers(row.point)):
+            continue
+        top = mount_at(row.point)
+        if top is not None and top.id == row.id and umount(row.point, lazy=True) is None:
+            done.append(row.point)
+    return done
 
 
 def super_options(mountpoint: "os.PathLike[str] | str") -> list[str]:
@@ -156,14 +222,14 @@ def super_options(mountpoint: "os.PathLike[str] | str") -> list[str]:
     immutable or foreign ``work/work``) and says so only in the kernel log:
     the caller asks here whether ``ro`` is among them.
     """
-    line = _top_mount_line(mountpoint)
-    return line[1][2].split(",") if line is not None and len(line[1]) >= 3 else []
+    row = mount_at(mountpoint)
+    return list(row.super_options) if row is not None else []
 
 
 def mount_id(mountpoint: "os.PathLike[str] | str") -> int | None:
     """The mount id (mountinfo's first field) of what is mounted exactly at ``mountpoint`` (the top one), or None."""
-    line = _top_mount_line(mountpoint)
-    return int(line[0][0]) if line is not None and line[0][0].isdigit() else None
+    row = mount_at(mountpoint)
+    return row.id if row is not None else None
 
 
 def overlays_with_upper(upper: str) -> list[tuple[int, int, str]]:
@@ -183,7 +249,5 @@ def overlays_with_upper(upper: str) -> list[tuple[int, int, str]]:
 
 def mounted_fstype(mountpoint: Path) -> str | None:
     """The file-system type mounted exactly at ``mountpoint`` (from mountinfo, without touching it)."""
-    line = _top_mount_line(mountpoint)
-    if line is None:
-        return None
-    return line[1][0] if line[1] else "?"
+    row = mount_at(mountpoint)
+    return row.fstype if row is not None else None

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -186,7 +187,7 @@ class Daemon:
         if self.keeper is not None:
             self.info["skipped"] = plan.writable.skipped
             self.box_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)  # for a keeper that died
-            own_namespace(plan.mountpoint)
+            own_namespace(plan.mountpoint, runs_from(plan, self.chunk_dir))
         plan.lock.start_refresher()  # in a forked daemon the parent's heartbeat thread did not survive
         plan.registration.write(self.info)
         self.registered = True
@@ -321,18 +322,35 @@ def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         fn(*args, **kwargs)
 
 
-def own_namespace(mountpoint: Path) -> None:
-    """Leave the box's mount namespace (keeping its current view) and drop this copy of the FUSE mount.
+def own_namespace(mountpoint: Path, keep: list[str]) -> None:
+    """Leave the box's mount namespace (keeping its current view) and drop the copies of ogrefs' FUSE mounts.
 
     Must run before any thread starts (the kernel refuses CLONE_NEWNS to a
-    multi-threaded process). Dropping the copy keeps the box's unmount of the
-    lower the one thing that ends the FUSE session, as without a namespace.
+    multi-threaded process). Dropping the copy of this mount keeps the box's
+    unmount of the lower the one thing that ends the FUSE session, as without
+    a namespace; dropping the copies of the others' (a read-only mount made
+    before this one, another writable mount's lower and overlays) keeps this
+    daemon from pinning them: their unmount ends their daemons while this one
+    lives. ``keep``: paths this daemon runs from (:func:`runs_from`), whose
+    overlays stay.
     """
     mountsys.private_namespace()
     err = mountsys.umount(str(mountpoint), lazy=True)
     if err:
         raise MountError(f"cannot detach the daemon's copy of {mountpoint}: {err}")
-    log.info("daemon in its own mount namespace; the overlays are invisible to it")
+    others = [p for p in mountsys.detach_ogrefs_mounts(keep) if p != str(mountpoint)]
+    log.info("daemon in its own mount namespace; the overlays are invisible to it%s",
+             f"; detached its copies of other ogrefs mounts: {', '.join(others)}" if others else "")
+
+
+def runs_from(plan: MountPlan, chunk_dir: Path) -> list[str]:
+    """What a daemon reads or writes after leaving the box's namespace: its mount's own directories (state,
+    caches, runtime, a local repository), the interpreter and ogrefs itself (lazy imports), and ``/etc``
+    (resolver, CA certificates)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ogrefs/, above mount/
+    paths = keeper.own_directories(plan) + [str(chunk_dir), sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                            os.path.dirname(os.path.realpath(sys.executable)), package, "/etc"]
+    return [os.path.abspath(p) for p in paths]
 
 
 def teardown_in_box(box_ns: int, state_dir: Path, reg: Registration, timeout: float = 30.0) -> None:
