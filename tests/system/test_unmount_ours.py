@@ -38,6 +38,71 @@ def _one_line(text: str) -> str:
     return lines[0]
 
 
+def test_a_disk_ogrefs_never_mounted_survives_unmount(box):
+    tmp = box["tmp"]
+    in_namespace(box, f"""
+        mkdir -p {tmp}/disk
+        mount -t tmpfs boxdisk {tmp}/disk                  # the box's own disk
+        echo data > {tmp}/disk/file
+        set +e
+        {OGREFS} unmount {tmp}/disk 2> {tmp}/plain.err; echo $? > {tmp}/plain.rc
+        {OGREFS} unmount --lazy {tmp}/disk 2> {tmp}/lazy.err; echo $? > {tmp}/lazy.rc
+        {OGREFS} unmount --lazy --if-mounted {tmp}/disk 2> {tmp}/if.err; echo $? > {tmp}/if.rc
+        set -e
+        test "$(cat {tmp}/disk/file)" = data                 # still mounted, still the box's
+        awk '{{print $5}}' /proc/self/mountinfo | grep -qx {tmp}/disk
+    """)
+    for name, code in (("plain", "2"), ("lazy", "2"), ("if", "0")):
+        assert (tmp / f"{name}.rc").read_text().strip() == code, name
+        line = _one_line((tmp / f"{name}.err").read_text())
+        assert f"{tmp}/disk is not mounted by ogrefs (tmpfs from boxdisk is mounted there" in line, line
+        assert "nothing was unmounted" in line, line
+
+
+def test_lazy_unmount_of_root_without_an_ogrefs_mount_leaves_the_mount_table_alone(box):
+    """The unit's ExecStop after a manual unmount: before, the box's whole root tree was detached."""
+    tmp = box["tmp"]
+    in_namespace(box, f"""
+        cat /proc/self/mountinfo > {tmp}/before
+        set +e
+        {OGREFS} unmount --lazy / --timeout 5 2> {tmp}/err; echo $? > {tmp}/rc
+        set -e
+        cat /proc/self/mountinfo > {tmp}/after
+    """)
+    assert (tmp / "before").read_text() == (tmp / "after").read_text()
+    assert (tmp / "rc").read_text().strip() == "2"
+    assert "/ is not mounted by ogrefs" in _one_line((tmp / "err").read_text())
+
+
+def test_unmount_of_a_dead_mount_clears_its_record_and_touches_nothing(box):
+    """A writable mount whose daemon was killed: its keeper took everything down, the registration stayed.
+
+    ``unmount`` clears the record (the documented step after detach.sh) and says so; from then on
+    nothing of ogrefs' is at the path: a plain ``unmount`` exits 2, ``--if-mounted`` 0, both touch nothing.
+    """
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    in_namespace(box, f"""
+        mount -t tmpfs fresh-box {proj.parent}
+        {OGREFS} mount {snap} / --no-materialize
+        {_pids(tmp)}
+        kill -9 "$pid"
+        timeout 20 tail --pid="$keeper" -f /dev/null      # the keeper detaches the overlays and leaves
+        cat /proc/self/mountinfo > {tmp}/before
+        {OGREFS} unmount / 2> {tmp}/err
+        set +e
+        {OGREFS} unmount / 2> {tmp}/again.err; echo $? > {tmp}/again.rc
+        {OGREFS} unmount --if-mounted / 2> {tmp}/if.err; echo $? > {tmp}/if.rc
+        set -e
+        cat /proc/self/mountinfo > {tmp}/after
+    """)
+    assert (tmp / "before").read_text() == (tmp / "after").read_text()
+    assert "its record is cleared" in _one_line((tmp / "err").read_text())
+    assert not [p for p in (tmp / "run" / "mounts").glob("*.json") if not p.name.endswith(".status.json")]
+    for name, code in (("again", "2"), ("if", "0")):
+        assert (tmp / f"{name}.rc").read_text().strip() == code, name
+        assert "/ is not mounted by ogrefs (" in _one_line((tmp / f"{name}.err").read_text()), name
+
+
 @pytest.mark.parametrize("first", ["--read-only", "--no-materialize"])
 def test_a_writable_mount_made_later_does_not_pin_an_earlier_one(box, first):
     """Issue 51.3: the later writable mount's daemon copied the namespace with the earlier mount in it."""

@@ -430,7 +430,7 @@ def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
     Nothing is touched unless an overlay is mounted at the target: the paths
     bound back are the box's own mounts once the overlay is gone.
     """
-    if mounted_fstype(Path(o.target)) != "overlay":
+    if not _ours(o):
         return None
     fds = {}
     for p in o.binds:
@@ -521,7 +521,12 @@ def _flags(fdinfo: str) -> int:
 
 def still_mounted(overlays: list[Overlay]) -> list[Overlay]:
     """Those of ``overlays`` that have an overlay mounted at their target now (for a truthful overlays.json)."""
-    return [o for o in overlays if mounted_fstype(Path(o.target)) == "overlay"]
+    return [o for o in overlays if _ours(o)]
+
+
+def _ours(o: Overlay) -> bool:
+    """Whether the top mount at ``o``'s target is an overlay ogrefs made (not the box's own, e.g. a container's)."""
+    return mountsys.is_ogrefs(mountsys.mount_at(o.target), "overlay")
 
 
 def _work_dir_problem(o: Overlay) -> str | None:

@@ -149,12 +149,27 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                    "own tree at once; the daemon serves what is still open and exits when the last user leaves.")
 @click.option("--timeout", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
               help="Seconds to wait for the daemon to exit.")
+@click.option("--if-mounted", "if_mounted", is_flag=True,
+              help="Nothing of ogrefs' at MOUNTPOINT is not an error: say so and exit 0 (the boot unit's stop).")
 @json_option
-def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool) -> None:
-    """Unmount an ogrefs mount and wait for its daemon to exit."""
-    from ogrefs.mount.client import unmount as do_unmount
+def unmount(mountpoint: Path, lazy: bool, timeout: float, as_json: bool, if_mounted: bool = False) -> None:
+    """Unmount an ogrefs mount and wait for its daemon to exit.
 
-    note = do_unmount(mountpoint, lazy=lazy, timeout=timeout)
+    Only what ogrefs mounted is touched: anything else at MOUNTPOINT (the
+    box's own root, a disk) stays, with one line saying so and exit 2.
+    """
+    from ogrefs.mount.client import NotMounted, unmount as do_unmount
+
+    try:
+        note = do_unmount(mountpoint, lazy=lazy, timeout=timeout)
+    except NotMounted as exc:
+        if not if_mounted:
+            raise
+        if as_json:
+            emit_json({"unmounted": None, "lazy": lazy, "reason": str(exc)})
+        else:
+            click.echo(str(exc), err=True)
+        return
     if as_json:
         emit_json({"unmounted": str(mountpoint), "lazy": lazy, "daemon_exited": note is None})
     elif note:

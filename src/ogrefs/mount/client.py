@@ -33,7 +33,6 @@ from ogrefs.errors import UsageError
 from ogrefs.mount import keeper
 from ogrefs.box import holders, hostpaths, mountsys, overlay, rescue, topfiles
 from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
-from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.mount.options import MountOptions
 from ogrefs.mount.status import read_status
 from ogrefs.repo import Repository
@@ -144,29 +143,47 @@ def _read_line(fd: int, timeout: float) -> str:
 
 
 # -- unmount ------------------------------------------------------------------------------------------
+class NotMounted(UsageError):
+    """Nothing ogrefs mounted is at the path: ``unmount`` touched nothing (``--if-mounted``: not an error)."""
+
+
 def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> str | None:
-    """Unmount; with ``lazy``, a note when the daemon outlives the detach (it serves what is still open)."""
+    """Unmount; with ``lazy``, a note when the daemon outlives the detach (it serves what is still open).
+
+    Only what ogrefs mounted is ever unmounted: the FUSE mount and the
+    overlays it recorded over it, each checked against mountinfo right before
+    its umount2 (mountsys.is_ogrefs).
+    Anything else at the path (the box's root, a disk) raises :class:`NotMounted`.
+    """
     mp = Path(os.path.abspath(mountpoint))
     reg = Registration.for_mountpoint(mp)
     info = reg.read()
     pid = info.get("pid") if info else None
     if info and (info.get("writable") or info.get("finalized")):
         return _unmount_writable(mp, reg, info, lazy, timeout)
-    if mounted_fstype(mp) is None:
+    if not mountsys.is_ogrefs(mountsys.mount_at(mp), "fuse.ogrefs"):
         if pid and pid_alive(pid):
             _wait_exit(pid, timeout, mp)
             return None
-        raise UsageError(f"{mp} is not mounted")
+        raise NotMounted(_not_ours(mp))
     _unmount_fuse(mp, lazy)
     if pid and pid_alive(pid):
         _wait_exit(pid, timeout, mp)
     return None
 
 
+def _not_ours(mp: Path) -> str:
+    """The one line for a path with nothing of ogrefs' mounted: what is there instead, and that it stays."""
+    row = mountsys.mount_at(mp)
+    there = (f"{row.fstype} from {row.source or '?'} is mounted there, not by ogrefs" if row
+             else "nothing is mounted there")
+    return f"{mp} is not mounted by ogrefs ({there}); nothing was unmounted"
+
+
 def _unmount_fuse(mp: Path, lazy: bool) -> None:
     """Unmount a read-only FUSE mount: by system call as root, else with fusermount3 (or umount)."""
     if os.geteuid() == 0:  # by system call: nothing spawned, whatever covers the programs' paths
-        err = mountsys.umount(str(mp), lazy=lazy)
+        err = mountsys.umount(str(mp), lazy=lazy)  # the caller checked that ogrefs' FUSE mount is on top
         if err == "target is busy":
             raise MountError(f"{mp} is busy (files or directories in use); close them or use --lazy")
         if err:
@@ -186,7 +203,12 @@ def _unmount_fuse(mp: Path, lazy: bool) -> None:
 
 def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeout: float) -> str | None:
     """Overlays in reverse order, then the FUSE lower; the upper directories stay for the next mount."""
-    state = Path(info["state_dir"])
+    state, pid = Path(info["state_dir"]), info.get("pid")
+    lower_ours = mountsys.is_ogrefs(mountsys.mount_at(state / "lower"), "fuse.ogrefs")
+    if not (lower_ours or overlay.still_mounted(load_overlays(state)) or (pid and pid_alive(pid))):
+        save_overlays([], state)  # the daemon died and its keeper (or detach.sh) took everything down
+        reg.remove()
+        return f"nothing of ogrefs' was mounted at {mp} any more (its daemon had died); its record is cleared"
     targets = [o.target for o in load_overlays(state)]
     callers = [] if lazy else holders.callers_or_refuse(f"unmount {mp}", targets, info)
     lazy = lazy or bool(callers)  # only the caller's own shell holds them: it lets go after we return
@@ -206,12 +228,12 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
     hostpaths.unmount_layers(state)
     rescue.remove(keeper.rescue_dir(reg))
     overlay.unmount_shims(state)
-    pid = info.get("pid")
     if info.get("finalized") or not (pid and pid_alive(pid)):
-        mountsys.umount(str(state / "lower"), lazy=True)
+        if lower_ours:
+            mountsys.umount(str(state / "lower"), lazy=True)
         reg.remove()
         return None
-    err = mountsys.umount(str(state / "lower"), lazy=lazy)
+    err = mountsys.umount(str(state / "lower"), lazy=lazy) if lower_ours else None
     if err:
         raise MountError(f"cannot unmount {state / 'lower'}: {err} (the overlays are down; use --lazy)")
     if not lazy:

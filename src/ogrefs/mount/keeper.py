@@ -140,7 +140,9 @@ def teardown(state_dir: Path, reg: Registration) -> list[str]:
     errors = overlay.unmount_all(load_overlays(state_dir), lazy=True)
     if not errors:
         save_overlays([], state_dir)  # overlays.json says what is mounted: nothing now
-    err = mountsys.umount(str(state_dir / "lower"), lazy=True)
+    lower = state_dir / "lower"
+    ours = mountsys.is_ogrefs(mountsys.mount_at(lower), "fuse.ogrefs")  # never what is not ogrefs' (issue 46)
+    err = mountsys.umount(str(lower), lazy=True) if ours else None
     if not errors:
         hostpaths.unmount_layers(state_dir)
         rescue.remove(rescue_dir(reg))
