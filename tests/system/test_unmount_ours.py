@@ -103,6 +103,32 @@ def test_unmount_of_a_dead_mount_clears_its_record_and_touches_nothing(box):
         assert "/ is not mounted by ogrefs (" in _one_line((tmp / f"{name}.err").read_text()), name
 
 
+def test_unmount_completes_on_a_full_state_disk(box):
+    """Issue 51.2: before, the overlays came down, then "No space left on device" on every retry."""
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    in_namespace(box, f"""
+        mkdir -p {tmp}/state
+        mount -t tmpfs -o size=16m statedisk {tmp}/state      # the state directory's own small disk
+        mount -t tmpfs fresh-box {proj.parent}
+        {OGREFS} mount {snap} / --no-materialize
+        {_pids(tmp)}
+        ! dd if=/dev/zero of={proj}/filler bs=1M 2>/dev/null  # writes land in the upper dir: full to the brim
+        ! touch {tmp}/state/one-more 2>/dev/null
+        echo $pid > {tmp}/pid
+        {OGREFS} unmount / --timeout 30 2> {tmp}/err
+        ! kill -0 "$pid" 2>/dev/null                          # the daemon is gone
+        ! grep -q " - fuse.ogrefs \\| - overlay ogrefs " /proc/self/mountinfo
+        {OGREFS} mounts --json > {tmp}/mounts.json
+        test -s {tmp}/state/*/upper/0/filler                  # what was written is kept
+        set +e
+        {OGREFS} unmount / 2> {tmp}/again.err; echo $? > {tmp}/again.rc
+    """)
+    assert "No space" not in (tmp / "err").read_text()
+    assert [m["state"] for m in json.loads((tmp / "mounts.json").read_text())] == ["unmounted"]
+    assert (tmp / "again.rc").read_text().strip() == "2"
+    assert "is not mounted by ogrefs" in _one_line((tmp / "again.err").read_text())
+
+
 @pytest.mark.parametrize("first", ["--read-only", "--no-materialize"])
 def test_a_writable_mount_made_later_does_not_pin_an_earlier_one(box, first):
     """Issue 51.3: the later writable mount's daemon copied the namespace with the earlier mount in it."""

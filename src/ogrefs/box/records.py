@@ -214,10 +214,21 @@ def process_start(pid: int) -> int | None:
 
 
 def save_overlays(overlays: list[Overlay], state_dir: Path) -> None:
+    """Record what is mounted; none is no file, which takes no space: an unmount on a full state disk
+    records it too (a half-written temporary file is removed, the old list stays whole)."""
     path = state_dir / "overlays.json"
+    if not overlays:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([asdict(o) for o in overlays], indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps([asdict(o) for o in overlays], indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def load_overlays(state_dir: Path) -> list[Overlay]:

@@ -18,6 +18,7 @@ the calling thread; the only state is on disk.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import shutil
@@ -39,6 +40,8 @@ from ogrefs.repo import Repository
 
 if TYPE_CHECKING:
     from ogrefs.mount.plan import MountPlan
+
+log = logging.getLogger(__name__)
 
 #: How long ``mount`` waits for the daemon's ``ready``.
 READY_TIMEOUT = 120.0
@@ -206,7 +209,7 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
     state, pid = Path(info["state_dir"]), info.get("pid")
     lower_ours = mountsys.is_ogrefs(mountsys.mount_at(state / "lower"), "fuse.ogrefs")
     if not (lower_ours or overlay.still_mounted(load_overlays(state)) or (pid and pid_alive(pid))):
-        save_overlays([], state)  # the daemon died and its keeper (or detach.sh) took everything down
+        _record_overlays([], state)  # the daemon died and its keeper (or detach.sh) took everything down
         reg.remove()
         return f"nothing of ogrefs' was mounted at {mp} any more (its daemon had died); its record is cleared"
     targets = [o.target for o in load_overlays(state)]
@@ -217,13 +220,13 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
     tree_ids.update({str(i): str(state / "lower") for i in holders.mount_ids([str(state / "lower")], "fuse.ogrefs")})
     errors = overlay.unmount_all(load_overlays(state), lazy=lazy, keep=info.get("own_directories") or [])
     if errors:
-        save_overlays(overlay.still_mounted(load_overlays(state)), state)  # what is mounted now
+        _record_overlays(overlay.still_mounted(load_overlays(state)), state)  # what is mounted now
         hint = "; close what uses it or use --lazy" if "busy" in errors[0].lower() else ""
         if len(errors) > 1:  # some could not be mounted again: say the box is mixed
             raise MountError(f"cannot unmount {errors[0]}; and {'; '.join(errors[1:])}: those show this "
                              f"box's own files now, the others the snapshot's{hint}")
         raise MountError(f"cannot unmount {errors[0]}: nothing was unmounted{hint}")
-    save_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
+    _record_overlays([], state)  # what is mounted now: nothing (the upper directories stay)
     topfiles.hide(state)
     hostpaths.unmount_layers(state)
     rescue.remove(keeper.rescue_dir(reg))
@@ -250,6 +253,19 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
         who = f" ({', '.join(str(h) for h in callers[:3])})" if callers else ""
         return (f"{mp} is detached; its daemon (pid {pid}) goes on serving the processes that still use "
                 f"the snapshot's files{who} and exits when the last of them does")
+
+
+def _record_overlays(overlays: list[Overlay], state: Path) -> None:
+    """Say in overlays.json what is mounted now, on a full state disk too.
+
+    Nothing mounted needs no space (the file goes: no file means none). A
+    list that cannot be written leaves the old one, a superset of what is up:
+    harmless to a later unmount, which checks each against mountinfo first.
+    """
+    try:
+        save_overlays(overlays, state)
+    except OSError as exc:
+        log.warning("could not record the overlays still mounted in %s/overlays.json: %s", state, exc)
 
 
 def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
