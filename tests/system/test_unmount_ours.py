@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
 
+from tests import REPO_ROOT
 from tests.nsbox import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
 
 pytestmark = [
@@ -144,3 +146,27 @@ def test_a_writable_mount_made_later_does_not_pin_an_earlier_one(box, first):
         {OGREFS} unmount /
     """)
     assert (tmp / "err").read_text() == ""
+
+
+def test_a_daemon_keeps_only_the_other_mounts_it_runs_from(tmp_path):
+    """mountsys.detach_ogrefs_mounts: every ogrefs overlay goes but one over a path kept; the box's own stay."""
+    for d in ("lower", "upper-a", "work-a", "upper-b", "work-b", "a", "b", "disk"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "lower" / "sub").mkdir()
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(REPO_ROOT / "src")!r})
+from ogrefs.box import mountsys
+t = {str(tmp_path)!r}
+for x in "ab":
+    mountsys.overlay(f"{{t}}/{{x}}", f"lowerdir={{t}}/lower,upperdir={{t}}/upper-{{x}},workdir={{t}}/work-{{x}}")
+mountsys.mount("boxdisk", f"{{t}}/disk", "tmpfs")
+gone = mountsys.detach_ogrefs_mounts([f"{{t}}/a/sub"])
+left = {{r.point: (r.fstype, r.source) for r in mountsys.mount_table() if r.point.startswith(t)}}
+print(json.dumps([gone, left]))
+"""
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    gone, left = json.loads(out)
+    assert gone == [f"{tmp_path}/b"]
+    assert left == {f"{tmp_path}/a": ["overlay", "ogrefs"], f"{tmp_path}/disk": ["tmpfs", "boxdisk"]}
