@@ -76,7 +76,8 @@ def test_a_writable_mount_says_it_too_and_json_carries_it(tmp_path, spot_loop, m
                           env=mounter.env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr
     printed = (tmp_path / "out.txt").read_text().splitlines()
-    assert printed[0].startswith(f"mounted {m_b['id']} at {target} (writable") and _expected(src) in printed
+    # the id as `snapshots` shows it (12 digits)
+    assert printed[0].startswith(f"mounted {m_b['id'][:12]} at {target} (writable") and _expected(src) in printed
     st = json.loads((tmp_path / "out.status.json").read_text())
     assert st["trace_notes"] == [_expected(src)]
     log = open(st["log"]).read()  # the keeper's daemon logs it too (the log outlives the mount)
