@@ -248,32 +248,49 @@ class LocalTree:
         parent, name = split(rel)
         pfd = self.open_dir(parent)
         try:
-            try:
-                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-            except FileNotFoundError:
-                return
-            if stat.S_ISDIR(st.st_mode):
-                _unlink_nondir(pfd, name)
+            _clear_dir(pfd, name)
         finally:
             os.close(pfd)
 
     def create_file(self, rel: bytes, size: int) -> FileId:
         """An empty owner-only regular file of ``size`` bytes (all hole) at ``rel``, replacing what is there;
         the identity of the inode made (the name may be renamed over later; see :meth:`open_own`)."""
+        own, fd = self.create_open(rel, size)
+        os.close(fd)
+        return own
+
+    def create_open(self, rel: bytes, size: int, *, clear: bytes | None = None) -> tuple[FileId, int]:
+        """:meth:`create_file`, and the file left open for writing: what is done through the fd is done to
+        the inode made, whatever its name holds later (no name to resolve, nothing to check per write).
+        ``clear``: another name in the same directory to make room for first (:meth:`clear_for_file`),
+        through the same resolution of the directory."""
         parent, name = split(rel)
         pfd = self.open_dir(parent)
         try:
-            _unlink_nondir(pfd, name)
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=pfd)
+            if clear is not None:
+                _clear_dir(pfd, clear)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
-                os.ftruncate(fd, size)
+                fd = os.open(name, flags, 0o600, dir_fd=pfd)
+            except FileExistsError:  # something is there (rarely): it goes, whatever it is
+                _unlink_nondir(pfd, name)
+                fd = os.open(name, flags, 0o600, dir_fd=pfd)
+            try:
+                if size:
+                    os.ftruncate(fd, size)
                 own = FileId.of(os.fstat(fd))
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
         finally:
             os.close(pfd)
-        return own
+        return own, fd
+
+    @staticmethod
+    def check_own(fd: int, own: FileId) -> None:
+        """:class:`EntryReplaced` unless ``fd`` is still the sole-named file ``own`` this process made: checked
+        before a kept fd's file gets its owner and mode (nobody holds a second name of root's file)."""
+        _check_own(os.fstat(fd), own)
 
     def open_own(self, rel: bytes, flags: int, own: FileId) -> int:
         """An fd of ``rel`` only if it is still the file ``own`` that :meth:`create_file` made (else
@@ -295,13 +312,17 @@ class LocalTree:
         finally:
             os.close(pfd)
 
-    def identity(self, rel: bytes) -> FileId | None:
-        """The inode at ``rel`` (not following a link), or None when nothing is there or it is no regular file."""
+    def identities(self, rel: bytes, names: list[bytes]) -> list[FileId | None]:
+        """:meth:`identity` of each of ``names`` in directory ``rel``, resolved once (None for all when the
+        directory cannot be reached)."""
         try:
-            st = self.lstat(rel)
+            pfd = self.open_dir(rel)
         except OSError:
-            return None
-        return FileId.of(st) if stat.S_ISREG(st.st_mode) else None
+            return [None] * len(names)
+        try:
+            return [_regular_id(pfd, name) for name in names]
+        finally:
+            os.close(pfd)
 
     def create_special(self, rel: bytes, node: Inode) -> bool:
         """A symlink, FIFO or device node at ``rel`` (replacing a non-directory); False for a socket."""
@@ -443,6 +464,24 @@ class LocalTree:
         return problems
 
 
+def _regular_id(pfd: int, name: bytes) -> FileId | None:
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except OSError:
+        return None
+    return FileId.of(st) if stat.S_ISREG(st.st_mode) else None
+
+
+def _clear_dir(pfd: int, name: bytes) -> None:
+    """An empty directory ``name`` in ``pfd`` goes, a non-empty one is a :class:`PathConflict`; anything else stays."""
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        _rmdir_empty(pfd, name)
+
+
 def _unlink_nondir(pfd: int, name: bytes) -> None:
     """Remove a non-directory ``name`` in ``pfd``; a directory there is a :class:`PathConflict` unless empty."""
     try:
@@ -450,14 +489,18 @@ def _unlink_nondir(pfd: int, name: bytes) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        try:
-            os.rmdir(name, dir_fd=pfd)
-        except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise PathConflict("a non-empty directory is in the way") from None
-            raise
-        return
-    os.unlink(name, dir_fd=pfd)
+        _rmdir_empty(pfd, name)
+    else:
+        os.unlink(name, dir_fd=pfd)
+
+
+def _rmdir_empty(pfd: int, name: bytes) -> None:
+    try:
+        os.rmdir(name, dir_fd=pfd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise PathConflict("a non-empty directory is in the way") from None
+        raise
 
 
 def _quiet(problems: list[MetadataProblem], what: str, fn) -> None:

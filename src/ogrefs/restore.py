@@ -10,14 +10,21 @@ The algorithm, in plain words:
    free space (``check_space=False`` overrides: files being replaced free
    theirs).
 3. Create the tree: directories (owner-only at first, so nothing is exposed
-   before its final mode is set), symlinks, FIFOs, device nodes, and for each
-   regular file an empty owner-only file under a *temporary name*
+   before its final mode is set), symlinks, FIFOs and device nodes.  Then,
+   while the workers already fetch (step 4), the main thread makes for each
+   regular file, in the walk's order, an empty owner-only file under a
+   *temporary name*
    (``.ogrefs-restore-<token>-<ino>.tmp``) in the directory of its first name,
    of its final size (holes stay holes).  ``<token>`` is random per restore
    and occurs in no name of the snapshot, so a tree whose own files look like
    temporary names never collides with them.  Temporary files an earlier,
    killed restore left in a directory (that pattern, owned by us, not a name
-   of the snapshot) are removed.
+   of the snapshot) are removed.  A worker whose blob arrives before the walk
+   reached its file makes the file itself (whoever comes first, under the
+   file's creation lock): making thousands of small files and fetching their
+   data overlap instead of following each other.  The file is kept open from
+   its creation to its completion (up to a quarter of the open-files limit),
+   so its writes go to the inode this restore made and resolve no name.
 4. A worker thread fetches a range, decodes and BLAKE3-verifies each blob, and
    ``pwrite``s it into every temporary file that references it.  A blob that
    fails verification is fetched once more on its own (a bit flipped on the
@@ -30,7 +37,8 @@ The algorithm, in plain words:
    on its fd and it is renamed to its name; its other hardlinked names are
    linked to it then.  The temporary name sits in a directory a local user
    may be able to write, so it is trusted only while it holds the inode this
-   restore created (:meth:`~ogrefs.localtree.LocalTree.open_own`): a user's
+   restore created (:meth:`~ogrefs.localtree.LocalTree.open_own`, and the
+   checks of :meth:`~ogrefs.localtree.LocalTree.rename`): a user's
    file renamed over it is never written, chowned, chmodded or put in place
    (before, root made a user's file a root-owned setuid binary that way).
    A file whose data fails is never renamed: every one of its names is
@@ -64,7 +72,8 @@ chown or a chmod.
 Threads: the main thread owns the plan and builds the tree; workers receive
 one immutable range description each and write disjoint byte ranges of the
 temporary files; ``_lock`` guards the per-file pending counts, the counters
-and the failure lists.  A file is finished by the worker that wrote its last
+and the failure lists; a file's creation lock (one of 64, by inode number;
+taken before ``_lock``, never after) guards its ``own`` and ``fd``, set once.  A file is finished by the worker that wrote its last
 blob (its count reached zero under the lock), so by exactly one thread.
 """
 
@@ -73,6 +82,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import secrets
 import signal
 import threading
@@ -147,8 +157,11 @@ class _File:
     node: Inode
     names: list[bytes]
     tmp: bytes
-    own: FileId  # the inode this restore created under ``tmp``: the name is trusted only while it holds it
     pending: int = 0
+    # Set once, under the file's creation lock, by whoever comes first (the main thread's walk, or the worker
+    # with its first blob); read by the writers after they took that lock once.
+    own: FileId | None = None  # the inode this restore created under ``tmp``: the name is trusted only while it holds it
+    fd: int = -1  # ``own`` kept open from its creation (writes need no name), closed by _complete or _finish
     failed: bool = False
     done: bool = False
 
@@ -263,6 +276,8 @@ class Restorer:
         self.tree: LocalTree | None = None
         self._token = b""  # of the temporary names (see _token_for)
         self._paths: set[bytes] = set()  # every selected path: a leftover-like name among them is the tree's
+        self._keep_fds = _fds_to_keep()  # files kept open from creation to completion, at most (under _lock)
+        self._create_locks = [threading.Lock() for _ in range(64)]  # a file's: its ino modulo 64
 
     # -- public ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -292,7 +307,7 @@ class Restorer:
             if self.target:
                 self._dirs.append((b"", root))
             self._build(entries)
-            self._fetch_all(ranges)
+            self._fetch_all(ranges, self._create_files)
             self._verify_in_place()
         finally:
             self._finish()
@@ -375,9 +390,6 @@ class Restorer:
             self._tick()
         for ino, why in self._malformed.items():
             self._fail({ino}, why)
-        for ino, f in list(self._files.items()):
-            if not self._pending.get(ino) and not f.failed:
-                self._complete(f)  # nothing to fetch: empty, or all holes
 
     def _make(self, path: bytes, node: Inode) -> None:
         assert self.tree is not None
@@ -403,16 +415,45 @@ class Restorer:
 
     def _make_file(self, path: bytes, node: Inode) -> None:
         assert self.tree is not None
-        self.tree.clear_for_file(path)  # a non-empty directory in the way is a conflict of this name only
         f = self._files.get(node.ino) if node.nlink > 1 else None
         if f is not None:
+            self.tree.clear_for_file(path)  # a non-empty directory in the way is a conflict of this name only
             f.names.append(path)
             return
-        tmp = _tmp_for(path, node.ino, self._token)
-        own = self.tree.create_file(tmp, node.size)
-        self._files[node.ino] = _File(node, [path], tmp, own, self._pending.get(node.ino, 0))
+        self._files[node.ino] = _File(node, [path], _tmp_for(path, node.ino, self._token),
+                                      self._pending.get(node.ino, 0))
         self.stats.files += 1
         self.stats.total_bytes += node.size
+
+    def _create_files(self) -> None:
+        """The main thread's side of the data phase: every temporary file, in the walk's order (a worker whose
+        blob arrives first creates its file itself); a file with nothing to fetch is finished here."""
+        for f in list(self._files.values()):
+            if self._stop.is_set():
+                return
+            if self._created(f) and not self._pending.get(f.node.ino) and not f.failed:
+                self._complete(f)  # nothing to fetch: empty, or all holes
+            self._tick()
+
+    def _created(self, f: _File) -> bool:
+        """``f``'s temporary file exists (made now if it did not): False when it could not be made (reported)."""
+        assert self.tree is not None
+        with self._create_locks[f.node.ino % 64]:
+            if f.own is not None or f.failed:
+                return f.own is not None
+            try:  # a non-empty directory in the way of its name is a conflict of this name only
+                f.own, fd = self.tree.create_open(f.tmp, f.node.size, clear=split(f.names[0])[1])
+            except (OSError, PathConflict) as exc:
+                self._fail({f.node.ino}, f"cannot create ({_reason(exc)})")
+                return False
+            with self._lock:
+                keep = self._keep_fds > 0
+                self._keep_fds -= keep
+            if keep:
+                f.fd = fd
+            else:
+                os.close(fd)
+            return True
 
     def _clean_stale(self, rel: bytes) -> None:
         """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
@@ -426,9 +467,16 @@ class Restorer:
                 self.tree.unlink(path, FileId.of(self.tree.lstat(path)))
 
     # -- step 4: the data ------------------------------------------------------------------------
-    def _fetch_all(self, ranges: list[_Range]) -> None:
+    def _fetch_all(self, ranges: list[_Range], meanwhile: Callable[[], None]) -> None:
+        """Every range by the workers, while the main thread runs ``meanwhile``."""
         with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-restore") as pool:
             futures = [pool.submit(self._fetch, r) for r in ranges]
+            try:
+                meanwhile()
+            finally:
+                if self._stop.is_set():
+                    for other in futures:
+                        other.cancel()
             for fut in as_completed(futures):
                 if fut.cancelled():  # (stopped: never started)
                     continue
@@ -472,14 +520,17 @@ class Restorer:
     def _write(self, ino: int, plain: bytes, off: int) -> None:
         assert self.tree is not None
         f = self._files.get(ino)
-        if f is None or f.failed:  # (its entry could not be made: reported already)
+        if f is None or f.failed or not self._created(f):  # (its entry could not be made: reported already)
             return
         try:
-            fd = self.tree.open_own(f.tmp, os.O_WRONLY, f.own)
-            try:
-                pwrite_all(fd, plain, off)
-            finally:
-                os.close(fd)
+            if f.fd >= 0:  # (closed only once every write of the file is done)
+                pwrite_all(f.fd, plain, off)
+            else:
+                fd = self.tree.open_own(f.tmp, os.O_WRONLY, f.own)
+                try:
+                    pwrite_all(fd, plain, off)
+                finally:
+                    os.close(fd)
         except (OSError, EntryReplaced) as exc:
             self._fail({ino}, f"write failed: {_reason(exc)}")
             return
@@ -505,10 +556,16 @@ class Restorer:
     def _complete(self, f: _File) -> None:
         """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file)."""
         assert self.tree is not None
+        fd, f.fd = f.fd, -1  # a kept fd is this thread's to close now
         try:
-            fd = self.tree.open_own(f.tmp, os.O_RDONLY, f.own)
+            if fd >= 0:
+                self.tree.check_own(fd, f.own)  # (no second name was given to it meanwhile)
+            else:
+                fd = self.tree.open_own(f.tmp, os.O_RDONLY, f.own)
         except (OSError, EntryReplaced) as exc:
             self._fail({f.node.ino}, f"temporary file lost ({_reason(exc)})")
+            if fd >= 0:
+                os.close(fd)
             return
         try:
             if os.fstat(fd).st_size != f.node.size:
@@ -535,18 +592,24 @@ class Restorer:
 
     def _verify_in_place(self) -> None:
         """Every name put in place still holds its file, or the file is reported and not counted: a name
-        removed or replaced during the restore is a file this restore did not produce."""
+        removed or replaced during the restore is a file this restore did not produce.  Names are looked
+        up a directory at a time (one resolution of each directory, then a stat per name)."""
         assert self.tree is not None
+        by_dir: dict[bytes, list[tuple[bytes, _File]]] = {}
         for f in self._files.values():
-            if not f.done:
-                continue
-            gone = [name for name in f.names
-                    if self.display(name) not in self.failed and self.tree.identity(name) != f.own]
-            for name in gone:
+            if f.done:
+                for name in f.names:
+                    if self.display(name) not in self.failed:
+                        by_dir.setdefault(split(name)[0], []).append((name, f))
+        for parent, named in by_dir.items():
+            found = self.tree.identities(parent, [split(name)[1] for name, _f in named])
+            for (name, f), ident in zip(named, found):
+                if ident == f.own:
+                    continue
                 self.failed[self.display(name)] = "not in place at the end (removed or replaced during the restore)"
-            if gone and f.names[0] in gone:
-                self.stats.files_done -= 1
-                self.stats.restored_bytes -= f.node.size
+                if name == f.names[0]:
+                    self.stats.files_done -= 1
+                    self.stats.restored_bytes -= f.node.size
 
     def _note(self, rel: bytes, problems: list[MetadataProblem]) -> None:
         if problems:
@@ -561,11 +624,15 @@ class Restorer:
             return
         try:
             for f in self._files.values():
+                if f.fd >= 0:
+                    os.close(f.fd)
+                    f.fd = -1
                 if not f.done:
                     if not f.failed and not self._stop.is_set():
                         self._fail({f.node.ino}, "not restored")
-                    with contextlib.suppress(OSError, EntryReplaced):
-                        tree.unlink(f.tmp, f.own)
+                    if f.own is not None:
+                        with contextlib.suppress(OSError, EntryReplaced):
+                            tree.unlink(f.tmp, f.own)
             for rel, node in reversed(self._dirs):
                 try:
                     self._note(rel, tree.apply_metadata(rel, node, self.cat.xattrs(node.ino), as_root=self._is_root))
@@ -581,6 +648,13 @@ class Restorer:
     def below_failed(self) -> dict[bytes, int]:
         """Directories not restored -> how many entries below them were not restored either."""
         return {self.display(k): v for k, v in self._below_bad.items() if v}
+
+
+def _fds_to_keep() -> int:
+    """How many files a restore keeps open from creation to completion: a quarter of the open-files limit
+    (the entry point raised it to the hard one), at most 65,536; the others are opened by name per write."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(0, min(65536, (soft if soft != resource.RLIM_INFINITY else 65536 * 4) // 4))
 
 
 def _reason(exc: BaseException) -> str:

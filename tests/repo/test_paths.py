@@ -215,32 +215,42 @@ def test_duplicate_name_cannot_turn_a_file_into_a_symlink_out(base, tmp_path, sa
     assert len(r.skipped) == 2
 
 
-def test_data_write_never_follows_a_symlink(base, tmp_path, sandbox, monkeypatch):
-    """Defence in depth: even if a restored file (its temporary name, where the data goes) were swapped
-    for a symlink before its data arrives, the write fails and the file is reported, not the victim
-    overwritten."""
+@pytest.mark.parametrize("kept", [True, False], ids=["fd-kept", "fd-by-name"])
+def test_data_write_never_follows_a_symlink(base, tmp_path, sandbox, monkeypatch, kept):
+    """Defence in depth: a restored file's temporary name (where the data goes) swapped for a symlink right
+    after it was made, before its data arrives: the victim is never written, the file is reported and not
+    put in place — whether the restore kept the file open from its creation (its writes then go to its own
+    inode, and the swap is found when the name is put in place) or opens it by name per write (the write
+    fails on the link)."""
+    import ogrefs.restore as restore_mod
+    from ogrefs.localtree import LocalTree
+
     repo, cat_path, src = base
     target, check = sandbox
     victim = tmp_path / "box" / "victim"
     restored = target / str(src).lstrip("/") / "data.bin"
-    swapped = threading.Lock()
+    size = Catalog(cat_path).resolve(str(src).encode() + b"/data.bin").size
     done = []
+    create_open = LocalTree.create_open
 
-    def swap_then_read(pack, offset, length):  # the first read of data: every temporary file exists by now
-        with swapped:
-            if not done:
-                (tmp,) = [p for p in restored.parent.iterdir() if p.name.startswith(".ogrefs-restore-")
-                          and p.stat().st_size == Catalog(cat_path).resolve(str(src).encode() + b"/data.bin").size]
-                tmp.unlink()
-                tmp.symlink_to(victim)
-                done.append(tmp)
-        return repo.read_pack_range(pack, offset, length)
+    def create_then_swap(self, rel, n, **kw):
+        made = create_open(self, rel, n, **kw)
+        tmp = Path(os.fsdecode(self.root + rel))
+        if n == size and tmp.parent == restored.parent and not done:
+            tmp.unlink()
+            tmp.symlink_to(victim)
+            done.append(tmp)
+        return made
 
-    r = _restore(Catalog(cat_path), repo, target, read_range=swap_then_read)
+    monkeypatch.setattr(LocalTree, "create_open", create_then_swap)
+    if not kept:
+        monkeypatch.setattr(restore_mod, "_fds_to_keep", lambda: 0)
+    r = _restore(Catalog(cat_path), repo, target)
     check()
     assert done, "the swap never happened"
     assert victim.read_bytes() == b"do not touch\n"
-    assert os.fsencode(restored) in r.failed and "write failed" in r.failed[os.fsencode(restored)]
+    reason = r.failed.get(os.fsencode(restored), "")
+    assert ("temporary file lost" if kept else "write failed") in reason, reason
     assert not os.path.lexists(restored)
 
 
