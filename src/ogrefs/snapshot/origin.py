@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ogrefs.repo.catalog import FLAG_CHANGED, Catalog, Inode, Listed
+from ogrefs.repo.catalog import FLAG_CHANGED, Catalog, Inode, Listed, child_extent_rows
 
 if TYPE_CHECKING:
     from ogrefs.snapshot.frommount import MountedSnapshots
@@ -90,10 +90,28 @@ class Sources:
         return live_extents(self.index, self.live_packs, extents)
 
 
-def of_file(src: Sources, path: bytes, lst: os.stat_result, old: Inode | None) -> Reuse | LocalRead | None:
-    """Where regular file ``path`` (``lst``: its lstat; ``old``: its entry in the parent) comes from."""
+class ParentDir:
+    """A directory as the parent snapshot has it: its entries, and their extent rows fetched with them (two
+    queries a directory, not one per file; a file's rows are checked when it is reused)."""
+
+    def __init__(self, cat: Catalog, ino: int) -> None:
+        self.cat = cat
+        self.children = dict(cat.children(ino))
+        self._rows = child_extent_rows(cat, ino) if any(n.is_reg for n in self.children.values()) else {}
+
+    def get(self, name: bytes) -> Inode | None:
+        return self.children.get(name)
+
+    def located_extents(self, ino: int) -> list:
+        return self.cat.located(ino, self._rows.get(ino, ()))
+
+
+def of_file(src: Sources, path: bytes, lst: os.stat_result, old: Inode | None,
+            old_dir: ParentDir | None = None) -> Reuse | LocalRead | None:
+    """Where regular file ``path`` (``lst``: its lstat; ``old``: its entry in the parent, in ``old_dir``)
+    comes from."""
     found = _from_mount(src, path, lst)
-    return found if found is not None else _from_parent(src, lst, old)
+    return found if found is not None else _from_parent(src, lst, old, old_dir)
 
 
 def of_listed(src: Sources, listed: Listed) -> Reuse | None:
@@ -105,13 +123,13 @@ def of_listed(src: Sources, listed: Listed) -> Reuse | None:
     return Reuse(LISTING, rows) if rows is not None else None  # (its inode row is copied whole, names too)
 
 
-def _from_parent(src: Sources, lst: os.stat_result, old: Inode | None) -> Reuse | None:
+def _from_parent(src: Sources, lst: os.stat_result, old: Inode | None, old_dir: ParentDir | None) -> Reuse | None:
     if old is None or src.parent is None or not old.is_reg or old.flags & FLAG_CHANGED:
         return None
     if (old.size, old.mtime_ns, old.ctime_ns, old.src_ino, old.src_dev) != (
             lst.st_size, lst.st_mtime_ns, lst.st_ctime_ns, lst.st_ino, lst.st_dev):
         return None
-    rows = src.live(src.parent.located_extents(old.ino))
+    rows = src.live(old_dir.located_extents(old.ino) if old_dir is not None else src.parent.located_extents(old.ino))
     return Reuse(PARENT, rows) if rows is not None else None
 
 

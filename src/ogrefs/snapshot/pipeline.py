@@ -60,7 +60,7 @@ from ogrefs.repo.catalog import ROOT_INO, Catalog, CatalogWriter, Inode, Listed
 from ogrefs.box.records import clear_snapshot_running, mark_snapshot_running, mark_snapshot_started
 from ogrefs.snapshot import origin
 from ogrefs.snapshot.frommount import MountedSnapshots
-from ogrefs.snapshot.origin import LocalRead, Reuse, Sources
+from ogrefs.snapshot.origin import LocalRead, ParentDir, Reuse, Sources
 from ogrefs.snapshot.indexsync import IndexSync
 from ogrefs.snapshot.packer import PackStats, Packer
 from ogrefs.snapshot.mounted import OwnMounts, own_mounts
@@ -224,9 +224,10 @@ class Snapshotter:
             self.stats.mount_reused_files += 1
             self._mounted.unchanged_paths.add(os.fsdecode(path))
 
-    def _file_data(self, path: bytes, lst: os.stat_result, ino: int, old: Inode | None) -> None:
+    def _file_data(self, path: bytes, lst: os.stat_result, ino: int, old: Inode | None,
+                   old_dir: ParentDir | None) -> None:
         """A regular file's data: taken as a catalog has it, read from a local copy, or read (origin.py)."""
-        found = origin.of_file(self._sources, path, lst, old)
+        found = origin.of_file(self._sources, path, lst, old, old_dir)
         if isinstance(found, Reuse):
             self._take(ino, path, found, lst)
         elif isinstance(found, LocalRead):
@@ -236,13 +237,13 @@ class Snapshotter:
         else:
             self._read_file(path, lst, ino)
 
-    def _old_children(self, old_parent: int | None) -> dict[bytes, Inode] | None:
+    def _old_children(self, old_parent: int | None) -> ParentDir | None:
         if self._parent_cat is None or old_parent is None:
             return None
-        return dict(self._parent_cat.children(old_parent))
+        return ParentDir(self._parent_cat, old_parent)
 
     def _record(self, parent_ino: int, name: bytes, path: bytes, old_parent: int | None,
-                old_children: dict[bytes, Inode] | None = None) -> None:
+                old_children: ParentDir | None = None) -> None:
         """Record one entry (and, for a directory, everything below it)."""
         if self.rules.excluded(path) or path in self._skip_entirely:
             return
@@ -278,7 +279,7 @@ class Snapshotter:
         elif stat.S_ISREG(mode):
             self.stats.files += 1
             self.stats.bytes += lst.st_size
-            self._file_data(path, lst, ino, old)
+            self._file_data(path, lst, ino, old, old_children)
         elif stat.S_ISLNK(mode):
             self.stats.others += 1
             try:
@@ -323,7 +324,7 @@ class Snapshotter:
                 self._record(ino, name, child, old_ino, old_children)
 
     def _record_listed(self, parent_ino: int, name: bytes, path: bytes, listed: Listed, known: KnownDir, dev: int,
-                       old_children: dict[bytes, Inode] | None) -> bool:
+                       old_children: ParentDir | None) -> bool:
         """Record an entry the mounted snapshot's catalog knows unchanged, sending nothing through the mount.
 
         False when it must be looked at after all (``_record``): a mount point, a hard link (overlayfs may

@@ -28,11 +28,11 @@ SQL (tests/repo/test_catalog_queries.py).
 
 from ogrefs.repo.catalog.reader import Catalog
 from ogrefs.repo.catalog.rewrite import rewrite_blobs
-from ogrefs.repo.catalog.scans import Subtree, SubtreeEntry, file_chunks, listing, paths_of, subtree
+from ogrefs.repo.catalog.scans import Subtree, SubtreeEntry, child_extent_rows, file_chunks, listing, paths_of, subtree
 from ogrefs.repo.catalog.schema import (FLAG_CHANGED, MAX_CHUNK, NAME_MAX, ROOT_INO, Extent, Inode, Listed,
                                         create_schema, sqlite_utils_module, valid_name)
 from ogrefs.repo.catalog.writer import CatalogWriter
 
 __all__ = ["Catalog", "CatalogWriter", "Extent", "FLAG_CHANGED", "Inode", "Listed", "MAX_CHUNK", "NAME_MAX", "ROOT_INO",
-           "Subtree", "SubtreeEntry", "create_schema", "file_chunks", "listing", "paths_of", "rewrite_blobs",
-           "sqlite_utils_module", "subtree", "valid_name"]
+           "Subtree", "SubtreeEntry", "child_extent_rows", "create_schema", "file_chunks", "listing", "paths_of",
+           "rewrite_blobs", "sqlite_utils_module", "subtree", "valid_name"]

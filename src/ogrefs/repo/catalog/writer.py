@@ -18,7 +18,14 @@ from ogrefs.repo.pack import BlobLocation
 if TYPE_CHECKING:
     from ogrefs.repo.catalog.scans import Subtree
 
-_COPY_INODE_SQL = f"INSERT OR REPLACE INTO inodes ({INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+_INODE_SQL = f"INSERT OR REPLACE INTO inodes ({INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+_DIRENT_SQL = "INSERT OR REPLACE INTO dirents VALUES (?,?,?)"
+_XATTR_SQL = "INSERT OR REPLACE INTO xattrs VALUES (?,?,?)"
+_EXTENT_SQL = "INSERT INTO extents VALUES (?,?,?,?)"
+_BLOB_SQL = "INSERT INTO blobs (id, chunk, raw_len, pack, offset, stored_len) VALUES (?,?,?,?,?,?)"
+#: Rows are written a few thousand at a time, one executemany per table: a walk of 40,000 unchanged files
+#: made 180,000 single-row calls into sqlite3 (a fifth of a no-change snapshot's time).
+_FLUSH_ROWS = 4096
 
 
 def _copied_inode(ino: int, old: Inode) -> tuple:
@@ -27,7 +34,10 @@ def _copied_inode(ino: int, old: Inode) -> tuple:
 
 
 class CatalogWriter:
-    """Builds a catalog file.  Owned by one thread; call :meth:`close` once."""
+    """Builds a catalog file.  Owned by one thread; call :meth:`close` once.
+
+    Rows are buffered per statement (one per table, so a later row for the same key still replaces an
+    earlier one) and written before anything reads the file back (:meth:`_flush`)."""
 
     def __init__(self, path: Path) -> None:
         create_schema(path)
@@ -42,6 +52,8 @@ class CatalogWriter:
         self._blob_ids: dict[bytes, int] = {}
         self._pack_ids: dict[str, int] = {}
         self._attached: dict[Path, str] = {}  # catalogs add_copied reads, by the schema name they have here
+        self._rows: dict[str, list[tuple]] = {}  # statement -> rows not written yet, in order
+        self._buffered = 0
 
     def new_ino(self) -> int:
         ino = self._next_ino
@@ -50,37 +62,45 @@ class CatalogWriter:
 
     def add_inode(self, ino: int, st, user: str | None, grp: str | None, *, size: int | None = None,
                   target: bytes | None = None, flags: int = 0) -> None:
-        self._db.execute(
-            f"INSERT OR REPLACE INTO inodes ({INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        self._add(_INODE_SQL, [
             (ino, st.st_mode, st.st_uid, st.st_gid, user, grp, st.st_size if size is None else size,
              st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, 0,
              st.st_rdev if (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)) else 0,
-             target, st.st_dev, st.st_ino, flags),
-        )
+             target, st.st_dev, st.st_ino, flags)])
 
     def copy_inode(self, ino: int, old: Inode) -> None:
-        self._db.execute(_COPY_INODE_SQL, _copied_inode(ino, old))
+        self._add(_INODE_SQL, [_copied_inode(ino, old)])
 
     def add_dirent(self, parent: int, name: bytes, ino: int) -> None:
-        self._db.execute("INSERT OR REPLACE INTO dirents VALUES (?,?,?)", (parent, name, ino))
+        self._add(_DIRENT_SQL, [(parent, name, ino)])
 
     def add_xattrs(self, ino: int, items: list[tuple[bytes, bytes]]) -> None:
-        self._db.executemany("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", [(ino, n, v) for n, v in items])
+        self._add(_XATTR_SQL, [(ino, n, v) for n, v in items])
 
-    def _blob(self, chunk: bytes, raw_len: int) -> int:
-        bid = self._blob_ids.get(chunk)
-        if bid is None:
-            bid = len(self._blob_ids) + 1
-            self._blob_ids[chunk] = bid
-            self._db.execute("INSERT INTO blobs (id, chunk, raw_len) VALUES (?,?,?)", (bid, chunk, raw_len))
-        return bid
+    def _add(self, sql: str, rows: list[tuple]) -> None:
+        self._rows.setdefault(sql, []).extend(rows)
+        self._buffered += len(rows)
+        if self._buffered >= _FLUSH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the buffered rows (before anything reads the file, and at close)."""
+        for sql, rows in self._rows.items():
+            self._db.executemany(sql, rows)
+        self._rows.clear()
+        self._buffered = 0
 
     def add_extents(self, ino: int, extents: list[tuple[int, int, bytes]]) -> None:
-        """(file offset, length, chunk id) for each chunk of the file."""
-        self._db.executemany(
-            "INSERT INTO extents VALUES (?,?,?,?)",
-            [(ino, off, length, self._blob(cid, length)) for off, length, cid in extents],
-        )
+        """(file offset, length, chunk id) for each chunk of the file (located at commit: set_location)."""
+        new_blobs, rows = [], []
+        for off, length, cid in extents:
+            bid = self._blob_ids.get(cid)
+            if bid is None:
+                bid = self._blob_ids[cid] = len(self._blob_ids) + 1
+                new_blobs.append((bid, cid, length, None, None, None))
+            rows.append((ino, off, length, bid))
+        self._add(_BLOB_SQL, new_blobs)
+        self._add(_EXTENT_SQL, rows)
 
     def add_located_extents(self, ino: int, extents: list[tuple[int, int, bytes, BlobLocation]]) -> None:
         """Like add_extents, for chunks whose location is already known (reused from a parent)."""
@@ -98,6 +118,7 @@ class CatalogWriter:
         may be this run's, located at commit).  The number of extents written is checked against what
         :func:`subtree` counted: a copy that would leave a hole raises instead.
         """
+        self._flush()
         db, src = self._db, self._attach(tree.source)
         db.execute("CREATE TEMP TABLE IF NOT EXISTS copied (old INTEGER PRIMARY KEY, new INTEGER NOT NULL)")
         db.execute("CREATE TEMP TABLE IF NOT EXISTS copied_packs (name TEXT PRIMARY KEY, id INTEGER NOT NULL)")
@@ -150,9 +171,8 @@ class CatalogWriter:
                     bid = self._blob_ids[cid] = len(self._blob_ids) + 1
                     new_blobs.append((bid, cid, length, self._pack_id(loc.pack), loc.offset, loc.stored_len))
                 rows.append((ino, off, length, bid))
-        self._db.executemany("INSERT INTO blobs (id, chunk, raw_len, pack, offset, stored_len) VALUES (?,?,?,?,?,?)",
-                             new_blobs)
-        self._db.executemany("INSERT INTO extents VALUES (?,?,?,?)", rows)
+        self._add(_BLOB_SQL, new_blobs)
+        self._add(_EXTENT_SQL, rows)
 
     def _pack_id(self, pack: str) -> int:
         pid = self._pack_ids.get(pack)
@@ -165,10 +185,12 @@ class CatalogWriter:
         bid = self._blob_ids.get(chunk)
         if bid is None:
             return
+        self._flush()
         self._db.execute("UPDATE blobs SET pack=?, offset=?, stored_len=? WHERE id=?",
                          (self._pack_id(loc.pack), loc.offset, loc.stored_len, bid))
 
     def unlocated(self) -> list[bytes]:
+        self._flush()
         return [r[0] for r in self._db.execute("SELECT chunk FROM blobs WHERE pack IS NULL")]
 
     def add_root(self, path: bytes) -> None:
@@ -179,6 +201,7 @@ class CatalogWriter:
 
     def resolve(self, path: bytes) -> int | None:
         """The inode number at an absolute path written so far (for hints)."""
+        self._flush()
         ino = ROOT_INO
         for part in path.split(b"/"):
             if not part:
@@ -194,6 +217,7 @@ class CatalogWriter:
 
     def close(self) -> None:
         """Fix link counts, commit, and compact the file for upload."""
+        self._flush()
         self._db.execute("UPDATE inodes SET nlink = (SELECT count(*) FROM dirents d WHERE d.ino = inodes.ino)")
         self._db.execute(
             "UPDATE inodes SET nlink = nlink + 1 + (SELECT count(*) FROM dirents d JOIN inodes c ON c.ino = d.ino "
