@@ -94,6 +94,9 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("host", "/usr/share/nvidia"), ("host", "/etc/nvidia"), ("host", "/usr/src/nvidia*"),
     ("host", "/var/lib/dkms/nvidia*"), ("host", "/var/lib/dpkg/info/*nvidia*"), ("dpkg", "/var/lib/dpkg/status"),
     ("host", "/etc/X11/xorg.conf.d/*nvidia*"),
+    # ogrefs itself: the command this box's units and users run, and its settings (docs/mount.md,
+    # "The ogrefs command never depends on what it serves")
+    ("host", "/usr/local/bin/ogrefs"), ("host", "/etc/ogrefs"),
 )
 CONFIG_FILE = "/etc/ogrefs/host-paths"
 

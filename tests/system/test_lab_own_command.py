@@ -1,0 +1,69 @@
+"""Issue 47's lab: box B's ``ogrefs`` command never depends on the snapshot it serves.
+
+Box A's snapshot has a ``/usr/bin/python3`` that is not a Python (as a
+snapshot of another release's or another version's Python is not B's), so
+A's venv interpreter ``/opt/ogrefs/venv/bin/python`` — the same path as B's —
+resolves to it too once A is mounted at ``/`` on B. A snapshots itself with
+its Python 3.11 named explicitly. After ``ogrefs mount A:latest /`` on B,
+B's ``status``, ``mounts`` and ``unmount`` (typed as ``ogrefs``, i.e.
+``/usr/local/bin/ogrefs``, installed the README's way) must still work: they
+run B's own interpreter and venv around the overlays (box/owncli.py). Before,
+they ran A's ``python3`` and failed. Every step has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.lab import fixtures
+from tests.lab.box import Box
+from tests.lab.providers import PROVIDERS
+from .test_lab_mount_b import MOUNT_TIMEOUT_S, SNAP, lab, mount, mounts_of_kind  # noqa: F401
+
+pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
+A, B = PROVIDERS["a"], PROVIDERS["b"]
+
+NOT_A_PYTHON = "printf '#!/bin/sh\\necho Python 3.99 of another release >&2\\nexit 1\\n' > /usr/bin/python3.new && " \
+               "chmod 0755 /usr/bin/python3.new && mv /usr/bin/python3.new /usr/bin/python3"
+# A's own ogrefs, on its Python 3.11 by name (its /usr/bin/python3 and venv interpreter are the broken ones now)
+A_OGREFS = ("/usr/bin/python3.11 -c 'import sys; sys.path[:0] = [\"/opt/ogrefs/src\"]; import site; "
+            "site.addsitedir(\"/opt/ogrefs/venv/lib/python3.11/site-packages\"); sys.argv[0] = \"ogrefs\"; "
+            "from ogrefs.cli.entry import main; main()'")
+
+
+@pytest.fixture(scope="module")
+def snap_broken_python(lab, tmp_path_factory):
+    root = fixtures.prepared_box(lab["a"], tmp_path_factory.mktemp("lab-a") / "root")
+    repo = tmp_path_factory.mktemp("lab-srv") / "ogrefs"
+    box = Box(root, A, repo).start()
+    try:
+        box.sh(NOT_A_PYTHON)
+        assert box.sh("/opt/ogrefs/venv/bin/python -c 1", check=False).returncode != 0
+        box.sh(f"{A_OGREFS} -q init")
+        box.sh(f"{A_OGREFS} -q snapshot --whole-box", timeout=300)
+    finally:
+        box.close()
+    return repo
+
+
+def test_status_mounts_and_unmount_run_b_own_python_whatever_the_snapshot_python(lab, snap_broken_python, tmp_path):
+    box = Box(fixtures.prepared_box(lab["b"], tmp_path / "root"), B, snap_broken_python,
+              scratch_file="B's local NVMe\n").start()
+    try:
+        mount(box, "ogrefs")
+        # what B's paths show now: A's python3, which is no Python, also as the venv's interpreter
+        broken = box.sh("/opt/ogrefs/venv/bin/python -c 1", check=False)
+        assert broken.returncode != 0 and "Python 3.99 of another release" in broken.stderr
+        status = box.sh("ogrefs status / --json", timeout=60)
+        assert json.loads(status.stdout)["mountpoint"] == "/", status.stderr
+        listed = json.loads(box.out("ogrefs mounts --json", timeout=60))
+        assert [(m["state"], m["target"]) for m in listed if m["state"] == "mounted"] == [("mounted", "/")]
+        res = box.sh("ogrefs unmount /", timeout=MOUNT_TIMEOUT_S)
+        assert "Traceback" not in res.stderr
+        assert mounts_of_kind(box, "overlay", "fuse") == []
+        assert box.out("/opt/ogrefs/venv/bin/python -c 'print(1)'") == "1\n"  # B's own again
+        assert box.out("ls /run/ogrefs/rescue 2>/dev/null | wc -l").strip() == "0"  # the way around is gone
+    finally:
+        box.close()
