@@ -479,46 +479,6 @@ def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | N
     return []
 
 
-def open_for_writing(paths: list[str], exclude_pids: set | None = None) -> list[str]:
-    """Processes holding a file under any of ``paths`` open for writing ("pid name: file").
-
-    ``exclude_pids``: the mount's own daemon and keeper (the daemon's local
-    copy is written in its own namespace, and never through an overlay).
-    """
-    out = []
-    prefixes = tuple(p.rstrip("/") + "/" for p in paths)
-    skip = {str(p) for p in exclude_pids or ()}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid in skip:
-            continue
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"{fd_dir}/{fd}")
-                with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
-                    flags = _flags(fh.read())
-            except OSError:
-                continue
-            if target.startswith(prefixes) and flags & (os.O_WRONLY | os.O_RDWR):
-                try:
-                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                except OSError:
-                    comm = "?"
-                out.append(f"{pid} {comm}: {target}")
-    return out
-
-
-def _flags(fdinfo: str) -> int:
-    for line in fdinfo.splitlines():
-        if line.startswith("flags:"):
-            return int(line.split()[1], 8)
-    return 0
-
-
 def still_mounted(overlays: list[Overlay]) -> list[Overlay]:
     """Those of ``overlays`` that have an overlay mounted at their target now (for a truthful overlays.json)."""
     return [o for o in overlays if _ours(o)]
