@@ -10,6 +10,7 @@ and the box must power off (the unit's ExecStop unmounts) within a timeout.
 from __future__ import annotations
 
 import shutil
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -113,4 +114,40 @@ def test_restart_while_a_service_started_on_the_old_tree_runs_is_refused_naming_
         box.sh("systemctl stop old-tree-user.service", timeout=60)
         box.sh("systemctl reset-failed ogrefs-resume.service && systemctl start ogrefs-resume.service", timeout=200)
         assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        box.poweroff()
+
+
+ON_OVERLAY = ("python3 -c 'import os, sys\n"
+              "ids = {l.split()[0] for l in open(\"/proc/self/mountinfo\") if \" - overlay ogrefs \" in l}\n"
+              "fd = os.open(\"/proc/%s/exe\" % sys.argv[1], os.O_PATH)\n"
+              "mid = [l.split()[1] for l in open(\"/proc/self/fdinfo/%d\" % fd) if l.startswith(\"mnt_id:\")][0]\n"
+              "print(\"overlay\" if mid in ids else \"own\", len(ids))' ")
+
+
+def wait_settled(box: NspawnBox, timeout: float = 150.0) -> str:
+    """The unit's state once its restart is over, asked by short commands: a shell that lived through the
+    restart would itself hold the old tree (and be named by the refused start)."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state = box.out("systemctl is-active ogrefs-resume.service", check=False).strip()
+        if state in ("active", "failed"):
+            break
+        time.sleep(1)
+    return state
+
+
+def test_restart_of_the_unit_works_with_sshd_running(lab, tmp_path):
+    """sshd's listener started before the mount (the unit is ordered after it): it runs this box's own sshd and
+    holds nothing of the old tree, so `systemctl restart` (from a login that then leaves) mounts again, twice."""
+    with boot_b(lab, tmp_path) as (box, snap):
+        sshd = box.out("systemctl show -p MainPID --value ssh.service").strip()
+        assert box.out(ON_OVERLAY + sshd).split()[0] == "own"
+        for _ in range(2):
+            box.sh("systemctl --no-block restart ogrefs-resume.service", timeout=60)
+            state = wait_settled(box)
+            said = box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat | grep '^ogrefs: ' | tail -n 1",
+                           check=False)
+            assert state == "active", said
+            assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
         box.poweroff()
