@@ -67,3 +67,28 @@ def test_status_mounts_and_unmount_run_b_own_python_whatever_the_snapshot_python
         assert box.out("ls /run/ogrefs/rescue 2>/dev/null | wc -l").strip() == "0"  # the way around is gone
     finally:
         box.close()
+
+
+AGENT = ("Package: provider-agent\nStatus: install ok installed\nPriority: optional\nSection: admin\n"
+         "Maintainer: lab <lab@example.org>\nArchitecture: amd64\nVersion: 3.1\nDescription: B's provider's agent\n")
+
+
+def test_b_dpkg_knows_b_own_packages_after_the_mount(lab, snap_broken_python, tmp_path):
+    """Issue 47: a package only box B has (a provider's agent) keeps its files visible below the overlays, so
+    B's dpkg must still list it and own its files; a package both have is A's (its files cover B's)."""
+    root = fixtures.prepared_box(lab["b"], tmp_path / "root")
+    with open(root / "var/lib/dpkg/status", "a") as fh:
+        fh.write("\n" + AGENT)
+    (root / "var/lib/dpkg/info/provider-agent.list").write_text("/.\n/usr\n/usr/bin\n/usr/bin/provider-agent\n")
+    (root / "usr/bin/provider-agent").write_text("#!/bin/sh\necho agent of B\n")
+    (root / "usr/bin/provider-agent").chmod(0o755)
+    box = Box(root, B, snap_broken_python, scratch_file="B's local NVMe\n").start()
+    try:
+        mount(box, "ogrefs")
+        assert box.out("provider-agent") == "agent of B\n"
+        assert box.out("dpkg-query -W -f '${Version} ${Status}' provider-agent") == "3.1 install ok installed"
+        assert box.out("dpkg -S /usr/bin/provider-agent").startswith("provider-agent: ")
+        assert box.out("dpkg-query -W -f '${Version}' nvidia-driver-lab") == f"{B.driver}-1"  # the driver: B's
+        assert box.out("dpkg --audit; echo audit $?").strip().endswith("audit 0")
+    finally:
+        box.close()
