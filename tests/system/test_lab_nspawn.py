@@ -45,9 +45,9 @@ def install_unit(root, box_name: str) -> None:
 
 
 @contextmanager
-def boot_b(lab, tmp_path):
+def boot_b(lab, tmp_path, python_not_b: bool = False):
     """Box A snapshots itself; box B, with the unit enabled, boots; yields (NspawnBox, SnapshotA)."""
-    snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv")
+    snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv", python_not_b)
     root = fixtures.prepared_box(lab["b"], tmp_path / "b")
     install_unit(root, A.box)  # the user names box A on B: its name as `ogrefs snapshots` lists it
     scratch = tmp_path / "scratch"
@@ -150,4 +150,35 @@ def test_restart_of_the_unit_works_with_sshd_running(lab, tmp_path):
                            check=False)
             assert state == "active", said
             assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        box.poweroff()
+
+
+def test_finalize_of_the_booted_box_once_its_local_copy_is_complete(lab, tmp_path):
+    """Issue 47: on a booted box journald writes its journal under /var on B's own disk (opened before the
+    mount): no writer on the overlays. Once `status --wait` says the copy is complete, `finalize /` from a
+    login of the box works, and the box runs on with no daemon."""
+    with boot_b(lab, tmp_path) as (box, snap):
+        wait = box.sh("ogrefs status / --wait --timeout 400", timeout=420, check=False)
+        assert wait.returncode == 0, wait.stdout[-1000:] + wait.stderr[-1000:]
+        fin = box.sh("ogrefs finalize /", timeout=120, check=False)
+        assert fin.returncode == 0 and "Traceback" not in fin.stderr, fin.stderr
+        assert box.out("grep -c ' fuse.ogrefs ' /proc/self/mounts || true").strip() == "0"
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        assert "finalized" in box.out("ogrefs mounts", timeout=60)
+        box.poweroff()
+
+
+def test_the_unit_stops_and_ogrefs_answers_whatever_the_snapshot_python(lab, tmp_path):
+    """Issue 47: A's python3 (and so the venv interpreter at B's path) is no Python; B's `ogrefs status` and the
+    unit's ExecStop still run B's own ogrefs (box/owncli.py), and the stop leaves pure B."""
+    with boot_b(lab, tmp_path, python_not_b=True) as (box, snap):
+        assert box.out("systemctl is-active ogrefs-resume.service", check=False).strip() == "active"
+        assert box.sh("/opt/ogrefs/venv/bin/python -c 1", check=False).returncode != 0  # A's python3 now
+        assert '"mountpoint": "/"' in box.out("ogrefs status / --json", timeout=60)
+        stop = box.sh("systemctl stop ogrefs-resume.service", timeout=120, check=False)
+        assert stop.returncode == 0, stop.stderr
+        journal = box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat", check=False)
+        assert "Traceback" not in journal and "ModuleNotFoundError" not in journal, journal[-2000:]
+        assert box.out("grep -c -E ' (overlay|fuse[.a-z]*) ' /proc/self/mounts || true").strip() == "0"
+        assert box.out("/opt/ogrefs/venv/bin/python -c 'print(1)'") == "1\n"
         box.poweroff()

@@ -25,27 +25,10 @@ from .test_lab_mount_b import MOUNT_TIMEOUT_S, SNAP, lab, mount, mounts_of_kind 
 pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
 A, B = PROVIDERS["a"], PROVIDERS["b"]
 
-NOT_A_PYTHON = "printf '#!/bin/sh\\necho Python 3.99 of another release >&2\\nexit 1\\n' > /usr/bin/python3.new && " \
-               "chmod 0755 /usr/bin/python3.new && mv /usr/bin/python3.new /usr/bin/python3"
-# A's own ogrefs, on its Python 3.11 by name (its /usr/bin/python3 and venv interpreter are the broken ones now)
-A_OGREFS = ("/usr/bin/python3.11 -c 'import sys; sys.path[:0] = [\"/opt/ogrefs/src\"]; import site; "
-            "site.addsitedir(\"/opt/ogrefs/venv/lib/python3.11/site-packages\"); sys.argv[0] = \"ogrefs\"; "
-            "from ogrefs.cli.entry import main; main()'")
-
-
 @pytest.fixture(scope="module")
 def snap_broken_python(lab, tmp_path_factory):
     root = fixtures.prepared_box(lab["a"], tmp_path_factory.mktemp("lab-a") / "root")
-    repo = tmp_path_factory.mktemp("lab-srv") / "ogrefs"
-    box = Box(root, A, repo).start()
-    try:
-        box.sh(NOT_A_PYTHON)
-        assert box.sh("/opt/ogrefs/venv/bin/python -c 1", check=False).returncode != 0
-        box.sh(f"{A_OGREFS} -q init")
-        box.sh(f"{A_OGREFS} -q snapshot --whole-box", timeout=300)
-    finally:
-        box.close()
-    return repo
+    return fixtures.snapshot_box_a(root, tmp_path_factory.mktemp("lab-srv") / "ogrefs", python_not_b=True).repo_dir
 
 
 def test_status_mounts_and_unmount_run_b_own_python_whatever_the_snapshot_python(lab, snap_broken_python, tmp_path):

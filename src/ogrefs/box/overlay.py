@@ -542,6 +542,7 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
         for o_old, o_new in zip(old, news):  # one by one: each target shows the same tree before and after
             try:
                 held[o_old.target] = _hold_mounted_inside(o_old)
+                _private_binds(o_old)
                 errors = unmount_all([o_old], lazy=True)
                 if errors:
                     raise OverlayError(errors[0])
@@ -561,6 +562,22 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
         for fd in below + [fd for copies in held.values() for fds in copies.values() for fd in fds]:
             os.close(fd)
     return swapped
+
+
+def _private_binds(o: Overlay) -> None:
+    """Make ``o``'s bind-backs (and the copies of mounts they brought along) private before ``o`` is detached.
+
+    On a box whose ``/`` is shared (systemd's default) a bind of this box's
+    state directory is a peer of ``/``, and so its copies of the FUSE lower
+    and of the host layers are peers of the originals: detaching the old
+    ``/var`` overlay with its bind-back propagated the unmount to the
+    originals, and ``finalize`` then found neither ``<state>/lower`` nor
+    ``<state>/host`` for the new overlays (nor for the rollback: the box was
+    left on its own files, issue 47). Private, their detachment stays theirs.
+    """
+    for b in o.binds:
+        if mountsys.mount_at(b) is not None:
+            mountsys.mount("none", b, None, mountsys.MS_REC | mountsys.MS_PRIVATE)
 
 
 def _hold_mounted_inside(o: Overlay) -> dict[str, list[int]]:
