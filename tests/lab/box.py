@@ -50,6 +50,7 @@ class Box:
     env: dict[str, str] = field(default_factory=dict)
     binds: tuple[str, ...] = ()  # host paths (directories or files) bind-mounted read-only at the same path
     cgroups: bool = False  # bind the host's /sys/fs/cgroup (systemd-nspawn inside the box needs it)
+    shared: bool = False  # the box's mounts shared, as systemd (PID 1) makes them on every booted box
     holder: subprocess.Popen | None = None
     init_pid: int | None = None  # the box's PID 1 (the reaper), as the host numbers it
 
@@ -75,6 +76,7 @@ class Box:
               f"mkdir -p {r}{shlex.quote(os.path.dirname(b))} && touch {r}{shlex.quote(b)} && "
               f"mount --bind -o ro {shlex.quote(b)} {r}{shlex.quote(b)}"
               for b in self.binds),
+            *([f"mount --make-rshared {r}"] if self.shared else []),
             "echo ready",
             f"exec {REAPER}",
         ])

@@ -93,12 +93,29 @@ class SnapshotA:
     box_sums: dict[str, str]
 
 
-def snapshot_box_a(root: Path, repo_dir: Path) -> SnapshotA:
-    """Box A snapshots itself as a whole box from inside, with its own ogrefs on Debian's Python."""
+#: Makes box A's /usr/bin/python3 no Python (as a snapshot of another release's Python is not B's): its venv's
+#: interpreter, /opt/ogrefs/venv/bin/python, the same path as B's, resolves to it too.
+NOT_A_PYTHON = ("printf '#!/bin/sh\\necho Python 3.99 of another release >&2\\nexit 1\\n' > /usr/bin/python3.new && "
+                "chmod 0755 /usr/bin/python3.new && mv /usr/bin/python3.new /usr/bin/python3")
+#: A's own ogrefs on its Python 3.11 by name, once its python3 is no Python.
+A_OGREFS_BY_NAME = ("/usr/bin/python3.11 -c 'import sys; sys.path[:0] = [\"/opt/ogrefs/src\"]; import site; "
+                    "site.addsitedir(\"/opt/ogrefs/venv/lib/python3.11/site-packages\"); sys.argv[0] = \"ogrefs\"; "
+                    "from ogrefs.cli.entry import main; main()'")
+
+
+def snapshot_box_a(root: Path, repo_dir: Path, python_not_b: bool = False) -> SnapshotA:
+    """Box A snapshots itself as a whole box from inside, with its own ogrefs on Debian's Python.
+
+    ``python_not_b``: A's ``/usr/bin/python3`` is first made no Python (:data:`NOT_A_PYTHON`).
+    """
     box = Box(root, PROVIDERS["a"], repo_dir, scratch_file="A's scratch disk\n").start()
     try:
-        box.sh("ogrefs -q init")
-        manifest = json.loads(box.out("ogrefs -q snapshot --whole-box --json", timeout=300))
+        ogrefs = "ogrefs"
+        if python_not_b:
+            box.sh(NOT_A_PYTHON)
+            ogrefs = A_OGREFS_BY_NAME
+        box.sh(f"{ogrefs} -q init")
+        manifest = json.loads(box.out(f"{ogrefs} -q snapshot --whole-box --json", timeout=300))
         return SnapshotA(repo_dir, manifest, box.out(PROJECT_SUMS), file_sums(box))
     finally:
         box.close()

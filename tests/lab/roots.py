@@ -226,13 +226,17 @@ def install_ogrefs(root: Path, src: Path | None = None) -> None:
     shutil.copytree(src / "ogrefs", target / "ogrefs", ignore=shutil.ignore_patterns("__pycache__"))
     site = next((root / VENV.lstrip("/") / "lib").glob("python3*/site-packages"))
     (site / "ogrefs-lab.pth").write_text("/opt/ogrefs/src\n")
-    exe = root / "usr/local/bin/ogrefs"
-    exe.write_text(f"#!{VENV}/bin/python\nimport sys\n"  # what pip's console script runs (pyproject.toml)
-                   "try:\n    from ogrefs.cli.entry import main\n"
-                   "except ModuleNotFoundError as exc:  # an older tree under test ($OGREFS_LAB_SRC)\n"
-                   "    if exc.name != 'ogrefs.cli.entry':\n        raise\n"
-                   "    from ogrefs.cli.app import main\n"
-                   "sys.exit(main())\n")
+    script = root / VENV.lstrip("/") / "bin/ogrefs"  # what pip's console script runs (pyproject.toml)
+    script.write_text(f"#!{VENV}/bin/python\nimport sys\n"
+                      "try:\n    from ogrefs.cli.entry import main\n"
+                      "except ModuleNotFoundError as exc:  # an older tree under test ($OGREFS_LAB_SRC)\n"
+                      "    if exc.name != 'ogrefs.cli.entry':\n        raise\n"
+                      "    from ogrefs.cli.app import main\n"
+                      "sys.exit(main())\n")
+    script.chmod(0o755)
+    exe = root / "usr/local/bin/ogrefs"  # the README's way: a copy of scripts/setup's ogrefs-command
+    exe.unlink(missing_ok=True)
+    exe.write_text((REPO / "contrib/ogrefs-command").read_text().replace("@OGREFS@", str(script)[len(str(root)):]))
     exe.chmod(0o755)
 
 

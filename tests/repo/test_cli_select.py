@@ -63,3 +63,25 @@ def test_upper_case_ids_are_ids(tmp_path, env):
     snap = _snap(env, str(box))
     for name in (snap["id"].upper(), snap["id"][:10].upper()):
         assert json.loads(run(["show", "--json", name], env).stdout)["id"] == snap["id"]
+
+
+def test_a_new_box_that_names_no_box_or_a_wrong_one_gets_one_line_listing_the_boxes(tmp_path, env):
+    """Issue 47: on a brand-new box `latest` (and the unit without OGREFS_BOX) is this machine's own box, which
+    has nothing; the one line says so, lists every box of the repository and what to type."""
+    box = _box(tmp_path)
+    env.pop("OGREFS_BOX", None)
+    run(["init"], env)
+    for name in ("trainer", "eval-box"):
+        _snap(dict(env, OGREFS_BOX=name), str(box))
+    new = run(["show", "latest"], env, check=False)
+    assert_one_line_error(new, "has no snapshot of this machine's own box ")
+    line = new.stderr.strip()
+    assert "(OGREFS_BOX is not set)" in line and "boxes here: eval-box, trainer;" in line
+    assert "BOX:latest, or OGREFS_BOX=BOX (in /etc/ogrefs/env for the units)" in line
+    for how in (["restore", "typo:latest", str(tmp_path / "r")], ["restore", "latest", str(tmp_path / "r")]):
+        wrong = run(how, dict(env, OGREFS_BOX="typo"), check=False)
+        assert_one_line_error(wrong, "has no snapshot of box 'typo'; boxes here: eval-box, trainer;")
+    unit_style = run(["show", ":latest-checkpoint"], env, check=False)  # the unit's ${OGREFS_BOX}:… when unset
+    assert_one_line_error(unit_style, "this machine's own box")
+    assert "BOX:latest-checkpoint" in unit_style.stderr
+    assert json.loads(run(["show", "--json", "trainer:latest"], env).stdout)["box"] == "trainer"

@@ -133,6 +133,26 @@ def test_finalize_a_whole_box_from_inside(lab, snap_a, tmp_path, python):
         box.close()
 
 
+def test_finalize_of_a_box_whose_mounts_are_shared_as_systemd_leaves_them(lab, snap_a, tmp_path):
+    """Issue 47: under systemd every mount is shared, so the bind-back of the state directory on the /var
+    overlay is a peer of `/`; detaching the old overlay took the FUSE lower and the host layers with it, and
+    finalize failed on every overlay, leaving the box on its own files. Now it finalizes."""
+    root = fixtures.prepared_box(lab["b"], tmp_path / "root")
+    box = Box(root, B, snap_a.repo_dir, scratch_file="B's local NVMe\n", shared=True).start()
+    try:
+        before = fixtures.file_sums(box)
+        assert " shared:" in Path(f"/proc/{box.init_pid}/mountinfo").read_text()
+        mount(box, "ogrefs")
+        box.sh("ogrefs status / --wait", timeout=300)
+        res = box.sh("ogrefs finalize /", timeout=MOUNT_TIMEOUT_S, check=False)
+        assert res.returncode == 0 and "now run from local disk" in res.stdout, res.stderr
+        assert mounts_of_kind(box, "fuse") == [] and len(mounts_of_kind(box, "overlay")) > 3
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap_a.project_sums
+        assert fixtures.file_sums(box, B_OWN) == {p: before[p] for p in B_OWN}
+    finally:
+        box.close()
+
+
 def in_box(box: Box, path: str) -> Path:
     """A path of the box as the host reaches it (through the box's PID 1: its mount namespace)."""
     return Path(f"/proc/{box.init_pid}/root{box.root}{path}")

@@ -10,6 +10,7 @@ and the box must power off (the unit's ExecStop unmounts) within a timeout.
 from __future__ import annotations
 
 import shutil
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -44,9 +45,9 @@ def install_unit(root, box_name: str) -> None:
 
 
 @contextmanager
-def boot_b(lab, tmp_path):
+def boot_b(lab, tmp_path, python_not_b: bool = False):
     """Box A snapshots itself; box B, with the unit enabled, boots; yields (NspawnBox, SnapshotA)."""
-    snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv")
+    snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv", python_not_b)
     root = fixtures.prepared_box(lab["b"], tmp_path / "b")
     install_unit(root, A.box)  # the user names box A on B: its name as `ogrefs snapshots` lists it
     scratch = tmp_path / "scratch"
@@ -113,4 +114,71 @@ def test_restart_while_a_service_started_on_the_old_tree_runs_is_refused_naming_
         box.sh("systemctl stop old-tree-user.service", timeout=60)
         box.sh("systemctl reset-failed ogrefs-resume.service && systemctl start ogrefs-resume.service", timeout=200)
         assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        box.poweroff()
+
+
+ON_OVERLAY = ("python3 -c 'import os, sys\n"
+              "ids = {l.split()[0] for l in open(\"/proc/self/mountinfo\") if \" - overlay ogrefs \" in l}\n"
+              "fd = os.open(\"/proc/%s/exe\" % sys.argv[1], os.O_PATH)\n"
+              "mid = [l.split()[1] for l in open(\"/proc/self/fdinfo/%d\" % fd) if l.startswith(\"mnt_id:\")][0]\n"
+              "print(\"overlay\" if mid in ids else \"own\", len(ids))' ")
+
+
+def wait_settled(box: NspawnBox, timeout: float = 150.0) -> str:
+    """The unit's state once its restart is over, asked by short commands: a shell that lived through the
+    restart would itself hold the old tree (and be named by the refused start)."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state = box.out("systemctl is-active ogrefs-resume.service", check=False).strip()
+        if state in ("active", "failed"):
+            break
+        time.sleep(1)
+    return state
+
+
+def test_restart_of_the_unit_works_with_sshd_running(lab, tmp_path):
+    """sshd's listener started before the mount (the unit is ordered after it): it runs this box's own sshd and
+    holds nothing of the old tree, so `systemctl restart` (from a login that then leaves) mounts again, twice."""
+    with boot_b(lab, tmp_path) as (box, snap):
+        sshd = box.out("systemctl show -p MainPID --value ssh.service").strip()
+        assert box.out(ON_OVERLAY + sshd).split()[0] == "own"
+        for _ in range(2):
+            box.sh("systemctl --no-block restart ogrefs-resume.service", timeout=60)
+            state = wait_settled(box)
+            said = box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat | grep '^ogrefs: ' | tail -n 1",
+                           check=False)
+            assert state == "active", said
+            assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        box.poweroff()
+
+
+def test_finalize_of_the_booted_box_once_its_local_copy_is_complete(lab, tmp_path):
+    """Issue 47: on a booted box journald writes its journal under /var on B's own disk (opened before the
+    mount): no writer on the overlays. Once `status --wait` says the copy is complete, `finalize /` from a
+    login of the box works, and the box runs on with no daemon."""
+    with boot_b(lab, tmp_path) as (box, snap):
+        wait = box.sh("ogrefs status / --wait --timeout 400", timeout=420, check=False)
+        assert wait.returncode == 0, wait.stdout[-1000:] + wait.stderr[-1000:]
+        fin = box.sh("ogrefs finalize /", timeout=120, check=False)
+        assert fin.returncode == 0 and "Traceback" not in fin.stderr, fin.stderr
+        assert box.out("grep -c ' fuse.ogrefs ' /proc/self/mounts || true").strip() == "0"
+        assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
+        assert "finalized" in box.out("ogrefs mounts", timeout=60)
+        box.poweroff()
+
+
+def test_the_unit_stops_and_ogrefs_answers_whatever_the_snapshot_python(lab, tmp_path):
+    """Issue 47: A's python3 (and so the venv interpreter at B's path) is no Python; B's `ogrefs status` and the
+    unit's ExecStop still run B's own ogrefs (box/owncli.py), and the stop leaves pure B."""
+    with boot_b(lab, tmp_path, python_not_b=True) as (box, snap):
+        assert box.out("systemctl is-active ogrefs-resume.service", check=False).strip() == "active"
+        assert box.sh("/opt/ogrefs/venv/bin/python -c 1", check=False).returncode != 0  # A's python3 now
+        assert '"mountpoint": "/"' in box.out("ogrefs status / --json", timeout=60)
+        stop = box.sh("systemctl stop ogrefs-resume.service", timeout=120, check=False)
+        assert stop.returncode == 0, stop.stderr
+        journal = box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat", check=False)
+        assert "Traceback" not in journal and "ModuleNotFoundError" not in journal, journal[-2000:]
+        assert box.out("grep -c -E ' (overlay|fuse[.a-z]*) ' /proc/self/mounts || true").strip() == "0"
+        assert box.out("/opt/ogrefs/venv/bin/python -c 'print(1)'") == "1\n"
         box.poweroff()

@@ -68,6 +68,24 @@ def test_dpkg_status_takes_this_boxs_driver_records_and_the_snapshots_others():
     assert text.endswith("\n\n") and "\n\n\n" not in text
 
 
+def test_dpkg_status_keeps_this_boxs_own_packages_the_snapshot_does_not_have():
+    """Issue 47: their files still show (this box's own directory is the overlays' lowest layer), so dpkg
+    must know them; a package both sides have is the snapshot's (its files cover this box's)."""
+    host = STATUS_HOST + ("\nPackage: provider-agent\nStatus: install ok installed\nArchitecture: amd64\n"
+                          "Version: 3.1\nDescription: the provider's agent\n more lines: of text\n\n"
+                          "Package: libc6\nStatus: install ok installed\nArchitecture: i386\nVersion: 2.36-9+deb12u4\n")
+    snap = STATUS_SNAP.replace("Package: libc6\n", "Package: libc6\nArchitecture: amd64\n", 1)
+    host = host.replace("Package: libc6\n", "Package: libc6\nArchitecture: amd64\n", 1)
+    text = hostpaths.merge_dpkg_status(snap, host)
+    stanzas = [dict(ln.split(": ", 1) for ln in block.splitlines() if not ln.startswith(" "))
+               for block in text.strip().split("\n\n")]
+    assert [(s["Package"], s.get("Architecture"), s["Version"]) for s in stanzas] == [
+        ("libc6", "amd64", "2.36-9"), ("nvidia-cuda-toolkit", None, "12.0.140~12.0.1-4"),
+        ("nvidia-driver-lab", None, "550.54.15-1"), ("provider-agent", "amd64", "3.1"),
+        ("libc6", "i386", "2.36-9+deb12u4")]  # another architecture is another package
+    assert " more lines: of text\n" in text
+
+
 def test_dpkg_rule_is_a_default_and_parses():
     assert hostpaths.Rule("dpkg", "/var/lib/dpkg/status") in hostpaths.load_rules()
     rules, _ = hostpaths.parse_rules("dpkg /var/lib/dpkg/status\n", "f")

@@ -58,15 +58,23 @@ def mount_ids(targets: list[str], fstype: str = "overlay") -> set[int]:
     return ids
 
 
-def _mnt_id_of_fdinfo(path: str) -> int | None:
+def _fdinfo(path: str) -> tuple[int, int | None]:
+    """(flags, mount id) of an open file, from its ``/proc/<pid>/fdinfo/<fd>``; (0, None) if unreadable."""
+    flags, mid = 0, None
     try:
         with open(path) as fh:
             for line in fh:
-                if line.startswith("mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
+                if line.startswith("flags:"):
+                    flags = int(line.split()[1], 8)
+                elif line.startswith("mnt_id:"):
+                    mid = int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0, None
+    return flags, mid
+
+
+def _mnt_id_of_fdinfo(path: str) -> int | None:
+    return _fdinfo(path)[1]
 
 
 def _mnt_id_of_link(link: str) -> int | None:
@@ -151,6 +159,37 @@ def holders_of(ids: dict[int, str], exclude: set[int] | None = None, maps: bool 
     return sorted(out, key=lambda h: h.pid)
 
 
+def writers(targets: list[str], exclude: set[int] | None = None) -> list[str]:
+    """Processes with a file open for writing on one of the overlays at ``targets`` ("pid name: file").
+
+    Judged by the mount the open file is on (fdinfo's ``mnt_id``), not by
+    its path: a file under ``/var`` that a process opened on this box's own
+    disk before the mount (journald's journal), or through a mount bound back
+    on top of an overlay, is not written through the overlay, and a
+    ``finalize /`` of a booted box refused on it (issue 47). ``exclude``: the
+    mount's own daemon and keeper.
+    """
+    ids = mount_ids(targets)
+    skip = exclude or set()
+    out = []
+    for entry in os.listdir("/proc") if ids else []:
+        if not entry.isdigit() or int(entry) in skip:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            flags, mid = _fdinfo(f"/proc/{entry}/fdinfo/{fd}")
+            if mid in ids and flags & (os.O_WRONLY | os.O_RDWR):
+                try:
+                    comm = Path(f"/proc/{entry}/comm").read_text().strip()
+                except OSError:
+                    comm = "?"
+                out.append(f"{entry} {comm}: {_readlink(f'/proc/{entry}/fd/{fd}')}")
+    return out
+
+
 def ancestry(pid: int | None = None) -> set[int]:
     """``pid`` (default: this process) and its parents up to, not including, PID 1."""
     out = set()
@@ -199,4 +238,5 @@ def callers_or_refuse(what: str, targets: list[str], info: dict) -> list[Holder]
     return found.callers
 
 
-__all__ = ["Holder", "InUse", "holders", "holders_of", "in_use", "ancestry", "mount_ids", "callers_or_refuse"]
+__all__ = ["Holder", "InUse", "holders", "holders_of", "in_use", "ancestry", "mount_ids", "callers_or_refuse",
+           "writers"]

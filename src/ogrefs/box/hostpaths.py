@@ -17,7 +17,8 @@ Each rule is ``KIND PATTERN`` (a glob per path component, absolute)::
     merge        line union, the snapshot's lines first (authorized_keys):
                  never drops a key of either side
     dpkg         /var/lib/dpkg/status: the snapshot's package records, B's
-                 for the NVIDIA driver packages (whose files are B's)
+                 for the NVIDIA driver packages (whose files are B's) and for
+                 packages the snapshot does not have (whose files show through)
 
 Merged files are synthesized by the keeper into ``state/host/<n>/`` (a tmpfs; the
 topmost lower layer of overlay n) after the FUSE lower answers. The
@@ -94,6 +95,9 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("host", "/usr/share/nvidia"), ("host", "/etc/nvidia"), ("host", "/usr/src/nvidia*"),
     ("host", "/var/lib/dkms/nvidia*"), ("host", "/var/lib/dpkg/info/*nvidia*"), ("dpkg", "/var/lib/dpkg/status"),
     ("host", "/etc/X11/xorg.conf.d/*nvidia*"),
+    # ogrefs itself: the command this box's units and users run, and its settings (docs/mount.md,
+    # "The ogrefs command never depends on what it serves")
+    ("host", "/usr/local/bin/ogrefs"), ("host", "/etc/ogrefs"),
 )
 CONFIG_FILE = "/etc/ogrefs/host-paths"
 
@@ -323,27 +327,37 @@ def is_driver_package(name: str) -> bool:
             and not any(fnmatch.fnmatchcase(name, p) for p in NOT_DRIVER_PACKAGES))
 
 
-def _stanzas(text: str) -> list[tuple[str, str]]:
-    """(package name, stanza text) of a dpkg status file, in order."""
+def _stanzas(text: str) -> list[tuple[tuple[str, str], str]]:
+    """((package name, architecture), stanza text) of a dpkg status file, in order."""
     out = []
     for block in text.split("\n\n"):
         block = block.strip("\n")
         if not block:
             continue
-        name = next((ln.split(":", 1)[1].strip() for ln in block.splitlines() if ln.startswith("Package:")), "")
-        out.append((name, block))
+        fields = dict(ln.split(":", 1) for ln in block.splitlines() if ":" in ln and not ln.startswith(" "))
+        out.append(((fields.get("Package", "").strip(), fields.get("Architecture", "").strip()), block))
     return out
 
 
 def merge_dpkg_status(snap: str, host: str) -> str:
-    """/var/lib/dpkg/status: the snapshot's records, but this box's for the NVIDIA driver packages.
+    """/var/lib/dpkg/status: the snapshot's records; this box's for the NVIDIA driver and for packages the
+    snapshot does not have.
 
-    The driver's files are this box's, so dpkg must say so: the snapshot's
-    driver records are left out, this box's are added (in this box's order,
-    after the snapshot's). Every other package record is the snapshot's.
+    A package record must match the files the merged tree shows. The
+    driver's files are this box's (host-owned), so its records are this
+    box's: the snapshot's are left out. Where both sides have a package (by
+    name and architecture), the snapshot's files cover this box's in the
+    overlay, so the snapshot's record stays. A package only this box has
+    keeps its files visible (this box's own directory is each overlay's
+    lowest layer), so its record stays too: before, ``dpkg -l`` lost every
+    package of this box's own (a provider's agent, tools installed on the
+    new box), and ``dpkg -S`` knew none of their files (issue 47). Order:
+    the snapshot's, then this box's others in this box's order.
     """
-    kept = [block for name, block in _stanzas(snap) if not is_driver_package(name)]
-    kept += [block for name, block in _stanzas(host) if is_driver_package(name)]
+    snap_records = _stanzas(snap)
+    theirs = {key for key, _block in snap_records}
+    kept = [block for key, block in snap_records if not is_driver_package(key[0])]
+    kept += [block for key, block in _stanzas(host) if is_driver_package(key[0]) or key not in theirs]
     return "".join(block + "\n\n" for block in kept)
 
 

@@ -75,6 +75,22 @@ def bind(source: str, target: str, recursive: bool = True, read_only: bool = Fal
         mount("none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
+def bind_private_ro(source: str, target: str) -> None:
+    """A read-only bind of ``source``'s own mount (not what is mounted below it), private at once.
+
+    Private before anything else is mounted: on a box whose ``/`` is shared
+    (every systemd box) a bind of ``/usr`` joins its peer group, and an
+    overlay mounted on ``/usr`` afterwards would propagate onto the bind too.
+    """
+    bind(source, target, recursive=False)
+    try:
+        mount("none", target, None, MS_PRIVATE)
+        mount("none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    except OSError:
+        umount(target, lazy=True)  # never leave a writable or shared bind of the box behind
+        raise
+
+
 def umount(target: str, lazy: bool = False) -> str | None:
     """Unmount; None when done or nothing was mounted there, else the reason (e.g. "busy")."""
     if _libc.umount2(_enc(target), MNT_DETACH if lazy else 0) == 0:

@@ -479,46 +479,6 @@ def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | N
     return []
 
 
-def open_for_writing(paths: list[str], exclude_pids: set | None = None) -> list[str]:
-    """Processes holding a file under any of ``paths`` open for writing ("pid name: file").
-
-    ``exclude_pids``: the mount's own daemon and keeper (the daemon's local
-    copy is written in its own namespace, and never through an overlay).
-    """
-    out = []
-    prefixes = tuple(p.rstrip("/") + "/" for p in paths)
-    skip = {str(p) for p in exclude_pids or ()}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid in skip:
-            continue
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"{fd_dir}/{fd}")
-                with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
-                    flags = _flags(fh.read())
-            except OSError:
-                continue
-            if target.startswith(prefixes) and flags & (os.O_WRONLY | os.O_RDWR):
-                try:
-                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                except OSError:
-                    comm = "?"
-                out.append(f"{pid} {comm}: {target}")
-    return out
-
-
-def _flags(fdinfo: str) -> int:
-    for line in fdinfo.splitlines():
-        if line.startswith("flags:"):
-            return int(line.split()[1], 8)
-    return 0
-
-
 def still_mounted(overlays: list[Overlay]) -> list[Overlay]:
     """Those of ``overlays`` that have an overlay mounted at their target now (for a truthful overlays.json)."""
     return [o for o in overlays if _ours(o)]
@@ -582,6 +542,7 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
         for o_old, o_new in zip(old, news):  # one by one: each target shows the same tree before and after
             try:
                 held[o_old.target] = _hold_mounted_inside(o_old)
+                _private_binds(o_old)
                 errors = unmount_all([o_old], lazy=True)
                 if errors:
                     raise OverlayError(errors[0])
@@ -601,6 +562,22 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
         for fd in below + [fd for copies in held.values() for fds in copies.values() for fd in fds]:
             os.close(fd)
     return swapped
+
+
+def _private_binds(o: Overlay) -> None:
+    """Make ``o``'s bind-backs (and the copies of mounts they brought along) private before ``o`` is detached.
+
+    On a box whose ``/`` is shared (systemd's default) a bind of this box's
+    state directory is a peer of ``/``, and so its copies of the FUSE lower
+    and of the host layers are peers of the originals: detaching the old
+    ``/var`` overlay with its bind-back propagated the unmount to the
+    originals, and ``finalize`` then found neither ``<state>/lower`` nor
+    ``<state>/host`` for the new overlays (nor for the rollback: the box was
+    left on its own files, issue 47). Private, their detachment stays theirs.
+    """
+    for b in o.binds:
+        if mountsys.mount_at(b) is not None:
+            mountsys.mount("none", b, None, mountsys.MS_REC | mountsys.MS_PRIVATE)
 
 
 def _hold_mounted_inside(o: Overlay) -> dict[str, list[int]]:

@@ -30,36 +30,15 @@ import contextlib
 import logging
 import os
 import shlex
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ogrefs.box import mountsys
+from ogrefs.box import mountsys, owncli
+from ogrefs.box.owncli import elf_interpreter
 
 log = logging.getLogger(__name__)
 
 UMOUNTS = ("/usr/bin/umount", "/bin/umount", "/usr/sbin/umount", "/sbin/umount")
-
-
-def elf_interpreter(path: str) -> str | None:
-    """PT_INTERP of a 64-bit little-endian ELF file, or None."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(64)
-            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-                return None
-            phoff, = struct.unpack_from("<Q", head, 32)
-            phentsize, phnum = struct.unpack_from("<HH", head, 54)
-            for i in range(phnum):
-                fh.seek(phoff + i * phentsize)
-                ph = fh.read(56)
-                p_type, _flags, p_offset, _va, _pa, p_filesz = struct.unpack_from("<IIQQQQ", ph)
-                if p_type == 3:
-                    fh.seek(p_offset)
-                    return fh.read(p_filesz).split(b"\0", 1)[0].decode()
-    except (OSError, struct.error, UnicodeDecodeError):
-        return None
-    return None
 
 
 @dataclass(frozen=True)
@@ -96,9 +75,8 @@ def prepare(directory: Path) -> Rescue | None:
         return None
     try:
         os.makedirs(usr, mode=0o755, exist_ok=True)
-        mountsys.bind("/usr", usr, recursive=False, read_only=True)
+        mountsys.bind_private_ro("/usr", usr)  # private: the /usr overlay must not propagate onto it
     except OSError as exc:
-        mountsys.umount(usr, lazy=True)  # never leave a writable bind of /usr behind
         log.info("no rescue prepared: %s", exc)
         return None
     libdirs = tuple(dict.fromkeys(_inside(usr, d) for d in (os.path.dirname(loader), "/usr/lib") if _inside(usr, d)))
@@ -124,7 +102,8 @@ def write_script(rescue: Rescue, mountpoint: str, overlays: list, top_files: lis
 
 
 def remove(directory: Path) -> None:
-    """Teardown (and before a new one): detach the bind, remove the script; never deletes below the bind."""
+    """Teardown (and before a new one): detach the binds, remove the scripts; never deletes below a bind."""
+    owncli.remove(directory)  # the ogrefs command's way around the overlays, in the same directory
     mountsys.umount(str(directory / "usr"), lazy=True)
     for p in (directory / "detach.sh", directory / "detach.sh.tmp"):
         with contextlib.suppress(FileNotFoundError):

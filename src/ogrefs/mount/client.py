@@ -302,7 +302,7 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
     state = Path(info["state_dir"])
     old = load_overlays(state)
     ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
-    writers = overlay.open_for_writing([o.target for o in old], exclude_pids=ours)
+    writers = holders.writers([o.target for o in old], exclude=ours)  # by mount, not by path
     if writers:
         raise UsageError(f"refusing to finalize while files are open for writing: {'; '.join(writers[:3])}")
     callers = holders.callers_or_refuse(f"finalize {mp}", [o.target for o in old], info)

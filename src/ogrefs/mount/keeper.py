@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ogrefs.box.records import Registration, load_overlays, process_start, save_overlays
 from ogrefs.errors import OgrefsError
-from ogrefs.box import hostpaths, mountsys, overlay, rescue, topfiles
+from ogrefs.box import hostpaths, mountsys, overlay, owncli, rescue, topfiles
 from ogrefs.repo import default_cache_dir
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
     host = hostpaths.prepare(layout.overlays, state, layout.host_paths)  # opens host files before they are covered
     target = str(layout.target)
     way_back = rescue.prepare(rescue_dir(plan.registration)) if target == "/" else None
+    # the ogrefs command's way around overlays that cover what it runs from (its interpreter, its venv)
+    around = owncli.prepare(rescue_dir(plan.registration), [o.target for o in host.overlays])
     refused: list[str] = []  # a user's symlink on the way to a target: that path keeps the box's own tree
     up = overlay.mount_all(host.overlays, state, keep=keep, hold_own=True, refused=refused)  # own fds: held
     for why in refused:
@@ -123,7 +125,8 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
         ldconfig = f"not run: {exc}"
     return {"overlays": [o.target for o in up], "binds": [b for o in up for b in o.binds],
             "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown,
-            "rescue": f"{way_back.directory}/detach.sh" if way_back else None, "refused": refused}
+            "rescue": f"{way_back.directory}/detach.sh" if way_back else None, "command_around": around,
+            "refused": refused}
 
 
 def rescue_dir(reg: Registration) -> Path:

@@ -24,7 +24,7 @@ STATUS_INTERVAL = 0.5
 STALE_AFTER = 30.0
 #: What the keeper of a writable mount adds to its registration (keeper.bring_up).
 KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", "keeper_pid", "top_files",
-               "rescue", "refused")
+               "rescue", "command_around", "refused")
 #: Background states after which nothing more will be copied.
 _ENDED = {"done", "stopped", "incomplete", "not materializing", "off"}
 

@@ -213,12 +213,7 @@ def select_snapshot(repo, name: str, *, box: str | None = None,
     want = named_box or box or (None if filters.hosts else default_box(repo))
     mine = [m for m in snaps if want is None or box_of(m) == want]
     if not mine:
-        others = sorted({box_of(m) for m in snaps})
-        hint = f" (boxes here: {', '.join(others[:8])}; name one as BOX:{sel})" if others else ""
-        host = socket.gethostname()
-        if not (named_box or box) and host in others:  # snapshots of an older ogrefs, named by the host alone
-            hint += f"; to adopt box {host!r} as this box's own: OGREFS_BOX={host}"
-        raise SnapshotNotFound(f"{repo.store.url} has no snapshot of box {want!r}{hint}")
+        raise SnapshotNotFound(_no_such_box(repo.store.url, snaps, want, sel, bool(named_box or box)))
     picked = [m for m in mine if filters.matches(m)]
     if not picked:
         whose = f"box {want!r}" if want is not None else "the repository"
@@ -229,6 +224,28 @@ def select_snapshot(repo, name: str, *, box: str | None = None,
         return picked[-1], []
     best = widest(picked)[-1]
     return best, picked[picked.index(best) + 1:]
+
+
+def _no_such_box(url: str, snaps: list[Manifest], want: str | None, sel: str, named: bool) -> str:
+    """One line for a box with no snapshot here: whose box that was, every box the repository holds, what to type.
+
+    On a new machine nobody named a box yet: ``latest`` means this machine's
+    own (``HOST-xxxxxxxx``), which has none. The line says so, lists the boxes
+    (``ogrefs snapshots`` shows them too) and both ways to name the one to
+    bring back: ``BOX:latest`` for one command, ``OGREFS_BOX=BOX`` for good
+    (``/etc/ogrefs/env``, which the boot's unit reads: README).
+    """
+    boxes = sorted({box_of(m) for m in snaps})
+    listed = ", ".join(boxes[:16]) + (f" and {len(boxes) - 16} more (ogrefs snapshots)" if len(boxes) > 16 else "")
+    env = os.environ.get("OGREFS_BOX")
+    whose = (f"box {want!r}" if named or (env and env == want) else
+             f"this machine's own box {want!r} (OGREFS_BOX is not set)" if want == machine_box() else f"box {want!r}")
+    line = (f"{url} has no snapshot of {whose}; boxes here: {listed}; name the box to bring back: "
+            f"BOX:{sel}, or OGREFS_BOX=BOX (in /etc/ogrefs/env for the units)")
+    host = socket.gethostname()
+    if not named and host in boxes:  # snapshots of an older ogrefs, named by the host alone
+        line += f"; to adopt box {host!r} as this box's own: OGREFS_BOX={host}"
+    return line
 
 
 def _latest_checkpoint(mine: list[Manifest], box: str) -> Manifest:
