@@ -10,6 +10,7 @@ modules must stay out of the mount path; a fresh interpreter shows it.
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 
@@ -44,13 +45,22 @@ def test_the_inspect_package_still_offers_its_names_on_first_use():
     assert sorted(inspect_pkg.__all__) == inspect_pkg.__all__
 
 
-def test_a_catalog_writer_still_gets_its_schema_fromsqlite_utils_module(tmp_path):
-    from ogrefs.repo.catalog import create_schema
+def test_a_catalog_gets_sqlite_utils_schema_without_importing_it(tmp_path):
+    """The plain DDL a snapshot runs creates, statement for statement, what sqlite-utils' definition of the
+    catalog creates; and creating a catalog imports no sqlite_utils (100 ms and a plugin scan a snapshot)."""
+    from ogrefs.repo.catalog.schema import reference_schema
 
-    create_schema(tmp_path / "c.sqlite")
-    loaded = _modules_after_importing(("ogrefs.repo.catalog",))
-    assert "sqlite_utils" not in loaded
-    assert "sqlite_utils" in sys.modules
+    code = ("import sys, pathlib\n"
+            "from ogrefs.repo.catalog import create_schema\n"
+            f"create_schema(pathlib.Path({str(tmp_path / 'plain.sqlite')!r}))\n"
+            "print('sqlite_utils' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+    reference_schema(tmp_path / "reference.sqlite")
+    q = "SELECT type, name, tbl_name, sql FROM sqlite_master ORDER BY rowid"
+    plain = sqlite3.connect(tmp_path / "plain.sqlite").execute(q).fetchall()
+    reference = sqlite3.connect(tmp_path / "reference.sqlite").execute(q).fetchall()
+    assert len(plain) == 18 and plain == reference  # 11 tables, 3 indexes, 4 of primary keys
 
 
 def test_a_catalog_writer_never_imports_the_pandas_and_numpy_of_a_training_venv(tmp_path):

@@ -42,7 +42,6 @@ import threading
 PACKAGES = (
     "ogrefs", "click", "botocore", "urllib3", "dateutil", "jmespath", "pyfuse3", "trio", "attr", "attrs",
     "outcome", "sniffio", "sortedcontainers", "idna", "six", "zstandard", "blake3", "pyfastcdc",
-    "sqlite_utils", "pluggy",
     # the standard library's packages
     "collections", "concurrent", "ctypes", "email", "html", "http", "importlib", "json",
     "logging", "re", "sqlite3", "urllib", "xml.etree",
@@ -57,7 +56,7 @@ MODULES = (
     "reprlib", "secrets", "selectors", "shlex", "shutil", "signal", "socket", "ssl", "string", "stringprep",
     "struct", "subprocess", "tempfile", "textwrap", "threading", "token", "tokenize", "traceback", "types",
     "typing", "uuid", "warnings", "weakref", "xml", "zipfile", "ntpath", "encodings.idna", "grp", "mmap",
-    "pickletools", "sqlite_fts4", "typing_extensions",
+    "pickletools", "resource", "typing_extensions",
     "_bisect", "_blake2", "_bz2", "_contextvars", "_csv", "_ctypes", "_datetime", "_decimal", "_elementtree",
     "_hashlib", "_heapq", "_json", "_lzma", "_opcode", "_pickle", "_posixsubprocess", "_queue", "_random",
     "_sha512", "_socket", "_sqlite3", "_ssl", "_struct", "_typing", "_uuid", "array", "binascii", "fcntl",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import stat
+import sqlite3
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,13 +91,10 @@ class Extent:
 def sqlite_utils_module() -> ModuleType:
     """sqlite_utils, imported without the pandas and numpy it imports whenever they are installed.
 
-    Imported here, not at the top: only writers create a schema, and
-    sqlite_utils (70-odd modules) is a third of a read-only mount's start-up.
-    Its numpy and pandas column types are never used by a catalog, but with
-    ogrefs installed in a training venv they would be imported by every
-    snapshot: ~50 ms and 80 modules for numpy, several hundred ms for pandas,
-    at a preemption notice, and hundreds of files read on a cold box.  Either
-    one already imported by the process stays as it is.
+    Only :func:`reference_schema` (the schema's definition, which the plain DDL below is checked against)
+    imports it: a snapshot never does.  Its numpy and pandas column types are never used by a catalog, but
+    with ogrefs installed in a training venv they would be imported: ~50 ms and 80 modules for numpy,
+    several hundred ms for pandas.  Either one already imported by the process stays as it is.
     """
     if "sqlite_utils" in sys.modules:
         return sys.modules["sqlite_utils"]
@@ -112,7 +110,9 @@ def sqlite_utils_module() -> ModuleType:
     return sqlite_utils
 
 
-def create_schema(path: Path) -> None:
+def reference_schema(path: Path) -> None:
+    """The catalog's tables as sqlite-utils defines them: what :data:`CATALOG_DDL` must create, statement for
+    statement (tests/unit/test_startup_imports.py compares the two)."""
     db = sqlite_utils_module().Database(path)
     db["inodes"].create(
         {"ino": int, "mode": int, "uid": int, "gid": int, "user": str, "grp": str, "size": int,
@@ -133,6 +133,49 @@ def create_schema(path: Path) -> None:
     db["meta"].create({"key": str, "value": str}, pk="key")
     db["dirents"].create_index(["ino"])
     db.conn.close()
+
+
+def _table(name: str, cols: str, pk: str = "") -> str:
+    body = ",\n".join(f"   {c}" for c in cols.split(", ")) + (f",\n   PRIMARY KEY ({pk})" if pk else "")
+    return f'CREATE TABLE "{name}" (\n{body}\n);\n'
+
+
+def _index(name: str, table: str, col: str, unique: bool = False) -> str:
+    return f'CREATE {"UNIQUE " if unique else ""}INDEX "{name}"\n    ON "{table}" ("{col}");\n'
+
+
+#: The catalog's tables, as SQLite stores the statements sqlite-utils generates for :func:`reference_schema`:
+#: created in one transaction, without importing sqlite-utils (~100 ms, with its plugin scan of every
+#: installed package) or committing each statement (eleven fsyncs): a quarter of a no-change snapshot of a
+#: small box.
+CATALOG_DDL = (
+    _table("inodes", '"ino" INTEGER PRIMARY KEY, "mode" INTEGER, "uid" INTEGER, "gid" INTEGER, "user" TEXT, '
+           '"grp" TEXT, "size" INTEGER, "atime_ns" INTEGER, "mtime_ns" INTEGER, "ctime_ns" INTEGER, '
+           '"nlink" INTEGER, "rdev" INTEGER, "target" BLOB, "src_dev" INTEGER, "src_ino" INTEGER, "flags" INTEGER')
+    + _table("dirents", '"parent" INTEGER, "name" BLOB, "ino" INTEGER', '"parent", "name"')
+    + _table("xattrs", '"ino" INTEGER, "name" BLOB, "value" BLOB', '"ino", "name"')
+    + _table("extents", '"ino" INTEGER, "offset" INTEGER, "length" INTEGER, "blob" INTEGER', '"ino", "offset"')
+    + _table("blobs", '"id" INTEGER PRIMARY KEY, "chunk" BLOB, "pack" INTEGER, "offset" INTEGER, '
+             '"stored_len" INTEGER, "raw_len" INTEGER')
+    + _index("idx_blobs_chunk", "blobs", "chunk", unique=True)
+    + _table("packs", '"id" INTEGER PRIMARY KEY, "name" TEXT')
+    + _index("idx_packs_name", "packs", "name", unique=True)
+    + _table("roots", '"path" BLOB PRIMARY KEY')
+    + _table("hints", '"class" TEXT, "ino" INTEGER, "rank" INTEGER', '"class", "ino"')
+    + _table("meta", '"key" TEXT PRIMARY KEY, "value" TEXT')
+    + _index("idx_dirents_ino", "dirents", "ino")
+)
+
+
+def create_schema(path: Path) -> None:
+    """An empty catalog at ``path`` (a new file: the writer's, synced when it is stored)."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=OFF")
+        db.execute("PRAGMA synchronous=OFF")
+        db.executescript("BEGIN;\n" + CATALOG_DDL + "COMMIT;\n")
+    finally:
+        db.close()
 
 
 def valid_xattr(name: object, value: object) -> bool:
