@@ -233,3 +233,23 @@ def test_in_a_container_without_cap_sys_admin(box, tmp_path):
     assert (status["NoNewPrivs"].strip(), status["Seccomp"].strip()) == ("1", "2")
     assert (tmp_path / "got").read_text() == "arrived late"
     assert json.loads((tmp_path / "asked.json").read_text()) == [f"{box}/data/late.txt (whole)"]
+
+
+def test_sigterm_is_passed_on_and_ctrl_c_left_to_the_job(box):
+    """The supervisor ignores SIGINT (the terminal sends it to the job too) and hands SIGTERM to the job."""
+    a = Arrivals(box, {})
+    ready = box / "ready"
+
+    def signal_when_ready():
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)  # would end pytest with KeyboardInterrupt if not ignored
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_when_ready)
+    sender.start()
+    code = supervise(["sh", "-c", f"trap 'exit 42' TERM; touch {ready}; while :; do sleep 0.05; done"], None,
+                     a.needs, a.ensure)
+    sender.join(timeout=30)
+    assert code == 42

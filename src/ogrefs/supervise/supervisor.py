@@ -12,7 +12,7 @@ that fails or outlasts ``wait_s`` fails the call with EIO, said on stderr.
 
 Ownership: the thread that calls :func:`supervise` (the serving thread)
 owns the listener's receiving side, the settled flag, the reader of the
-job's memory and the cache of directories seen in place. A waiter thread
+job's memory and the cache of directories' resolutions. A waiter thread
 owns one stopped call and answers it once; it calls ``needs`` too (hence
 thread-safe) and reads only this box's files. Flights (one ``ensure`` in
 progress per path, however many calls wait for it) live in a dict guarded
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import select
 import signal
 import socket
@@ -51,7 +52,7 @@ REAP_EVERY_S = 0.2
 REAP_AFTER_HANGUP_S = 0.005
 #: Interpreters followed from one exec (the kernel's BINPRM_MAX_RECURSION).
 MAX_INTERPRETERS = 4
-#: Directories remembered as in place (a path in place stays in place: needs only ever turns False).
+#: Directories whose resolution through this box's symlinks is remembered.
 DIR_CACHE_MAX = 65536
 
 
@@ -86,7 +87,7 @@ class Supervisor:
         self.wait_s, self.report = wait_s, report
         self.settled = False
         self.memory = paths.Memory()
-        self.dirs_in_place: set[str] = set()
+        self.real_dirs: dict[str, str] = {}
         self._lock = threading.Lock()
         self._flights: dict[tuple[str, bool], _Flight] = {}
 
@@ -155,22 +156,36 @@ class Supervisor:
         copy (the image's) and is waited for. A path the snapshot lacks goes
         on at once (ENOENT, from the kernel). ``done``: just brought, not
         asked about again. ``remember``: the serving thread's own call, which
-        alone keeps the cache of directories in place.
+        alone keeps the cache of directories' resolutions.
         """
         lex = paths.lexical(path)
         if lex not in done and self._asks(lex):
             return lex if listing or paths.in_place(lex) is not False else None
         here = paths.in_place(lex)
-        if here or (here is False and lex in self.dirs_in_place):
+        if here:
             return None
-        real = paths.resolve(path)
+        real = self._resolved(lex, here is False) if remember else paths.resolve(path)
         if real != lex and real not in done and self._asks(real):
             return real if listing or paths.in_place(real) is not False else None
-        if here is False and remember:
-            if len(self.dirs_in_place) >= DIR_CACHE_MAX:
-                self.dirs_in_place.clear()
-            self.dirs_in_place.add(lex)  # in place stays in place: needs only ever turns False
         return None
+
+    def _resolved(self, lex: str, is_dir: bool) -> str:
+        """``lex`` through this box's symlinks, the directory's resolution remembered (the serving thread's).
+
+        A directory that is here stays where it resolves (a symlink on the
+        way replaced meanwhile is missed: docs/mount.md), and the walk of
+        every component costs more than the call it checks: a miss below a
+        known directory costs a dictionary lookup.
+        """
+        directory, name = (lex, "") if is_dir else posixpath.split(lex)
+        real = self.real_dirs.get(directory)
+        if real is None:
+            real = paths.resolve(directory)
+            if os.path.isdir(real):
+                if len(self.real_dirs) >= DIR_CACHE_MAX:
+                    self.real_dirs.clear()
+                self.real_dirs[directory] = real
+        return posixpath.join(real, name) if name else real
 
     def _wait(self, n: Notification, waits: list[tuple[str, bool]], execs: list[str], deadline: float) -> None:
         """A waiter thread: bring each path (and each exec's interpreters) in place, then answer ``n`` once."""
