@@ -253,3 +253,33 @@ def test_sigterm_is_passed_on_and_ctrl_c_left_to_the_job(box):
                      a.needs, a.ensure)
     sender.join(timeout=30)
     assert code == 42
+
+
+def test_a_kernel_that_refuses_the_filter_is_one_line_and_no_job(tmp_path):
+    """Under a filter that refuses seccomp(2) itself (a stricter container profile) the job is not started."""
+    marker = tmp_path / "ran"
+    code = f"""
+        import ctypes, errno, struct, sys
+        from ogrefs.supervise import seccomp
+        from ogrefs.supervise.supervisor import SupervisionUnavailable, supervise
+        arch = seccomp.this_arch()
+        prog = (struct.pack("=HBBI", 0x20, 0, 0, 0) + struct.pack("=HBBI", 0x15, 0, 1, arch.seccomp_nr)
+                + struct.pack("=HBBI", 0x06, 0, 0, seccomp.SECCOMP_RET_ERRNO | errno.EPERM)
+                + struct.pack("=HBBI", 0x06, 0, 0, seccomp.SECCOMP_RET_ALLOW))
+        buf = ctypes.create_string_buffer(prog, len(prog))
+        fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", 4, ctypes.addressof(buf)), 16)
+        seccomp.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1)
+        libc = ctypes.CDLL(None)
+        libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+        assert libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        try:
+            supervise(["touch", "{marker}"], None, lambda p: False, lambda p, w: None)
+        except SupervisionUnavailable as exc:
+            print(exc)
+    """
+    proc = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ("cannot supervise the job: seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER): "
+                           "Operation not permitted\n")
+    assert not marker.exists()

@@ -85,6 +85,10 @@ def test_memory_reads_strings_across_pages_and_refuses_unmapped():
         base = ctypes.addressof(ctypes.c_char.from_buffer(area))
         assert mem.string(os.getpid(), base + mmap.PAGESIZE - 3) == b"/ab/cd"
         assert mem.string(os.getpid(), 8) is None and mem.string(os.getpid(), 0) is None
+        long = ctypes.create_string_buffer(b"/x" * 1500)  # past the first short read
+        endless = ctypes.create_string_buffer(b"y" * (paths.PATH_MAX + 10))
+        assert mem.string(os.getpid(), ctypes.addressof(long)) == b"/x" * 1500
+        assert mem.string(os.getpid(), ctypes.addressof(endless)) is None  # ENAMETOOLONG is the kernel's to say
         word = ctypes.c_uint64(0o100)
         assert mem.u64(os.getpid(), ctypes.addressof(word)) == 0o100
     finally:

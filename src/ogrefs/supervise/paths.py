@@ -21,6 +21,8 @@ import struct
 from typing import Callable
 
 PATH_MAX = 4096
+PAGE = os.sysconf("SC_PAGE_SIZE")
+FIRST_READ = 256
 #: Symlinks followed in one walk, as the kernel's MAXSYMLINKS.
 MAX_LINKS = 40
 AT_FDCWD = -100
@@ -72,10 +74,15 @@ class Memory:
         """The NUL-terminated string at ``address``; None where it cannot be read (the call's EFAULT to give)."""
         if address == 0:
             return None
-        data = self.read(tid, address, PATH_MAX - (address % PATH_MAX))  # up to the end of its page first
+        # most paths are short: a first read of 256 bytes (never past the end of the page: the next one may be
+        # unmapped), then the rest up to PATH_MAX
+        data = self.read(tid, address, min(FIRST_READ, PAGE - address % PAGE))
         end = data.find(b"\0")
-        if end < 0 and data and len(data) < PATH_MAX:
-            data += self.read(tid, address + len(data), PATH_MAX)
+        while end < 0 and data and len(data) < PATH_MAX:
+            more = self.read(tid, address + len(data), min(PATH_MAX - len(data), PAGE - (address + len(data)) % PAGE))
+            if not more:
+                break
+            data += more
             end = data.find(b"\0")
         return data[:end] if end >= 0 else None
 

@@ -328,7 +328,7 @@ def _child(ours: socket.socket, theirs: socket.socket, parent: int, argv: list[s
         try:
             fd = seccomp.install(arch)
         except OSError as exc:
-            theirs.send(str(exc).encode())
+            theirs.send((exc.strerror or str(exc)).encode())
             os._exit(1)
         socket.send_fds(theirs, [b"ok"], [fd])
         os.close(fd)
