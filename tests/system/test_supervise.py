@@ -283,3 +283,21 @@ def test_a_kernel_that_refuses_the_filter_is_one_line_and_no_job(tmp_path):
     assert proc.stdout == ("cannot supervise the job: seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER): "
                            "Operation not permitted\n")
     assert not marker.exists()
+
+
+def test_openat2_and_o_path(box):
+    """openat2 keeps its flags in memory (read there); an O_PATH open is no listing: the directory is only made."""
+    a = Arrivals(box, {"two/file.txt": b"through openat2", "held/big.bin": b"never needed"})
+    code, lines = run(a, f"""
+        import ctypes, os, struct, sys
+        out = open(sys.argv[1], "w")
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        how = ctypes.create_string_buffer(struct.pack("=QQQ", os.O_RDONLY, 0, 0), 24)
+        fd = libc.syscall(437, ctypes.c_long(-100), b"{box}/two/file.txt", how, ctypes.c_size_t(24))
+        print(os.read(fd, 100).decode() if fd >= 0 else os.strerror(ctypes.get_errno()), file=out)
+        held = os.open("{box}/held", os.O_PATH | os.O_DIRECTORY)
+        print(os.path.isdir(f"/proc/self/fd/{{held}}"), file=out)
+    """)
+    assert (code, lines) == (0, ["through openat2", "True"])
+    assert a.asked == [f"{box}/two/file.txt (whole)", f"{box}/held"]
