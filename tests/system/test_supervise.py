@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,6 +219,7 @@ def test_a_killed_supervisor_takes_its_job_along(box, tmp_path):
         driver.kill()
 
 
+@pytest.mark.skipif(shutil.which("capsh") is None, reason="capsh (package libcap2-bin) is not installed")
 def test_in_a_container_without_cap_sys_admin(box, tmp_path):
     """unshare + capsh --drop=cap_sys_admin: the kernel then wants no_new_privs, and the job still waits."""
     spec = _spec(tmp_path, box, {"data/late.txt": "arrived late"})
@@ -301,3 +303,25 @@ def test_openat2_and_o_path(box):
     """)
     assert (code, lines) == (0, ["through openat2", "True"])
     assert a.asked == [f"{box}/two/file.txt (whole)", f"{box}/held"]
+
+
+def test_a_failing_needs_lets_the_call_go_on_and_says_so(box):
+    class Broken(Arrivals):
+        def needs(self, path):
+            if path.endswith("boom"):
+                raise KeyError(path)
+            return super().needs(path)
+
+    a = Broken(box, {"late.txt": b"still served"})
+    code, lines = run(a, f"""
+        import sys
+        out = open(sys.argv[1], "w")
+        try:
+            open("{box}/boom")
+        except FileNotFoundError:
+            print("ENOENT", file=out)
+        print(open("{box}/late.txt").read(), file=out)
+    """)
+    assert code == 0
+    assert lines[:2] == ["ENOENT", "still served"]
+    assert f"report: needs({box}/boom) failed: '{box}/boom'" in lines

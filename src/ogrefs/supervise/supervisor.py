@@ -27,6 +27,7 @@ job's lifetime, so the job's orphans are its children) has no child left.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -115,11 +116,15 @@ class Supervisor:
                 parent = os.path.dirname(paths.lexical(path))
                 if paths.in_place(parent) is None and self._pending(parent, False) is not None:
                     waits.append((parent, False))
-        if (waits or execs) and self.listener.valid(n.id):
+        if not (waits or execs) or not self.listener.valid(n.id):
+            self.listener.answer(n.id)
+            return
+        try:
             threading.Thread(target=self._wait, args=(n, waits, execs, time.monotonic() + self.wait_s),
                              name=f"ogrefs-wait-{n.pid}", daemon=True).start()
-        else:
-            self.listener.answer(n.id)
+        except RuntimeError as exc:  # no thread to be had: the call fails now rather than the job waiting forever
+            self.report(f"{waits[0][0] if waits else execs[0]}: cannot wait for it ({exc}); the job was told EIO")
+            self.listener.answer(n.id, errno.EIO)
 
     def _settle(self) -> bool:
         if self.settled:
@@ -189,6 +194,7 @@ class Supervisor:
 
     def _wait(self, n: Notification, waits: list[tuple[str, bool]], execs: list[str], deadline: float) -> None:
         """A waiter thread: bring each path (and each exec's interpreters) in place, then answer ``n`` once."""
+        error = errno.EIO
         try:
             for path, listing in waits:
                 self._bring(path, listing, deadline)
@@ -198,11 +204,14 @@ class Supervisor:
                     path = paths.interpreter(path)
                     if path is None:
                         break
+            error = 0
         except _Failed as failed:
             self.report(f"{failed.path}: {failed.why}; the job was told EIO")
-            self.listener.answer(n.id, errno.EIO)
-            return
-        self.listener.answer(n.id)
+        except Exception as exc:  # noqa: BLE001 - a bug here must still answer the call, never leave it waiting
+            self.report(f"waiting for {waits or execs} failed ({exc!r}); the job was told EIO")
+        finally:
+            with contextlib.suppress(OSError):  # the job has gone and the listener with it
+                self.listener.answer(n.id, error)
 
     def _bring(self, path: str, listing: bool, deadline: float) -> None:
         """Wait until nothing on the way to ``path`` is pending (a link brought may point at a file still to come)."""
@@ -368,7 +377,7 @@ def _serve(supervisor: Supervisor, pid: int, others: set[int] | None) -> int:
                     continue
                 n = supervisor.listener.recv()
                 if n is not None:
-                    supervisor.handle(n)
+                    _handle(supervisor, n)
                 continue
             if flags & select.POLLHUP:  # no user of the filter is left; from now on only reap
                 hung_up = True
@@ -379,6 +388,15 @@ def _serve(supervisor: Supervisor, pid: int, others: set[int] | None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _handle(supervisor: Supervisor, n: Notification) -> None:
+    """``handle``, and where it fails (a bug) the call goes on unchecked: the job never waits for nothing."""
+    try:
+        supervisor.handle(n)
+    except Exception as exc:  # noqa: BLE001 - ending supervision would fail every path call of the job (ENOSYS)
+        supervisor.report(f"a path call was let through unchecked: {exc!r}")
+        supervisor.listener.answer(n.id)
 
 
 def _children() -> set[int] | None:
