@@ -18,7 +18,6 @@ import os
 import posixpath
 import stat
 import struct
-from typing import Callable
 
 PATH_MAX = 4096
 PAGE = os.sysconf("SC_PAGE_SIZE")

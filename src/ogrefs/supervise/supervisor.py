@@ -81,8 +81,9 @@ class _Flight:
 class Supervisor:
     """Answers the job's path calls (see the module's docstring for who owns what)."""
 
-    def __init__(self, listener: Listener, arch: Arch, needs: Callable[[str], bool], ensure: Callable[[str, bool], None],
-                 settled: Callable[[], bool], wait_s: float, report: Callable[[str], None]):
+    def __init__(self, listener: Listener, arch: Arch, needs: Callable[[str], bool],
+                 ensure: Callable[[str, bool], None], settled: Callable[[], bool], wait_s: float,
+                 report: Callable[[str], None]):
         self.listener, self.arch = listener, arch
         self.needs, self.ensure, self.settled_check = needs, ensure, settled
         self.wait_s, self.report = wait_s, report
