@@ -24,6 +24,7 @@ import os
 import platform
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -210,8 +211,9 @@ def child_subreaper() -> int:
     return value.value
 
 
-@dataclass(frozen=True)
-class Notification:
+class Notification(NamedTuple):
+    """One stopped call (a tuple: built for every call the supervisor looks at, a frozen dataclass costs more)."""
+
     id: int
     pid: int  # the calling thread's id in this pid namespace
     nr: int
