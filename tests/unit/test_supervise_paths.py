@@ -93,3 +93,11 @@ def test_memory_reads_strings_across_pages_and_refuses_unmapped():
         assert mem.u64(os.getpid(), ctypes.addressof(word)) == 0o100
     finally:
         mem.close()
+
+
+def test_kernel_version_gate():
+    from ogrefs.supervise.supervisor import kernel_version
+    assert kernel_version("6.18.44-fc-v1300") == (6, 18)
+    assert kernel_version("5.4.0-1103-aws") == (5, 4) < (5, 5)
+    assert kernel_version("5.15.0-105-generic") == (5, 15)
+    assert kernel_version("garbage") == (0, 0)

@@ -67,7 +67,19 @@ def unavailable_reason() -> str | None:
         return "seccomp user notification needs Linux"
     if seccomp.this_arch() is None:
         return f"no system call table for this architecture ({os.uname().machine})"
+    if kernel_version(os.uname().release) < (5, 5):
+        return (f"Linux 5.5 or later is needed (SECCOMP_USER_NOTIF_FLAG_CONTINUE, to let a call go on), "
+                f"this is {os.uname().release}")
     return None
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """``6.18.44-fc-v1300`` -> (6, 18); (0, 0) where it cannot be read."""
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0
 
 
 @dataclass
