@@ -325,3 +325,14 @@ def test_a_failing_needs_lets_the_call_go_on_and_says_so(box):
     assert code == 0
     assert lines[:2] == ["ENOENT", "still served"]
     assert f"report: needs({box}/boom) failed: '{box}/boom'" in lines
+
+
+def test_a_child_the_caller_had_before_is_neither_waited_for_nor_reaped(box):
+    a = Arrivals(box, {})
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        assert supervise(["true"], None, a.needs, a.ensure) == 0
+        assert other.poll() is None  # still running, still the caller's to wait for
+    finally:
+        other.kill()
+        assert other.wait(timeout=30) == -signal.SIGKILL

@@ -20,9 +20,10 @@ by ``_lock``; a flight's thread only runs ``ensure`` and sets its event.
 Every thread here is a daemon thread: an ``ensure`` that never returns
 cannot keep the process alive once the job is gone.
 
-The job ends when no process carrying the filter is left: the listener
-reports POLLHUP (Linux 5.8), or this process (made a child subreaper for the
-job's lifetime, so the job's orphans are its children) has no child left.
+The job ends when no process carrying the filter is left: this process
+(a child subreaper for the job's lifetime, so the job's orphans are its
+children) has no child left but those it had before, or, where the kernel
+does not list children, the listener reports POLLHUP (Linux 5.8).
 """
 
 from __future__ import annotations
@@ -366,10 +367,11 @@ def _child(ours: socket.socket, theirs: socket.socket, parent: int, argv: list[s
 def _serve(supervisor: Supervisor, pid: int, others: set[int] | None) -> int:
     """Answer calls until no process with the filter is left and all of them are reaped; the job's exit code.
 
-    The listener hangs up as the last of them exits, a moment before it can
-    be reaped: from then on the loop only reaps, until the children left
-    are the ones this process had before the job (``others``; None where
-    ``/proc/self/task/*/children`` is missing: then at the hang-up).
+    The job has ended when its first process has exited and the children
+    left are the ones this process had before it (``others``; None where
+    ``/proc/self/task/*/children`` is missing: then at the listener's
+    hang-up). The listener hangs up as the last of them exits, a moment
+    before it can be reaped: from then on the loop only reaps, every 5 ms.
     """
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -396,7 +398,7 @@ def _serve(supervisor: Supervisor, pid: int, others: set[int] | None) -> int:
                 hung_up = True
                 poller.unregister(supervisor.listener.fd)
             status, children_left = _reap(pid, status)
-            if status is not None and (not children_left or hung_up and _only_others(others)):
+            if status is not None and (not children_left or _only_others(others, hung_up)):
                 return _exit_code(status)
     finally:
         for sig, handler in previous.items():
@@ -424,9 +426,15 @@ def _children() -> set[int] | None:
     return found
 
 
-def _only_others(others: set[int] | None) -> bool:
+def _only_others(others: set[int] | None, hung_up: bool) -> bool:
+    """Whether every child left is one this process had before the job (so none of the job's is alive).
+
+    As a subreaper this process is the parent of the topmost living process
+    of the job, whatever died above it. Where the kernel does not list
+    children, the listener's hang-up (Linux 5.8) says it instead.
+    """
     now = _children() if others is not None else None
-    return now is None or now <= others
+    return hung_up if now is None else now <= others
 
 
 def _forward(pid: int, signum: int) -> None:
