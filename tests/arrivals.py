@@ -70,7 +70,7 @@ class Arrivals:
             os.makedirs(path, exist_ok=True)
         elif kind == "link" and not os.path.lexists(path):
             os.symlink(data, path)
-        elif kind in ("file", "exec") and not os.path.exists(path):
+        elif kind in ("file", "exec") and path in self._pending:  # over an older copy (the image's) too
             tmp = path + ".ogrefs-tmp"
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -336,3 +336,18 @@ def test_a_child_the_caller_had_before_is_neither_waited_for_nor_reaped(box):
     finally:
         other.kill()
         assert other.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_an_older_copy_on_the_box_is_waited_for_under_any_spelling(box):
+    """The image's copy of a file the snapshot has newer is not in place: read directly or through lib64."""
+    (box / "lib").mkdir()
+    (box / "lib" / "libv.so").write_text("old")
+    (box / "lib" / "libw.so").write_text("old")
+    a = Arrivals(box, {"lib/libv.so": b"new v", "lib/libw.so": b"new w"})
+    code, lines = run(a, f"""
+        import sys
+        out = open(sys.argv[1], "w")
+        print(open("{box}/lib64/libv.so").read(), file=out)
+        print(open("{box}/lib/libw.so").read(), file=out)
+    """)
+    assert (code, lines) == (0, ["new v", "new w"])

@@ -12,9 +12,9 @@ that fails or outlasts ``wait_s`` fails the call with EIO, said on stderr.
 
 Ownership: the thread that calls :func:`supervise` (the serving thread)
 owns the listener's receiving side, the settled flag, the reader of the
-job's memory and the cache of directories' resolutions. A waiter thread
-owns one stopped call and answers it once; it calls ``needs`` too (hence
-thread-safe) and reads only this box's files. Flights (one ``ensure`` in
+job's memory and the caches of directories' resolutions and of paths seen
+in place. A waiter thread owns one stopped call and answers it once; it
+calls ``needs`` too (hence thread-safe) and reads only this box's files. Flights (one ``ensure`` in
 progress per path, however many calls wait for it) live in a dict guarded
 by ``_lock``; a flight's thread only runs ``ensure`` and sets its event.
 Every thread here is a daemon thread: an ``ensure`` that never returns
@@ -56,6 +56,8 @@ REAP_AFTER_HANGUP_S = 0.005
 MAX_INTERPRETERS = 4
 #: Directories whose resolution through this box's symlinks is remembered.
 DIR_CACHE_MAX = 65536
+#: Paths remembered as in place with nothing pending on their way (an import of torch touches 20,000).
+KNOWN_MAX = 262144
 
 
 class SupervisionUnavailable(OgrefsError):
@@ -103,6 +105,7 @@ class Supervisor:
         self.settled = False
         self.memory = paths.Memory()
         self.real_dirs: dict[str, str] = {}
+        self.known: set[str] = set()
         self._lock = threading.Lock()
         self._flights: dict[tuple[str, bool], _Flight] = {}
 
@@ -175,17 +178,23 @@ class Supervisor:
         copy (the image's) and is waited for. A path the snapshot lacks goes
         on at once (ENOENT, from the kernel). ``done``: just brought, not
         asked about again. ``remember``: the serving thread's own call, which
-        alone keeps the cache of directories' resolutions.
+        alone keeps its caches: directories' resolutions, and the paths seen
+        here with nothing pending on their way (in place stays in place:
+        ``needs`` only ever turns False), which then cost a set lookup.
         """
         lex = paths.lexical(path)
+        if remember and lex in self.known:
+            return None
         if lex not in done and self._asks(lex):
             return lex if listing or paths.in_place(lex) is not False else None
         here = paths.in_place(lex)
-        if here:
-            return None
         real = self._resolved(lex, here is False) if remember else paths.resolve(path)
         if real != lex and real not in done and self._asks(real):
             return real if listing or paths.in_place(real) is not False else None
+        if remember and here is not None:
+            if len(self.known) >= KNOWN_MAX:
+                self.known.clear()
+            self.known.add(lex)
         return None
 
     def _resolved(self, lex: str, is_dir: bool) -> str:
