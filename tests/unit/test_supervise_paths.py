@@ -54,7 +54,9 @@ def test_the_filter_stops_path_calls_only(arch_name):
 
 def test_lexical_and_resolve(tmp_path):
     assert paths.lexical("/a//b/./c/../d/") == "/a/b/d"
-    assert paths.lexical("//x") == "/x" and paths.lexical("/a/b") == "/a/b"
+    assert paths.lexical("//x") == "/x" and paths.lexical("/a/b") == "/a/b" and paths.lexical("/") == "/"
+    assert paths.lexical("/w/.venv/lib/") == "/w/.venv/lib" and paths.lexical("/a/b/..") == "/a"
+    assert paths.lexical("/a/./b") == "/a/b" and paths.lexical("/a/.") == "/a" and paths.lexical("/.x/..y") == "/.x/..y"
     (tmp_path / "usr" / "lib").mkdir(parents=True)
     (tmp_path / "lib").symlink_to("usr/lib")
     (tmp_path / "abs").symlink_to(tmp_path / "usr")

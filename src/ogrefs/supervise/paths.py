@@ -118,8 +118,9 @@ def _signed32(value: int) -> int:
 
 def lexical(path: str) -> str:
     """``path`` without ``.``, ``..`` and repeated slashes, as a set of paths spells it."""
-    if "//" not in path and "/." not in path and (len(path) == 1 or not path.endswith("/")):
-        return path  # already so (most paths): normpath costs more than the call it checks
+    if ("//" not in path and "/./" not in path and "/../" not in path and not path.endswith(("/.", "/..", "/"))
+            or path == "/"):
+        return path  # already so (most paths, `/.venv/` included): normpath costs more than the call it checks
     norm = posixpath.normpath(path)
     return "/" + norm.lstrip("/") if norm.startswith("//") else norm
 
