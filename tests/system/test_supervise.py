@@ -351,3 +351,22 @@ def test_an_older_copy_on_the_box_is_waited_for_under_any_spelling(box):
         print(open("{box}/lib/libw.so").read(), file=out)
     """)
     assert (code, lines) == (0, ["new v", "new w"])
+
+
+def test_a_supervisor_that_breaks_takes_its_job_along(box):
+    """An error out of the serving loop itself (here: the caller's report raising) ends the job, never leaves it
+    running with ENOSYS from every path call."""
+    pidfile = box.parent / "job.pid"
+
+    def needs(path):
+        if path.endswith("boom"):
+            raise KeyError(path)
+        return False
+
+    def report(line):
+        raise RuntimeError(f"cannot report: {line}")
+
+    with pytest.raises(RuntimeError, match="cannot report"):
+        supervise(["sh", "-c", f"echo $$ > {pidfile}; cat {box}/boom; exec sleep 600"], None, needs,
+                  lambda p, w: None, report=report)
+    assert _gone(int(pidfile.read_text()))

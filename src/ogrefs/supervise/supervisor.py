@@ -318,6 +318,13 @@ def supervise(argv: list[str], env: dict[str, str] | None, needs: Callable[[str]
             listener.sync_wake_up()
             supervisor = Supervisor(listener, arch, needs, ensure, settled, wait_s, report)
             return _serve(supervisor, pid, others)
+        except BaseException:
+            # supervision ends here: the job would get ENOSYS from every path call; it ends too, as after a kill -9
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            raise
         finally:
             listener.close()
     finally:
