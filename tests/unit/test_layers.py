@@ -27,7 +27,7 @@ LEVELS: list[set[str]] = [
     {"inspect"},  # machine/environment/checkpoint detection: pure, imports only errors (snapshot, agent, cli use it)
     {"store"},
     {"repo"},
-    {"box"},  # this box as mounts change and record it (overlays, host paths, records, the local copy's plan)
+    {"box", "supervise"},  # this box as mounts change and record it; a job whose files arrive while it runs
     {"snapshot", "restore", "maint", "lazy", "localtree"},  # the middle: threads (snapshot, restore, maint), trio (lazy)
     {"mount"},
     {"agent"},

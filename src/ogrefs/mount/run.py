@@ -13,7 +13,8 @@ of the same snapshot (``--state-dir`` picks another).
 
 Processes: the calling process only waits; the child (single-threaded when
 it unshares) owns the namespace, the mount's keeper and daemon are forked
-from it (docs/architecture.md).
+from it (docs/architecture.md). Where the snapshot is written into place
+instead (no FUSE), :func:`run_in_place` runs the command supervised.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ def run(build_opts: Callable[[Path], Any], open_repo: Callable[[], Any], snapsho
     finally:
         signal.signal(signal.SIGINT, previous)
     return _exit_code(status)
+
+
+def run_in_place(command: list[str], needs: Callable[[str], bool], ensure: Callable[[str, bool], None],
+                 settled: Callable[[], bool]) -> int:
+    """``ogrefs run`` on a box whose snapshot is being written into place (no FUSE): the command's exit code.
+
+    Nothing is mounted and nothing needs root: the command runs on this
+    box's own tree, supervised (ogrefs.supervise), so that a path the
+    snapshot has and the daemon has not written yet is waited for, not
+    missed. ``needs``/``ensure``/``settled`` are the daemon's (see
+    :func:`ogrefs.supervise.supervisor.supervise` for what each promises).
+    Raises SupervisionUnavailable, one line, where the kernel refuses.
+    """
+    from ogrefs.supervise.supervisor import supervise
+    return supervise(command, None, needs, ensure, settled=settled)
 
 
 def _exit_code(status: int) -> int:
