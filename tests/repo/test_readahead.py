@@ -113,3 +113,52 @@ def test_a_walker_the_walk_has_left_far_behind_stops(tmp_path, monkeypatch):
     ra.close()
     assert ra.advised == 0
     assert len(looked) <= 6, looked  # big.bin, pipe, pkg0, pkg0/sub, its first file: then it stopped
+
+
+def test_the_stat_ahead_looks_at_every_entry_the_walk_will_but_not_below_a_skipped_directory(tmp_path, monkeypatch):
+    """A no-change snapshot's stat-ahead lstat()s each entry of the tree once (so the walk finds its metadata
+    in memory), and nothing below a directory the walk does not enter."""
+    from ogrefs.snapshot import readahead
+
+    _tree(tmp_path)
+    (tmp_path / "skipme" / "deep").mkdir()
+    (tmp_path / "skipme" / "deep" / "x").write_bytes(b"x")
+    looked: list[bytes] = []
+    lock = threading.Lock()
+    real_lstat = os.lstat
+
+    def counting_lstat(p):
+        if isinstance(p, bytes):  # (the stat-ahead's; the test's own are str and paths)
+            with lock:
+                looked.append(p)
+        return real_lstat(p)
+
+    monkeypatch.setattr(readahead.os, "lstat", counting_lstat)
+    ra = ReadAhead(lambda: 0, lambda p: p.endswith(b"/skipme"))
+    ra.stat_tree(os.fsencode(tmp_path), os.lstat(tmp_path).st_dev)
+    assert ra._stat[0].done.wait(30)
+    ra.close()
+    want = {os.fsencode(os.path.join(d, n)) for d, dirs, files in os.walk(tmp_path)
+            if not (d + "/").startswith(str(tmp_path / "skipme") + "/") for n in dirs + files}
+    assert sorted(looked) == sorted(want)  # each once; skipme itself, not what is below it
+    assert os.fsencode(tmp_path / "skipme") in looked
+
+
+def test_the_stat_ahead_stays_within_its_lead_of_the_walk(tmp_path, monkeypatch):
+    """With the walk standing still, the stat-ahead stops after its lead (it would otherwise run through a
+    box of millions of entries for a walk that is still at the start), and close() ends it at once."""
+    from ogrefs.snapshot import readahead
+
+    _tree(tmp_path)  # 5 x (pkg, sub, 20 files) + big.bin, pipe, secret.txt ...
+    monkeypatch.setattr(readahead, "AHEAD_ENTRIES", 3)
+    ra = ReadAhead(lambda: 0, lambda p: False, entries=lambda: 0)
+    ra.stat_tree(os.fsencode(tmp_path), os.lstat(tmp_path).st_dev)
+    ahead = ra._stat[0]
+    deadline = threading.Event()
+    while ahead.seen <= 3 and not deadline.wait(0.01):
+        pass  # (the top directory's task: its entries count once it has looked at them all)
+    deadline.wait(0.3)  # time for the tasks it submitted to run, if they did not wait
+    seen = ahead.seen
+    ra.close()
+    # the top directory, and the directories it listed (each lists 1 entry) but no sub/ with its 20 files
+    assert 3 < seen < 20, seen

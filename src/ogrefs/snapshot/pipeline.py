@@ -442,7 +442,8 @@ class Snapshotter:
                                      self._mounted.unchanged_paths, lambda packs: packs <= self._live_packs)
         self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
                               self.opts.upload_workers, self._unreadable, self._tick, self._index)
-        self._ahead = ReadAhead(lambda: self.stats.bytes, self._not_walked)
+        self._ahead = ReadAhead(lambda: self.stats.bytes, self._not_walked,
+                                lambda: self.stats.files + self.stats.dirs + self.stats.others)
         try:
             return self._run(roots, cat_path)
         finally:
@@ -459,6 +460,8 @@ class Snapshotter:
         for root in roots:
             self.cat.add_root(root)
             self._root_dev = os.lstat(root).st_dev
+            if self._parent_cat is not None and self._own is None:  # (a mount's trees are read from its catalog)
+                self._ahead.stat_tree(root, self._root_dev)
             if root == b"/":
                 self._walk_dir(ROOT_INO, b"/", os.lstat(b"/").st_dev, ROOT_INO if self._parent_cat else None)
                 continue

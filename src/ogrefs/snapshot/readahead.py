@@ -22,11 +22,22 @@ has passed), so on a small box it does not evict what it advised before
 the walk reads it. Where it falls behind (a warm cache) it advises nothing,
 and once the walk is ``AHEAD_BYTES`` in front of it, it stops.
 
+Where the walk will reuse what its parent snapshot has (a no-change
+snapshot), it reads no file, but it still lists every directory and
+lstat()s every entry, one at a time: with the box's metadata out of memory
+(a box under memory pressure, a snapshot an hour later) that is a chain of
+disk round trips too — 9.4 s against 2.5 s warm for 39,099 files. So
+:meth:`ReadAhead.stat_tree` lists and lstat()s the tree ahead of the walk
+with several threads at once (directories as tasks, any order), at most
+``AHEAD_ENTRIES`` entries in front of it; the walk then finds the kernel's
+caches warm. It reads and changes nothing but those caches.
+
 Ownership: the main thread creates :class:`ReadAhead`, calls
 :meth:`ReadAhead.entering` for each directory it walks and :meth:`close`
 at the end; one walker thread at a time gets immutable inputs (the top
 path, its device, the rule callables, which only read) and writes only its
-own counters.
+own counters. The stat-ahead threads get the same kind of inputs; their
+one shared counter (entries looked at) is guarded by its lock.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import logging
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -45,6 +57,9 @@ STOP_WAIT_S = 5.0
 SMALL_FILE = 2 * 1024 * 1024
 #: How far, in bytes of regular files in walk order, the walker may run ahead of the walk.
 AHEAD_BYTES = 64 * 1024 * 1024
+#: How far, in entries, the stat-ahead may run in front of the walk, and with how many threads.
+AHEAD_ENTRIES = 50_000
+STAT_THREADS = 8
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -123,14 +138,75 @@ class _Walker:
             os.close(fd)
 
 
+class _StatAhead:
+    """Threads that list and lstat a tree ahead of the walk (directories as tasks), to warm the kernel's caches."""
+
+    def __init__(self, top: bytes, dev: int, walked: Callable[[], int], skip: Callable[[bytes], bool]) -> None:
+        self._dev, self._walked, self._skip = dev, walked, skip
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.seen = 0  # entries looked at (under _lock)
+        self._pending = 0  # directories submitted and not done (under _lock)
+        self.done = threading.Event()  # no directory left to look at (the whole tree, or stopped)
+        self._pool = ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="ogrefs-statahead")
+        self._submit(top)
+
+    def _submit(self, path: bytes) -> None:
+        with self._lock:
+            self._pending += 1
+        try:
+            self._pool.submit(self._dir, path)
+        except RuntimeError:  # (closed meanwhile)
+            self._task_done()
+
+    def _task_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            if not self._pending:
+                self.done.set()
+
+    def _dir(self, path: bytes) -> None:
+        try:
+            while self.seen - self._walked() > AHEAD_ENTRIES:
+                if self._stop.wait(0.01):
+                    return
+            base = path.rstrip(b"/")
+            with os.scandir(path) as it:
+                names = [e.name for e in it]
+            with self._lock:  # (counted before its subdirectories are submitted: they wait on it)
+                self.seen += len(names)
+            for name in names:
+                if self._stop.is_set():
+                    return
+                child = base + b"/" + name
+                st = os.lstat(child)
+                if stat.S_ISDIR(st.st_mode) and st.st_dev == self._dev and not self._skip(child):
+                    self._submit(child)
+        except OSError:  # advice only: the walk reads and reports on its own
+            return
+        finally:
+            self._task_done()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 class ReadAhead:
     """Starts a walker where the walk enters a tree it will read whole; one at a time."""
 
-    def __init__(self, progress: Callable[[], int], skip: Callable[[bytes], bool]) -> None:
+    def __init__(self, progress: Callable[[], int], skip: Callable[[bytes], bool],
+                 entries: Callable[[], int] = lambda: 0) -> None:
         self._progress = progress
         self._skip = skip
+        self._entries = entries  # entries the walk has recorded (for the stat-ahead's lead)
         self._walker: _Walker | None = None
+        self._stat: list[_StatAhead] = []
         self.advised = 0  # files advised, over the run (for tests and the curious)
+
+    def stat_tree(self, top: bytes, dev: int) -> None:
+        """List and lstat the tree below ``top`` (on ``dev``) ahead of a walk that will reuse its files."""
+        self._stat.append(_StatAhead(top, dev, self._entries, self._skip))
 
     def entering(self, path: bytes, dev: int, all_read: bool) -> None:
         """The walk enters directory ``path`` on device ``dev``; ``all_read``: nothing below it is reused."""
@@ -142,6 +218,9 @@ class ReadAhead:
 
     def close(self) -> None:
         self._end_walker()
+        for ahead in self._stat:
+            ahead.stop()
+        self._stat = []
 
     def _end_walker(self) -> None:
         if self._walker is not None:
