@@ -227,12 +227,22 @@ def check_inode(row: tuple, where: str) -> Inode:
 
 
 def check_location(chunk: object, pack: object, poff: object, slen: object, where: str) -> None:
-    if not (type(chunk) is bytes and len(chunk) == 32 and type(pack) is str and PACK_NAME.fullmatch(pack)
-            and int_in(poff, 0, I64) and int_in(slen, 1, U32)):
+    if not (type(chunk) is bytes and len(chunk) == 32 and type(pack) is str
+            and (pack in _GOOD_PACKS or _good_pack(pack)) and int_in(poff, 0, I64) and int_in(slen, 1, U32)):
         raise CorruptObject(f"catalog {where}: a blob location is malformed")
 
 
 PACK_NAME = re.compile(r"[0-9a-f]{64}")
+#: Pack names already matched (a catalog names a few packs for thousands of blobs; only good ones are kept).
+_GOOD_PACKS: set[str] = set()
+
+
+def _good_pack(name: str) -> bool:
+    if not PACK_NAME.fullmatch(name):
+        return False
+    if len(_GOOD_PACKS) < 1 << 16:
+        _GOOD_PACKS.add(name)
+    return True
 
 #: Every table and column a reader uses; checked once when a catalog is opened.
 TABLES = {
