@@ -270,7 +270,8 @@ class Fetcher:
         kernel's page cache keeps it for the mount, and writing it costs a
         core-second per GB and evicts the small files a remount needs;
         docs/benchmarks.md, issue 49; while a materialization is adopting,
-        a chunk it cannot take yet goes to the disk cache as with ``ALL``), ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
+        a chunk it cannot take yet goes to the disk cache as with ``ALL``),
+        ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
         materializer, which writes them to disk itself), ``False``/``Keep.NONE``
         neither (materialization: every chunk goes to its own file), unless
         another caller wants the same chunk kept.  ``bridge=True``: the GETs of
