@@ -49,13 +49,13 @@ def snap(tmp_path_factory):
     return repo, Catalog(repo.catalog_path(m["id"])), src
 
 
-def run_fs(repo: Repository, cat: Catalog, body, cache: ChunkCache | None = None, **kw) -> Fetcher:
+def run_fs(repo: Repository, cat: Catalog, body, cache: ChunkCache | None = None, local=None, **kw) -> Fetcher:
     fetcher = Fetcher(repo.read_pack_range, cache, **kw)
 
     async def main():
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
-            await body(SnapshotFS(cat, fetcher))
+            await body(SnapshotFS(cat, fetcher, local=local))
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -209,7 +209,8 @@ def test_sequential_reads_fetch_ahead_in_few_requests(snap):
 
 
 def test_a_large_file_read_front_to_back_is_exact_and_stays_out_of_the_disk_cache(snap, tmp_path, monkeypatch):
-    """Issue 49: a streamed large file costs no disk-cache write; a smaller one, or one read at random, is cached."""
+    """Issue 49: a streamed large file costs no disk-cache write on a mount without a local copy; a smaller one,
+    one read at random, or one a materialization will want, is cached."""
     repo, cat, src = snap
     monkeypatch.setattr(vfs_mod, "STREAM_FILE_MIN", 8 * MiB)  # seq.bin is 9 MiB
     want = (src / "seq.bin").read_bytes()
@@ -246,6 +247,21 @@ def test_a_large_file_read_front_to_back_is_exact_and_stays_out_of_the_disk_cach
     run_fs(repo, cat, at_random, cache=cache)
     assert all(cache.contains(e.chunk) for e in extents(src / "seq.bin") for off in offsets
                if e.offset <= off < e.end)
+
+    class NothingLocalYet:  # a writable mount whose materialization has not reached the file
+        def local_path(self, ino):
+            return None
+
+        def tree_path(self, ino):
+            return None
+
+        def local_paths(self, inos):
+            return {}
+
+    cache2 = ChunkCache(tmp_path / "cache2", 1 << 30)
+    run_fs(repo, cat, body, cache=cache2, local=NothingLocalYet())
+    # its materialization will want every chunk it did not adopt: they stay in the cache, not fetched again
+    assert all(cache2.contains(e.chunk) for e in extents(src / "seq.bin"))
 
 
 def test_small_files_of_a_directory_come_in_a_few_requests(snap):

@@ -269,9 +269,7 @@ class Fetcher:
         but never the disk cache (a large file read front to back: the
         kernel's page cache keeps it for the mount, and writing it costs a
         core-second per GB and evicts the small files a remount needs;
-        docs/benchmarks.md, issue 49; while a materialization is adopting,
-        a chunk it cannot take yet goes to the disk cache as with ``ALL``),
-        ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
+        docs/benchmarks.md, issue 49), ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
         materializer, which writes them to disk itself), ``False``/``Keep.NONE``
         neither (materialization: every chunk goes to its own file), unless
         another caller wants the same chunk kept.  ``bridge=True``: the GETs of
@@ -422,10 +420,8 @@ class Fetcher:
 
     def _keep_local(self, p: _Pending, data: bytes) -> None:
         """A chunk fetched from the store for a keeping caller goes to the local tree (materialization), else
-        to the disk cache unless its callers stream (``Keep.LOCAL``) and no materialization would fetch it
-        again (one that cannot adopt it now, its bound reached, finds it there as before)."""
-        res = self.residency
-        if p.keep >= Keep.LOCAL and not res.adopt(p.ref, data) and (p.keep >= Keep.ALL or res.adopting) \
+        to the disk cache unless its callers stream (``Keep.LOCAL``)."""
+        if p.keep >= Keep.LOCAL and not self.residency.adopt(p.ref, data) and p.keep >= Keep.ALL \
                 and self.cache is not None:
             assert self._nursery is not None
             self._nursery.start_soon(self._store, p.ref.chunk, data)

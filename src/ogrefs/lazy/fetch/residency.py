@@ -266,11 +266,6 @@ class Residency:
         self._adopting = True
         self._adopt_limit = limit
 
-    @property
-    def adopting(self) -> bool:
-        """Whether a materialization pass takes the chunks readers fetch (see :meth:`adopt`)."""
-        return self._adopting
-
     def close_adoption(self) -> None:
         """The pass ends: no more adoptions; the adoption writer drains what is queued and ends."""
         self._adopting = False

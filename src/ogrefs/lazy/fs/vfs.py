@@ -83,11 +83,12 @@ SIBLING_FILE_MAX = 256 * 1024
 #: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
 SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
-#: A file at least this large read front to back streams (a checkpoint, a data shard): what it fetches goes to
-#: memory and the local tree, not to the disk cache (``Keep.LOCAL``).  Writing it there cost the daemon
-#: 0.6-1.0 CPU-s per GB of a 2.6-2.9 total (docs/benchmarks.md, issue 49), the kernel's page cache keeps the
-#: file for the mount anyway (keep_cache), and a 100 GB checkpoint would push every small file a remount needs
-#: out of a 10 GiB cache.
+#: On a mount without a local copy (read-only, --no-materialize), a file at least this large read front to back
+#: streams (a checkpoint, a data shard): what it fetches goes to memory, not to the disk cache (``Keep.LOCAL``).
+#: Writing it there cost the daemon 0.6-1.0 CPU-s per GB of a 2.6-2.9 total (docs/benchmarks.md, issue 49), the
+#: kernel's page cache keeps the file for the mount anyway (keep_cache), and a 100 GB checkpoint would push every
+#: small file a remount needs out of a 10 GiB cache.  A mount that builds a local copy keeps caching: its
+#: materialization finds there what it did not adopt, instead of fetching it again.
 STREAM_FILE_MIN = 256 * MiB
 
 
@@ -505,7 +506,7 @@ class SnapshotFS:
             for k in wanted:
                 self.recorder.record(f.ino, f.extents[k].offset, f.extents[k].end - f.extents[k].offset)
         ahead = _read_ahead(f, offset, end, last, self.readahead_min, self.readahead_max)
-        keep = Keep.LOCAL if f.window and f.size >= STREAM_FILE_MIN else Keep.ALL
+        keep = Keep.LOCAL if f.window and f.size >= STREAM_FILE_MIN and self.local is None else Keep.ALL
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together (the
             # fetcher skips what the residency has: in memory, in the materializer's hand, in the local tree)
