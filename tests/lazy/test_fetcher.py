@@ -367,6 +367,30 @@ def test_keep_memory_stays_out_of_the_disk_cache(tmp_path):
     assert cache.contains(refs[2].chunk)
 
 
+def test_keep_local_goes_to_the_local_tree_or_memory_never_to_the_disk_cache(tmp_path):
+    """A streamed large file (issue 49): adopted by the materializer as before, but no disk-cache write;
+    a chunk another caller wants kept whole is cached all the same."""
+    fake = FakePacks()
+    data = payloads(4)
+    refs = fake.add("p1", data)
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    f = Fetcher(fake.read_range, cache)
+
+    async def body(nursery):
+        assert await f.get(refs[0], Priority.READ, Keep.LOCAL) == data[0]
+        assert f.prefetch(refs[1:3], Priority.READ, Keep.LOCAL) == 2
+        f.prefetch(refs[2:3], Priority.READ)  # (Keep.ALL) the same flight, kept whole after all
+        assert [await f.get(r, Priority.READ, Keep.LOCAL) for r in refs[1:3]] == data[1:3]
+        f.residency.open_adoption(limit=1 << 20)
+        assert await f.get(refs[3], Priority.READ, Keep.LOCAL) == data[3]
+        assert await f.residency.next_adoptions(1 << 20, 10) == [(refs[3], data[3])]
+        await trio.sleep(0.2)
+        assert all(f.residency.is_cached(r.chunk) for r in refs)
+
+    run_with_fetcher(f, body)
+    assert [cache.contains(r.chunk) for r in refs] == [False, False, True, False]
+
+
 @pytest.mark.expect_log(r"fails BLAKE3 verification", level=logging.ERROR, logger="ogrefs.lazy")
 @pytest.mark.expect_log(r"failed verification.*fetching it again", logger="ogrefs.lazy")
 def test_corrupt_blob_is_refetched_once_then_fails_and_is_not_cached(tmp_path):

@@ -600,6 +600,49 @@ def test_complete_files_are_served_locally_and_the_store_is_never_contacted(box,
     assert fs.open_files == 0
 
 
+def test_a_complete_local_copy_read_front_to_back_is_exact_and_read_once_per_request(box, tmp_path, monkeypatch):
+    """Issue 49: each chunk is named from the same bytes the read serves (before: read whole to name it, then
+    the range read again), in 1 MiB reads that straddle chunk boundaries as the kernel's do."""
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    rel = "data/shard0.bin"  # 5 MiB: two chunks or more
+    ino = box.catalog.resolve(box.path(rel)).ino
+    want = (box.src / rel).read_bytes()
+    local_fds: set[int] = set()
+    read_bytes: list[tuple[int, int]] = []
+    real_pread = os.pread
+
+    def counting_pread(fd, n, off):
+        data = real_pread(fd, n, off)
+        read_bytes.append((fd, len(data)))
+        return data
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    fetcher = Fetcher(box.repo.read_pack_range)
+    fs = SnapshotFS(box.catalog, fetcher, local=m)
+    got = bytearray()
+    reads = [0]
+
+    async def read():
+        fh = await fs.open(ino, os.O_RDONLY)
+        while True:
+            piece = await fs.read(fh, len(got), 1 << 20)
+            local_fds.add(fs._files[fh].local_fd)
+            if not piece:
+                break
+            reads[0] += 1
+            got.extend(piece)
+        fs.release(fh)
+
+    run_trio(fetcher, read)
+    assert bytes(got) == want and fetcher.stats.requests == 0 and len(box.refs_of(rel)) >= 2
+    # one read of the local copy per request, naming its new chunks from the bytes it serves (before: each new
+    # chunk read whole to name it, then the range read again: two or three reads, every byte twice)
+    local = [n for fd, n in read_bytes if fd in local_fds]
+    assert len(local) == reads[0]
+    assert len(want) <= sum(local) < 2 * len(want)
+
+
 @pytest.mark.expect_log(r"local copy ", logger="ogrefs.lazy")
 def test_a_damaged_local_copy_is_not_served(box, tmp_path, caplog):
     state = tmp_path / "state"

@@ -18,6 +18,7 @@ from ogrefs.errors import CorruptObject
 from ogrefs.lazy.fs import localread, pagepush
 from ogrefs.lazy.fs import vfs as vfs_mod
 from ogrefs.repo.catalog import ROOT_INO, Catalog
+from ogrefs.lazy.fetch.chunkcache import ChunkCache
 from ogrefs.lazy.fetch.fetcher import Fetcher
 from ogrefs.repo import Repository
 from ogrefs.repo.pack import pack_key
@@ -48,13 +49,13 @@ def snap(tmp_path_factory):
     return repo, Catalog(repo.catalog_path(m["id"])), src
 
 
-def run_fs(repo: Repository, cat: Catalog, body, **kw) -> Fetcher:
-    fetcher = Fetcher(repo.read_pack_range, None, **kw)
+def run_fs(repo: Repository, cat: Catalog, body, cache: ChunkCache | None = None, local=None, **kw) -> Fetcher:
+    fetcher = Fetcher(repo.read_pack_range, cache, **kw)
 
     async def main():
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
-            await body(SnapshotFS(cat, fetcher))
+            await body(SnapshotFS(cat, fetcher, local=local))
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -205,6 +206,62 @@ def test_sequential_reads_fetch_ahead_in_few_requests(snap):
     # read-ahead queues whole windows, which coalesce: far fewer requests than chunks
     assert f.stats.requests <= chunks // 2 + 2
     assert f.stats.hits_memory > 0
+
+
+def test_a_large_file_read_front_to_back_is_exact_and_stays_out_of_the_disk_cache(snap, tmp_path, monkeypatch):
+    """Issue 49: a streamed large file costs no disk-cache write on a mount without a local copy; a smaller one,
+    one read at random, or one a materialization will want, is cached."""
+    repo, cat, src = snap
+    monkeypatch.setattr(vfs_mod, "STREAM_FILE_MIN", 8 * MiB)  # seq.bin is 9 MiB
+    want = (src / "seq.bin").read_bytes()
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    small = max((p for p in src.rglob("*") if p.is_file() and not p.is_symlink()
+                 and 0 < p.stat().st_size < 8 * MiB), key=lambda p: p.stat().st_size)
+
+    async def read_all(fs, path, size):
+        fh = await fs.open((await walk_to(fs, path)).node.ino, os.O_RDONLY)
+        got = bytearray()
+        while chunk := await fs.read(fh, len(got), size):
+            got += chunk
+        fs.release(fh)
+        return bytes(got)
+
+    async def body(fs):
+        assert await read_all(fs, src / "seq.bin", 1 << 20) == want
+        assert await read_all(fs, small, 128 * 1024) == small.read_bytes()
+
+    run_fs(repo, cat, body, cache=cache)
+
+    def extents(path):
+        return cat.extents(cat.resolve(os.fsencode(path)).ino)
+
+    assert not any(cache.contains(e.chunk) for e in extents(src / "seq.bin"))
+    assert all(cache.contains(e.chunk) for e in extents(small))
+    offsets = (5 * MiB, 1 * MiB, 7 * MiB)  # each far from where the previous read ended
+
+    async def at_random(fs):  # not a front-to-back read: its chunks are cached
+        fh = await fs.open((await walk_to(fs, src / "seq.bin")).node.ino, os.O_RDONLY)
+        for off in offsets:
+            assert bytes(await fs.read(fh, off, 4096)) == want[off:off + 4096]
+
+    run_fs(repo, cat, at_random, cache=cache)
+    assert all(cache.contains(e.chunk) for e in extents(src / "seq.bin") for off in offsets
+               if e.offset <= off < e.end)
+
+    class NothingLocalYet:  # a writable mount whose materialization has not reached the file
+        def local_path(self, ino):
+            return None
+
+        def tree_path(self, ino):
+            return None
+
+        def local_paths(self, inos):
+            return {}
+
+    cache2 = ChunkCache(tmp_path / "cache2", 1 << 30)
+    run_fs(repo, cat, body, cache=cache2, local=NothingLocalYet())
+    # its materialization will want every chunk it did not adopt: they stay in the cache, not fetched again
+    assert all(cache2.contains(e.chunk) for e in extents(src / "seq.bin"))
 
 
 def test_small_files_of_a_directory_come_in_a_few_requests(snap):

@@ -112,6 +112,18 @@ def test_open_range_yields_exactly_the_range_in_pieces(store: Store, length: int
     assert b"".join(parts) == data[1001:1001 + length]
 
 
+def test_a_range_in_memory_is_read_in_views_of_it_not_copies() -> None:
+    """Issue 49: a local pack's range is cut into blobs without a copy of each (0.1 CPU-s per GB served)."""
+    from ogrefs.store.base import BytesRange
+
+    data = blob(1 * MiB, seed=4)
+    reader = BytesRange(data)
+    first, second = reader.read(1000), reader.read(5000)
+    assert isinstance(first, memoryview) and first.obj is data and second.obj is data
+    assert bytes(first) + bytes(second) == data[:6000] and reader.read(2 * MiB) == data[6000:]
+    assert not reader.read(1)
+
+
 def test_open_range_errors_are_get_range_errors(store: Store) -> None:
     store.put("packs/00/short", blob(1000))
     with pytest.raises(NotFound):

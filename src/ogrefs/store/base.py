@@ -182,10 +182,10 @@ class BytesRange(RangeReader):
         self._view = memoryview(data)
         self._pos = 0
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int) -> bytes | memoryview:
         out = self._view[self._pos:self._pos + n]
         self._pos += len(out)
-        return out.tobytes()
+        return out
 
 
 class Store(abc.ABC):

@@ -96,7 +96,8 @@ class Keep(enum.IntEnum):
 
     NONE = 0  # nowhere (materialization writes it to its file)
     MEMORY = 1  # the memory LRU
-    ALL = 2  # the memory LRU and the disk cache
+    LOCAL = 2  # the memory LRU, and the local tree if it takes it, never the disk cache (a large file streamed)
+    ALL = 3  # the memory LRU, and the local tree if it takes it, else the disk cache
 
 
 @dataclass
@@ -120,7 +121,7 @@ class _Pending:
 
     __slots__ = ("ref", "priority", "seq", "state", "done", "data", "error", "keep", "bridge", "hold")
 
-    def __init__(self, ref: ChunkRef, priority: Priority, keep: int = 2) -> None:
+    def __init__(self, ref: ChunkRef, priority: Priority, keep: int = Keep.ALL) -> None:
         self.ref = ref
         self.priority = priority
         self.keep = keep  # Keep level: where the chunk goes once fetched (the most any caller asked for)
@@ -231,20 +232,20 @@ class Fetcher:
                 self._stop.set()
 
     # -- the public API --------------------------------------------------------------------
-    async def get(self, ref: ChunkRef, priority: Priority = Priority.READ) -> bytes:
-        """The chunk's verified plaintext; raises :class:`FetchError`."""
+    async def get(self, ref: ChunkRef, priority: Priority = Priority.READ, keep: Keep = Keep.ALL) -> bytes:
+        """The chunk's verified plaintext; raises :class:`FetchError`.  ``keep``: as for :meth:`request`."""
         data = self.residency.in_memory(ref.chunk)
         if data is not None:
             self.stats.hits_memory += 1
             return data
-        p = self._want([ref], priority)[0]
+        p = self._want([ref], priority, keep)[0]
         await p.done.wait()
         if p.error is not None:
             raise type(p.error)(p.error.ref, p.error.reason)  # one instance per waiter: tracebacks stay apart
         assert p.data is not None
         return p.data
 
-    def prefetch(self, refs: Iterable[ChunkRef], priority: Priority) -> int:
+    def prefetch(self, refs: Iterable[ChunkRef], priority: Priority, keep: Keep = Keep.ALL) -> int:
         """Schedule chunks without waiting for them; returns how many were not already on their way.
 
         Chunks scheduled by one call are probed in the disk cache together and
@@ -254,7 +255,7 @@ class Fetcher:
         res = self.residency  # (nothing the loop has or the local tree holds is fetched for it; a chunk
         # on its way is asked for again: its priority may rise)
         before = res.flights
-        self._want([r for r in refs if res.where(r.chunk) not in (IN_MEMORY, IN_TREE)], priority)
+        self._want([r for r in refs if res.where(r.chunk) not in (IN_MEMORY, IN_TREE)], priority, keep)
         return res.flights - before
 
     def request(self, refs: Iterable[ChunkRef], priority: Priority, *, keep: "Keep | bool" = True,
@@ -263,8 +264,12 @@ class Fetcher:
 
         A ticket holds its chunk until awaited, so nothing is fetched twice however
         long the caller takes.  ``keep`` says where the chunks go besides the
-        tickets: ``True``/``Keep.ALL`` the memory LRU and the disk cache,
-        ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
+        tickets: ``True``/``Keep.ALL`` the memory LRU and the disk cache (or
+        the local tree, when it adopts the chunk), ``Keep.LOCAL`` the same
+        but never the disk cache (a large file read front to back: the
+        kernel's page cache keeps it for the mount, and writing it costs a
+        core-second per GB and evicts the small files a remount needs;
+        docs/benchmarks.md, issue 49), ``Keep.MEMORY`` the memory LRU only (a trace replayed for the
         materializer, which writes them to disk itself), ``False``/``Keep.NONE``
         neither (materialization: every chunk goes to its own file), unless
         another caller wants the same chunk kept.  ``bridge=True``: the GETs of
@@ -335,7 +340,7 @@ class Fetcher:
         return out
 
     # -- single flight -------------------------------------------------------------------------
-    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = 2, bridge: bool = False,
+    def _want(self, refs: list[ChunkRef], priority: Priority, keep: int = Keep.ALL, bridge: bool = False,
               hold: bool = False) -> list[_Pending]:
         out, new = [], []
         res = self.residency
@@ -413,9 +418,13 @@ class Fetcher:
             res.mem_put(p.ref.chunk, data)
         p.done.set()
 
-    def _adopted(self, p: _Pending, data: bytes) -> bool:
-        """Offer a chunk fetched from the store for a keeping caller to the local tree (materialization)."""
-        return self.residency.adopt(p.ref, data)
+    def _keep_local(self, p: _Pending, data: bytes) -> None:
+        """A chunk fetched from the store for a keeping caller goes to the local tree (materialization), else
+        to the disk cache unless its callers stream (``Keep.LOCAL``)."""
+        if p.keep >= Keep.LOCAL and not self.residency.adopt(p.ref, data) and p.keep >= Keep.ALL \
+                and self.cache is not None:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._store, p.ref.chunk, data)
 
     def _fail(self, p: _Pending, error: FetchError) -> None:
         p.error = error
@@ -495,9 +504,7 @@ class Fetcher:
             self._fetching -= 1
             self.stats.chunks_fetched += 1
             self._finish(p, result)
-            if p.keep >= Keep.ALL and not self._adopted(p, result) and self.cache is not None:
-                assert self._nursery is not None
-                self._nursery.start_soon(self._store, p.ref.chunk, result)
+            self._keep_local(p, result)
 
     async def _retry_corrupt(self, p: _Pending, reason: str) -> None:
         """A blob that failed verification, fetched once more on its own (a flipped bit in transit)."""
@@ -510,9 +517,7 @@ class Fetcher:
         else:
             self.stats.chunks_fetched += 1
             self._finish(p, data)
-            if p.keep >= Keep.ALL and not self._adopted(p, data) and self.cache is not None:
-                assert self._nursery is not None
-                self._nursery.start_soon(self._store, p.ref.chunk, data)
+            self._keep_local(p, data)
         finally:
             self._fetching -= 1
 

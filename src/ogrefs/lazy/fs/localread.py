@@ -112,40 +112,49 @@ class LocalReads:
             f.local_pending = None
             self.stats.local_opens -= 1  # served by the store after all
 
-    async def _verify(self, f: LocalHandle, offset: int, end: int) -> bool:
-        """Whether every chunk of ``[offset, end)`` in the complete local copy holds the catalog's bytes.
+    async def _read_verified(self, f: LocalHandle, offset: int, end: int) -> bytes | memoryview | None:
+        """``[offset, end)`` of the complete local copy, every chunk of it holding the catalog's bytes.
 
-        Each chunk is read whole and named (BLAKE3, in a worker thread) the first time this handle
-        reads it; afterwards the handle trusts it.  A copy damaged on disk since it was written is
-        never served: False, and the caller reads through the store.
+        A chunk this handle has not read before is read whole and named
+        (BLAKE3) the first time; afterwards the handle trusts it.  The chunks
+        to name and the range asked for are read together, named, and the
+        range served from the same bytes, all in one worker-thread call (one
+        read of each byte instead of two, one thread hop instead of three:
+        docs/benchmarks.md, issue 49).  None when a chunk does not hold its
+        bytes: a copy damaged on disk since it was written is never served.
         """
         assert f.local_fd is not None
         if not f.extents and f.size:
             f.set_extents(await trio.to_thread.run_sync(self.catalog.extents, f.ino))
-        first = max(0, bisect_right(f.starts, offset) - 1)
-        k = first
+        k = max(0, bisect_right(f.starts, offset) - 1)
+        unverified: list[int] = []
         while k < len(f.extents) and f.extents[k].offset < end:
-            ext = f.extents[k]
-            if k not in f.verified and ext.end > offset:
-                data = await pread(f.local_fd, ext.length, ext.offset)
-                if len(data) != ext.length or await trio.to_thread.run_sync(self.chunk_id, data) != ext.chunk:
-                    return False
-                f.verified.add(k)
+            if k not in f.verified and f.extents[k].end > offset:
+                unverified.append(k)
             k += 1
-        return True
+        if not unverified:
+            return await pread(f.local_fd, end - offset, offset)
+        start = min(offset, f.extents[unverified[0]].offset)
+        stop = max(end, f.extents[unverified[-1]].end)
+        chunks = tuple((f.extents[k].offset - start, f.extents[k].length, f.extents[k].chunk) for k in unverified)
+        span = await trio.to_thread.run_sync(read_and_name, f.local_fd, start, stop - start, chunks, self.chunk_id)
+        if span is None:
+            return None
+        f.verified.update(unverified)
+        return memoryview(span)[offset - start:end - start]
 
-    async def read(self, f: LocalHandle, offset: int, end: int) -> bytes | None:
+    async def read(self, f: LocalHandle, offset: int, end: int) -> bytes | memoryview | None:
         """A read served from the complete local copy (pread in a worker thread), its chunks verified first.
 
-        None when the copy is damaged: the handle then reads through the store for good.
+        None when the copy is damaged or cannot be read: the handle then reads through the store for good.
         """
         assert f.local_fd is not None
         try:
-            right = await self._verify(f, offset, end)
+            data = await self._read_verified(f, offset, end)
         except OSError as exc:
-            log.error("read of the local copy of inode %d failed: %s", f.ino, exc.strerror)
-            right = False
-        if not right:
+            log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
+            data = None
+        if data is None:
             self.stats.local_corrupt += 1
             log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
                       "reading it from the store", f.ino, offset)
@@ -157,11 +166,6 @@ class LocalReads:
             granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
             for off in range(offset - offset % granule, end, granule):
                 self.recorder.record(f.ino, off, granule)
-        try:
-            data = await pread(f.local_fd, end - offset, offset)
-        except OSError as exc:
-            data = b""
-            log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
         if len(data) != end - offset:
             self.stats.read_errors += 1
             if data:
@@ -266,6 +270,19 @@ def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
             return os.pread(fd, size, offset)
         raise
     return bytes(buf) if n == size else None
+
+
+def read_and_name(fd: int, offset: int, size: int, chunks: tuple[tuple[int, int, bytes], ...],
+                  chunk_id: Callable[[bytes], bytes]) -> bytes | None:
+    """Worker thread: ``size`` bytes at ``offset``, or None unless every chunk (offset in the range, length,
+    id) in them is whole and names itself.  A read that ends early leaves the chunks past it short: None."""
+    data = os.pread(fd, size, offset)
+    view = memoryview(data)
+    for off, length, cid in chunks:
+        piece = view[off:off + length]
+        if len(piece) != length or chunk_id(piece) != cid:
+            return None
+    return data
 
 
 async def pread(fd: int, size: int, offset: int) -> bytes:

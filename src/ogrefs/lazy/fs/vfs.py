@@ -55,7 +55,7 @@ import trio
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import Catalog, Extent, Inode
 from ogrefs.errors import OgrefsError
-from ogrefs.lazy.fetch.fetcher import FetchError, Fetcher, Priority
+from ogrefs.lazy.fetch.fetcher import FetchError, Fetcher, Keep, Priority
 from ogrefs.lazy.fs.types import AccessRecorder, Attr, FsError, LocalCopy, StatFs, VfsStats
 from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.lazy.fs.localread import LocalReads
@@ -83,6 +83,13 @@ SIBLING_FILE_MAX = 256 * 1024
 #: ... up to this many stored bytes per directory (memory LRU is 128 MiB).
 SIBLING_BYTES_MAX = 4 * MiB
 BLOCK_SIZE = 4096
+#: On a mount without a local copy (read-only, --no-materialize), a file at least this large read front to back
+#: streams (a checkpoint, a data shard): what it fetches goes to memory, not to the disk cache (``Keep.LOCAL``).
+#: Writing it there cost the daemon 0.6-1.0 CPU-s per GB of a 2.6-2.9 total (docs/benchmarks.md, issue 49), the
+#: kernel's page cache keeps the file for the mount anyway (keep_cache), and a 100 GB checkpoint would push every
+#: small file a remount needs out of a 10 GiB cache.  A mount that builds a local copy keeps caching: its
+#: materialization finds there what it did not adopt, instead of fetching it again.
+STREAM_FILE_MIN = 256 * MiB
 
 
 #: Extended attributes overlayfs interprets on its lower layers (metacopy, redirect, opaque, origin):
@@ -499,10 +506,11 @@ class SnapshotFS:
             for k in wanted:
                 self.recorder.record(f.ino, f.extents[k].offset, f.extents[k].end - f.extents[k].offset)
         ahead = _read_ahead(f, offset, end, last, self.readahead_min, self.readahead_max)
+        keep = Keep.LOCAL if f.window and f.size >= STREAM_FILE_MIN and self.local is None else Keep.ALL
         if len(wanted) > 1 or ahead:
             # one call: the chunks of this read and of the read-ahead are probed and queued together (the
             # fetcher skips what the residency has: in memory, in the materializer's hand, in the local tree)
-            self.fetcher.prefetch([f.refs[k] for k in wanted] + ahead, Priority.READ)
+            self.fetcher.prefetch([f.refs[k] for k in wanted] + ahead, Priority.READ, keep)
         where = self.fetcher.residency.where if self.local is not None else None
         parts: list[bytes | memoryview] = []
         pos = offset
@@ -520,7 +528,7 @@ class SnapshotFS:
                     data = tree
                 else:
                     t0 = trio.current_time()
-                    data = await self.fetcher.get(f.refs[k], Priority.READ)
+                    data = await self.fetcher.get(f.refs[k], Priority.READ, keep)
                     self.stats.read_wait += trio.current_time() - t0
                 stop = min(end, ext.end)
                 parts.append(memoryview(data)[pos - ext.offset:stop - ext.offset])
