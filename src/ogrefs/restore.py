@@ -111,6 +111,28 @@ _TMP_NAME = re.compile(rb"\.ogrefs-restore-[0-9a-f]{16}-[0-9]+\.tmp")
 _FETCH_ERRORS = (StoreError, CorruptObject, ValueError)
 
 
+@dataclass(frozen=True)
+class Batch:
+    """What a caller other than ``ogrefs restore`` gives a :class:`Restorer` for one run over part of a tree
+    (the no-FUSE mount's write-in-place engine, :mod:`ogrefs.inplace`, runs one per batch of files).
+
+    ``entries``: the entries of this run (their directories exist already); ``extents(inos, on_malformed)``:
+    the rows of :meth:`~ogrefs.repo.catalog.Catalog.all_extents` for those files only (a file whose rows are
+    malformed is named to ``on_malformed`` and fails alone); ``paths``: every path of the tree
+    (a leftover-like name among them is the tree's, never removed); ``may_replace(name)``: None when the
+    finished file may be renamed over what ``name`` holds now, else why not (someone on the box changed it
+    meanwhile: theirs stays); ``done(ino)``: called once a file is in place under all of its names.  Every file
+    is made durable (fdatasync) before its rename, so a file in place survives a crash with its bytes.
+    """
+
+    entries: list[tuple[bytes, Inode]]
+    extents: Callable[[set[int], Callable[[int, str], object]],
+                      Iterator[tuple[int, int, int, bytes, str | None, int, int]]]
+    paths: frozenset[bytes]
+    may_replace: Callable[[bytes], str | None]
+    done: Callable[[int], None]
+
+
 class Interrupted(OgrefsError):
     """The restore was stopped (SIGINT/SIGTERM) before it finished."""
 
@@ -220,6 +242,20 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
 
 
 
+def remove_stale(tree: LocalTree, rel: bytes, paths: set[bytes] | frozenset[bytes]) -> int:
+    """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
+    regular files of ours named by the pattern that are not entries of the snapshot (``paths``). How many."""
+    removed = 0
+    for name in tree.names_in(rel):
+        path = rel + b"/" + name
+        if not _TMP_NAME.fullmatch(name) or path in paths:
+            continue
+        with contextlib.suppress(OSError, EntryReplaced):
+            tree.unlink(path, FileId.of(tree.lstat(path)))
+            removed += 1
+    return removed
+
+
 def _tmp_for(rel: bytes, ino: int, token: bytes) -> bytes:
     parent, _ = split(rel)
     return parent + b"/" + TMP_PREFIX + token + b"-" + str(ino).encode() + TMP_SUFFIX
@@ -238,8 +274,10 @@ class Restorer:
                  includes: list[bytes] | None = None, workers: int = 8,
                  progress: Callable[[RestoreStats], None] | None = None,
                  decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob,
-                 check_space: bool = True, stop_event: threading.Event | None = None) -> None:
+                 check_space: bool = True, stop_event: threading.Event | None = None,
+                 batch: Batch | None = None) -> None:
         self.cat = catalog
+        self.batch = batch
         self.read_range = read_range
         self.decode_blob = decode_blob
         self.target = os.path.abspath(target).rstrip(b"/")
@@ -262,7 +300,7 @@ class Restorer:
         self._last_tick = 0.0
         self.tree: LocalTree | None = None
         self._token = b""  # of the temporary names (see _token_for)
-        self._paths: set[bytes] = set()  # every selected path: a leftover-like name among them is the tree's
+        self._paths: set[bytes] | frozenset[bytes] = set()  # every selected path: a leftover-like name among them is the tree's
 
     # -- public ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -283,9 +321,9 @@ class Restorer:
             raise CorruptObject("catalog has no root directory")
         self.tree = LocalTree(self.target or b"/")
         try:
-            entries = self._select()
+            entries = self._select() if self.batch is None else self.batch.entries
             self._token = _token_for(entries)
-            self._paths = {path for path, _node in entries}
+            self._paths = {path for path, _node in entries} if self.batch is None else self.batch.paths
             ranges, needed = self._plan({n.ino for _p, n in entries if n.is_reg and n.size})
             if self.check_space:
                 self._check_space(needed)
@@ -324,8 +362,9 @@ class Restorer:
         # files whose data the catalog lays out or locates wrongly (ino -> why): they fail alone
         self._malformed: dict[int, str] = {}
         needed = 0
-        for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents(
-                on_malformed=self._malformed.setdefault):
+        rows = (self.cat.all_extents(on_malformed=self._malformed.setdefault) if self.batch is None
+                else self.batch.extents(wanted, self._malformed.setdefault))
+        for ino, off, length, chunk, pack, poff, slen in rows:
             if ino not in wanted:
                 continue
             if pack is None:
@@ -415,15 +454,8 @@ class Restorer:
         self.stats.total_bytes += node.size
 
     def _clean_stale(self, rel: bytes) -> None:
-        """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
-        regular files of ours named by the pattern that are not entries of the snapshot."""
         assert self.tree is not None
-        for name in self.tree.names_in(rel):
-            path = rel + b"/" + name
-            if not _TMP_NAME.fullmatch(name) or path in self._paths:
-                continue
-            with contextlib.suppress(OSError, EntryReplaced):
-                self.tree.unlink(path, FileId.of(self.tree.lstat(path)))
+        remove_stale(self.tree, rel, self._paths)
 
     # -- step 4: the data ------------------------------------------------------------------------
     def _fetch_all(self, ranges: list[_Range]) -> None:
@@ -515,6 +547,8 @@ class Restorer:
                 self._fail({f.node.ino}, "temporary file was truncated or extended by someone else")
                 return
             problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
+            if self.batch is not None and not self._durable_and_free(f, fd):
+                return
             self.tree.rename(f.tmp, f.names[0], own_fd=fd)
             with self._lock:
                 f.done = True
@@ -528,10 +562,24 @@ class Restorer:
                         self.failed[self.display(name)] = f"hardlink not made ({_reason(exc)})"
             for name in f.names:
                 self._note(name, problems)
+            if self.batch is not None:
+                self.batch.done(f.node.ino)
         except (OSError, PathConflict) as exc:
             self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
         finally:
             os.close(fd)
+
+    def _durable_and_free(self, f: _File, fd: int) -> bool:
+        """A batch's file: its bytes on disk before its name (a crash never leaves a name with lost bytes),
+        and its names still free to take; False (and the file failed) when someone on the box wrote one."""
+        assert self.batch is not None
+        os.fdatasync(fd)
+        for name in f.names:
+            why = self.batch.may_replace(name)
+            if why is not None:
+                self._fail({f.node.ino}, why)
+                return False
+        return True
 
     def _verify_in_place(self) -> None:
         """Every name put in place still holds its file, or the file is reported and not counted: a name
