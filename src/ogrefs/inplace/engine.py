@@ -261,7 +261,8 @@ class InPlace:
             return len(self._working)
 
     def _next_batch(self) -> list[int]:
-        """The next files: asked-for ones first, then the queues in class order."""
+        """The next files: asked-for ones first, then the queues in class order; one class a batch (a batch
+        finishes its files in pack order, so a trace file sharing one with the rest could come after it)."""
         out: list[int] = []
         size = 0
         with self._lock:
@@ -272,6 +273,8 @@ class InPlace:
                         continue
                     out.append(ino)
                     size += self._nodes[ino].size if self._nodes[ino].is_reg else 0
+                if out:
+                    return out
         return out
 
     def _run_batch(self, inos: list[int]) -> None:

@@ -15,7 +15,8 @@ The protocol, one request a line, answered in order on the same connection (a Un
 * ``failed <reason>``: it could not be written (a full disk, a bad chunk): the job's call should fail (EIO);
 * ``error <reason>``: the request was malformed.
 
-The answer comes only once it is true, however long that takes: a caller bounds its own wait
+:func:`ask` is what a caller uses: it finds the socket in the mount's registration and answers for a daemon
+that has ended too (a finished copy: ``ok``).  The answer comes only once it is true, however long that takes: a caller bounds its own wait
 (:func:`need`'s ``timeout``).  Paths are percent-encoded (``urllib.parse.quote_from_bytes``) so any
 byte but NUL can be asked for; a path is absolute in the box's namespace.
 
@@ -26,6 +27,7 @@ Who owns what: the server's accept thread starts one thread per connection; each
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -33,6 +35,8 @@ import threading
 import urllib.parse
 from pathlib import Path
 from typing import Callable
+
+from ogrefs.box.records import Registration, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,30 @@ def need(sock_path: Path, path: bytes, timeout: float | None = None) -> str:
     if not answer.endswith(b"\n"):
         raise NeedFailed(0, f"the daemon at {sock_path} closed the connection without an answer")
     return answer[:-1].decode(errors="replace")
+
+
+def ask(mountpoint: Path, path: bytes, timeout: float | None = None) -> str:
+    """The supervisor's call: :func:`need` of the no-FUSE mount at ``mountpoint``, also once its daemon has ended.
+
+    A finished copy has no daemon: its registration says ``finalized`` and every path is as it will be
+    (``ok``).  A copy whose daemon is gone before the end answers ``failed`` (the same ``ogrefs mount``
+    resumes it); no registration is :class:`NeedFailed`.
+    """
+    reg = Registration.for_mountpoint(mountpoint)
+    for _attempt in range(2):  # the daemon may end between the registration's read and the connection
+        info = reg.read()
+        if not info or not info.get("in_place"):
+            raise NeedFailed(0, f"{mountpoint} is not a no-FUSE ogrefs mount")
+        if info.get("finalized"):
+            return "ok"
+        if not info.get("pid") or not pid_alive(info["pid"]):
+            return f"failed the copy to {mountpoint} stopped before the end; the same `ogrefs mount` resumes it"
+        try:
+            return need(Path(info["control"]), path, timeout)
+        except NeedFailed as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ECONNRESET):
+                raise
+    raise NeedFailed(0, f"the daemon of {mountpoint} did not answer")
 
 
 #: What the server asks for each path: an object with ``event`` (set when answered) and ``answer``.

@@ -204,15 +204,16 @@ class InPlaceDaemon:
             worker = threading.Thread(target=self._work, name="ogrefs-inplace", daemon=True)
             worker.start()
             server = ControlServer(self.sock_path, self.engine.need, threading.Event())
+            server.start()
             while worker.is_alive():
                 self._write_status()
                 worker.join(STATUS_INTERVAL)
             self._write_status()
         finally:
+            self._unregister()  # before the socket goes: a caller refused then reads the final registration
             if server is not None:
                 server.close()
             self.plan.lock.release()
-            self._unregister()
         return 0 if self.state == "done" else 1
 
     def _work(self) -> None:
