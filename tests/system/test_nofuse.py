@@ -319,3 +319,25 @@ def test_a_path_asked_for_goes_first_and_what_the_box_keeps_is_answered_at_once(
     others = [p.stat().st_ctime_ns for p in _under(out, src).glob("a*/f*") if p.name != "f599"]
     assert len(others) == 599 and last.stat().st_ctime_ns < min(others)
     assert compare_trees(src / "a0", _under(out, src) / "a0") == []
+
+
+def test_at_root_the_container_files_and_mount_points_are_the_boxs(tmp_path):
+    """At ``/``: Docker's /etc/hostname, /etc/hosts, /etc/resolv.conf stay this box's even with no host-path rule;
+    an ``accounts`` path keeps this box's file; every mount point (``/proc``) is left alone."""
+    from ogrefs.box.hostpaths import Rule
+    from ogrefs.mount.inplace import _kept_by_box
+    from ogrefs.mount.options import MountOptions
+    from ogrefs.repo.catalog import ROOT_INO, Catalog
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    paths = [b"/etc/hostname", b"/etc/hosts", b"/etc/resolv.conf", b"/etc/passwd", b"/etc/os-release"]
+    m = take_snapshot(repo, SnapshotOptions(paths=[p for p in paths if os.path.lexists(p)], no_parent=True))
+    catalog = Catalog(repo.catalog_path(m["id"]))
+    etc = catalog.lookup(ROOT_INO, b"etc")
+    opts = MountOptions(repo_url="", snapshot="x", mountpoint=Path("/"),
+                        host_rules=(Rule("accounts", "/etc/passwd"),))
+    hidden, kept = _kept_by_box(opts, catalog, Path("/"))
+    names = {b"hostname", b"hosts", b"resolv.conf"} & {os.path.basename(p) for p in paths if os.path.lexists(p)}
+    assert names and hidden[etc.ino] == frozenset(names)
+    assert b"/etc/passwd" in kept and b"/proc" in kept and b"/etc/os-release" not in kept
