@@ -341,3 +341,19 @@ def test_at_root_the_container_files_and_mount_points_are_the_boxs(tmp_path):
     names = {b"hostname", b"hosts", b"resolv.conf"} & {os.path.basename(p) for p in paths if os.path.lexists(p)}
     assert names and hidden[etc.ino] == frozenset(names)
     assert b"/etc/passwd" in kept and b"/proc" in kept and b"/etc/os-release" not in kept
+
+
+def test_ogrefs_own_directories_are_never_written_into(lab):
+    """A snapshot holding a directory where this mount keeps its state: the plan there is never overwritten."""
+    src = lab["tmp"] / "box" / "proj"
+    (src / "ogstate").mkdir(parents=True)
+    (src / "ogstate" / "inplace.sqlite").write_bytes(b"the snapshot's junk")
+    (src / "data").write_bytes(os.urandom(10_000))
+    snap = _snapshot(lab, src)
+    out = lab["tmp"] / "out"
+    state = _under(out, src) / "ogstate"
+    state.mkdir(parents=True)
+    in_container(lab, f"$OG mount {snap} {out} --no-fuse --state-dir {state} && "
+                      f"$OG status {out} --wait --timeout 120 >/dev/null")
+    assert (state / "inplace.sqlite").read_bytes()[:15] == b"SQLite format 3"
+    assert (_under(out, src) / "data").read_bytes() == (src / "data").read_bytes()

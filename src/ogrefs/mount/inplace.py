@@ -14,8 +14,9 @@ mount`` resumes from the plan in the state directory.
 What this box keeps is what the whole-box mount keeps (``box/hostpaths.py``'s
 rules, at ``/``), plus Docker's container-managed files (``/etc/hostname``,
 ``/etc/hosts``, ``/etc/resolv.conf``) even with ``--no-host-paths``, plus
-every mount point below the target (a network volume, ``/proc``, a bind):
-never written into, nor below.  ``merge``/``accounts``/``dpkg`` paths keep this
+every mount point below the target (a network volume, ``/proc``, a bind),
+plus ogrefs' own directories (the state directory with the plan, the caches,
+the runtime directory, a local repository): never written into, nor below.  ``merge``/``accounts``/``dpkg`` paths keep this
 box's file as it is (the merged file needs the overlay's synthesized layer).
 
 Who owns what: the plan is frozen and inherited across the fork.  In the
@@ -45,6 +46,7 @@ from ogrefs.lazy.trace.resolve import entries_to_replay, resolve_entries
 from ogrefs.mount.checks import check_target, fuse_problem
 from ogrefs.mount.control import ControlServer
 from ogrefs.mount.detach import serve_detached
+from ogrefs.mount.keeper import own_directories_of
 from ogrefs.mount.options import MountOptions
 from ogrefs.mount.plan import default_state_dir, lock_state_dir
 from ogrefs.repo.catalog import Catalog
@@ -123,11 +125,11 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock,
     catalog = Catalog(cat_path)
     notes: list[str] = []
     order = _order(repo, manifest, catalog, notes) if opts.replay_trace else Order(hints=_hints(catalog))
-    hidden, kept = _kept_by_box(opts, catalog, target)
     state = Path(os.path.abspath(opts.state_dir or default_state_dir(manifest["id"], target)))
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     reg = Registration.for_mountpoint(target)
     state_lock = lock_state_dir(state, reg)
+    hidden, kept = _kept_by_box(opts, catalog, target, own_directories_of(opts, state, reg))
     return InPlacePlan(opts, repo, manifest, cat_path, target, state, reg, lock, state_lock, order, hidden, kept,
                        tuple(notes))
 
@@ -150,8 +152,10 @@ def _hints(catalog: Catalog) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ino for _k, hint, _r in catalog.hints() for ino in hint_files(catalog, hint)))
 
 
-def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path) -> tuple[dict[int, frozenset], frozenset[bytes]]:
-    """What this box keeps: host-owned paths (at ``/``), container-managed files, mount points below the target."""
+def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path,
+                 own: list[str] = ()) -> tuple[dict[int, frozenset], frozenset[bytes]]:
+    """What this box keeps: host-owned paths (at ``/``), container-managed files, mount points below the target,
+    ogrefs' own directories (``own``: its state, caches, runtime directory, a local repository)."""
     kept: set[bytes] = set()
     hidden: dict[int, frozenset] = {}
     if str(target) == "/":
@@ -161,9 +165,9 @@ def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path) -> tuple[di
         hidden = host.hidden
         kept.update(os.fsencode(p) for _kind, p in host.merges)
     base = str(target).rstrip("/")
-    for row in mountsys.mount_table():
-        if row.point.startswith(base + "/"):
-            kept.add(os.fsencode(row.point[len(base):]))
+    for point in [row.point for row in mountsys.mount_table()] + list(own):
+        if point.startswith(base + "/"):
+            kept.add(os.fsencode(point[len(base):]))
     return hidden, frozenset(kept)
 
 
