@@ -394,8 +394,13 @@ class InPlace:
                 except OSError as exc:
                     self._note(path, [MetadataProblem("metadata", exc.strerror or str(exc))])
             syncfs_fd(tree.root_fd)
-        if not self.failed:
+        if not self.failed and not self.skipped():
             self.plan.mark_finished()
+
+    def skipped(self) -> list[str]:
+        """Catalog entries not written because they are unsafe or malformed (as ``restore`` lists them)."""
+        return [f"{name!r} in directory inode {parent}: {reason}"
+                for (parent, name), reason in sorted(self.cat.rejected.items())]
 
     # -- asked for: the supervisor's requests -----------------------------------------------------------
     def need(self, path: bytes) -> Need:
@@ -473,7 +478,7 @@ class InPlace:
         return {"mode": "in-place", "classes": classes, "bytes_total": sum(c["bytes_total"]),
                 "bytes_done": sum(c["bytes_done"]), "files_total": c["files_total"], "files_done": c["files_done"],
                 "kept_files": c["kept_files"], "kept_bytes": c["kept_bytes"], "fetched_bytes": c["fetched_bytes"],
-                "written_bytes": c["written_bytes"], "failed": failed,
+                "written_bytes": c["written_bytes"], "failed": failed, "skipped": self.skipped(),
                 "first_failure": f"{os.fsdecode(first[0])}: {first[1]}" if first else None,
                 "metadata_problems": len(self.metadata_problems), "working_left": self.working_left()}
 

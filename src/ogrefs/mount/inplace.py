@@ -228,10 +228,13 @@ class InPlaceDaemon:
             log.info("no-FUSE mount of %s at %s: %d files, %d in place already", self.plan.snapshot_id[:12],
                      self.plan.target, self.engine.counts["files_total"], self.engine.counts["files_done"])
             self.engine.run(on_working_set=self._ready)
-            failed = self.engine.status()
-            self.state = "done" if not failed["failed"] else "incomplete"
-            if failed["failed"]:
-                self.reason = f"{failed['failed']} entries could not be written (first: {failed['first_failure']})"
+            st = self.engine.status()
+            self.state = "done" if not (st["failed"] or st["skipped"]) else "incomplete"
+            if st["failed"]:
+                self.reason = f"{st['failed']} entries could not be written (first: {st['first_failure']})"
+            elif st["skipped"]:
+                self.reason = (f"{len(st['skipped'])} catalog entries are unsafe or malformed and were not written "
+                               f"(first: {st['skipped'][0]})")
         except Interrupted:
             self.state, self.reason = "stopped", "stopped before everything was in place; mount again to resume"
         except Exception as exc:  # noqa: BLE001 - the daemon reports it (status, pipe), then exits
