@@ -44,6 +44,7 @@ CONTAINER = textwrap.dedent("""\
     mount -t tmpfs -o mode=755 nofuse /dev
     mknod -m 666 /dev/null c 1 3; mknod -m 666 /dev/zero c 1 5; mknod -m 666 /dev/urandom c 1 9
     ln -s /proc/self/fd /dev/fd
+    if [ -n "${mknod_fuse:-}" ]; then mknod -m 666 /dev/fuse c 10 229; fi
     exec capsh --drop=cap_sys_admin -- -c "$SCRIPT"
 """)
 
@@ -357,3 +358,21 @@ def test_ogrefs_own_directories_are_never_written_into(lab):
                       f"$OG status {out} --wait --timeout 120 >/dev/null")
     assert (state / "inplace.sqlite").read_bytes()[:15] == b"SQLite format 3"
     assert (_under(out, src) / "data").read_bytes() == (src / "data").read_bytes()
+
+
+def test_with_dev_fuse_but_no_cap_sys_admin_it_says_so_and_falls_back(lab):
+    """A container given the device but not the capability (mount(2) would fail with EPERM)."""
+    src = lab["tmp"] / "box" / "proj"
+    src.mkdir(parents=True)
+    (src / "f").write_bytes(b"data")
+    snap = _snapshot(lab, src)
+    out = lab["tmp"] / "out"
+    out.mkdir()
+    proc = in_container(lab, f"""
+        test -c /dev/fuse
+        $OG mount {snap} {out}
+        $OG status {out} --wait --timeout 120 >/dev/null
+    """, setup="mknod_fuse=1")
+    assert proc.stderr.splitlines() == ["mounting is not allowed here: no CAP_SYS_ADMIN (an unprivileged container): "
+                                        "writing the snapshot into place at its original paths instead (no-FUSE mode)"]
+    assert (_under(out, src) / "f").read_bytes() == b"data"
