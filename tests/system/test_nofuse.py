@@ -338,10 +338,11 @@ def test_at_root_the_container_files_and_mount_points_are_the_boxs(tmp_path):
     etc = catalog.lookup(ROOT_INO, b"etc")
     opts = MountOptions(repo_url="", snapshot="x", mountpoint=Path("/"),
                         host_rules=(Rule("accounts", "/etc/passwd"),))
-    hidden, kept = _kept_by_box(opts, catalog, Path("/"))
+    hidden, kept, merges = _kept_by_box(opts, catalog, Path("/"))
     names = {b"hostname", b"hosts", b"resolv.conf"} & {os.path.basename(p) for p in paths if os.path.lexists(p)}
     assert names and hidden[etc.ino] == frozenset(names)
     assert b"/etc/passwd" in kept and b"/proc" in kept and b"/etc/os-release" not in kept
+    assert merges == (("accounts", "/etc/passwd"),)
 
 
 def test_ogrefs_own_directories_are_never_written_into(lab):
@@ -376,3 +377,25 @@ def test_with_dev_fuse_but_no_cap_sys_admin_it_says_so_and_falls_back(lab):
     assert proc.stderr.splitlines() == ["mounting is not allowed here: no CAP_SYS_ADMIN (an unprivileged container): "
                                         "writing the snapshot into place at its original paths instead (no-FUSE mode)"]
     assert (_under(out, src) / "f").read_bytes() == b"data"
+
+
+def test_at_root_the_tree_comes_back_and_accounts_are_merged(lab):
+    """``ogrefs mount SNAP / --no-fuse``: the snapshot's files at their original paths; an ``accounts`` file gets
+    the snapshot's entries and this box's login accounts, as the whole-box mount merges them."""
+    root = lab["tmp"] / "boxroot"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n"
+                                         "trainer:x:1001:1001::/home/trainer:/bin/bash\n")
+    (root / "app").mkdir()
+    (root / "app" / "train.py").write_text("print('step')\n")
+    snap = _snapshot(lab, root)
+    os.rename(root, lab["tmp"] / "boxroot.old")  # the new box: the same path, its own passwd with its login user
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\nalice:x:1000:1000::/home/alice:/bin/sh\n")
+    passwd = root / "etc" / "passwd"
+    in_container(lab, f"$OG mount {snap} / --no-fuse --host-path accounts:{passwd} --state-dir {lab['tmp']}/st && "
+                      "$OG status / --wait --timeout 120 >/dev/null")
+    assert (root / "app" / "train.py").read_text() == "print('step')\n"
+    assert passwd.read_text() == ("root:x:0:0:root:/root:/bin/bash\ntrainer:x:1001:1001::/home/trainer:/bin/bash\n"
+                                  "alice:x:1000:1000::/home/alice:/bin/sh\n")
+    assert "(merged)" in " ".join(Registration.for_mountpoint(Path("/")).read()["merged"])

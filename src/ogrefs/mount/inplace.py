@@ -16,12 +16,15 @@ rules, at ``/``), plus Docker's container-managed files (``/etc/hostname``,
 ``/etc/hosts``, ``/etc/resolv.conf``) even with ``--no-host-paths``, plus
 every mount point below the target (a network volume, ``/proc``, a bind),
 plus ogrefs' own directories (the state directory with the plan, the caches,
-the runtime directory, a local repository): never written into, nor below.  ``merge``/``accounts``/``dpkg`` paths keep this
-box's file as it is (the merged file needs the overlay's synthesized layer).
+the runtime directory, a local repository): never written into, nor below.
+``merge``/``accounts``/``dpkg`` paths get this box's file merged with the
+snapshot's, as the keeper merges them (``hostpaths.write_merged``).
 
 Who owns what: the plan is frozen and inherited across the fork.  In the
-daemon, the engine's thread owns the engine's writes; the main thread writes
-the status file and the registration; control connections only ask the engine.
+daemon, the engine's thread owns the engine's writes (and the merged files,
+and the registration's ``merged`` once, while the main thread only writes the
+status file); the main thread writes the registration before that thread
+starts and after it ends; control connections only ask the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -51,7 +55,7 @@ from ogrefs.mount.options import MountOptions
 from ogrefs.mount.plan import default_state_dir, lock_state_dir
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo.traces import find_trace
-from ogrefs.restore import Interrupted
+from ogrefs.restore import Interrupted, Restorer
 
 if TYPE_CHECKING:
     from ogrefs.repo import Repository
@@ -104,7 +108,8 @@ class InPlacePlan:
     state_lock: int
     order: Order
     hidden: dict[int, frozenset]  # parent ino -> names this box keeps (hostpaths)
-    kept_paths: frozenset[bytes]  # snapshot paths this box keeps whole (merges, mount points)
+    kept_paths: frozenset[bytes]  # snapshot paths the engine never writes (merges, mount points, ogrefs' own)
+    merges: tuple[tuple[str, str], ...] = ()  # (kind, path): this box's file merged with the snapshot's
     trace_notes: tuple[str, ...] = ()
 
     @property
@@ -129,9 +134,9 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock,
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     reg = Registration.for_mountpoint(target)
     state_lock = lock_state_dir(state, reg)
-    hidden, kept = _kept_by_box(opts, catalog, target, own_directories_of(opts, state, reg))
+    hidden, kept, merges = _kept_by_box(opts, catalog, target, own_directories_of(opts, state, reg))
     return InPlacePlan(opts, repo, manifest, cat_path, target, state, reg, lock, state_lock, order, hidden, kept,
-                       tuple(notes))
+                       merges, tuple(notes))
 
 
 def _order(repo: Repository, manifest: dict, catalog: Catalog, notes: list[str]) -> Order:
@@ -152,23 +157,25 @@ def _hints(catalog: Catalog) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ino for _k, hint, _r in catalog.hints() for ino in hint_files(catalog, hint)))
 
 
-def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path,
-                 own: list[str] = ()) -> tuple[dict[int, frozenset], frozenset[bytes]]:
+def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path, own: list[str] = ()
+                 ) -> tuple[dict[int, frozenset], frozenset[bytes], tuple[tuple[str, str], ...]]:
     """What this box keeps: host-owned paths (at ``/``), container-managed files, mount points below the target,
-    ogrefs' own directories (``own``: its state, caches, runtime directory, a local repository)."""
-    kept: set[bytes] = set()
+    ogrefs' own directories (``own``: its state, caches, runtime directory, a local repository); and the
+    files merged from both sides (none on a mount point or below one: those stay as they are)."""
+    base = str(target).rstrip("/")
+    untouched = {os.fsencode(point[len(base):]) for point in [row.point for row in mountsys.mount_table()] + list(own)
+                 if point.startswith(base + "/")}
     hidden: dict[int, frozenset] = {}
+    merges: list[tuple[str, str]] = []
     if str(target) == "/":
         rules = list(opts.host_rules) if opts.host_rules is not None else hostpaths.load_rules()
         rules += [hostpaths.Rule("host", p) for p in CONTAINER_FILES]
         host = hostpaths.plan(catalog, rules)
         hidden = host.hidden
-        kept.update(os.fsencode(p) for _kind, p in host.merges)
-    base = str(target).rstrip("/")
-    for point in [row.point for row in mountsys.mount_table()] + list(own):
-        if point.startswith(base + "/"):
-            kept.add(os.fsencode(point[len(base):]))
-    return hidden, frozenset(kept)
+        merges = [(kind, p) for kind, p in host.merges
+                  if not any(os.fsencode(p) == u or os.fsencode(p).startswith(u + b"/") for u in untouched)]
+    kept = untouched | {os.fsencode(p) for _kind, p in merges}
+    return hidden, frozenset(kept), tuple(merges)
 
 
 # -- the daemon -----------------------------------------------------------------------------------------
@@ -224,6 +231,7 @@ class InPlaceDaemon:
         """The engine's thread: prepare, then every batch; ``ready`` on the pipe once the working set is in place."""
         try:
             self.engine.prepare(self.plan.order)
+            self._merge()
             self.state = "copying"
             log.info("no-FUSE mount of %s at %s: %d files, %d in place already", self.plan.snapshot_id[:12],
                      self.plan.target, self.engine.counts["files_total"], self.engine.counts["files_done"])
@@ -241,6 +249,29 @@ class InPlaceDaemon:
             log.exception("no-FUSE copy failed")
             self.state, self.reason = "stopped", str(exc)
         self._ready()
+
+    def _merge(self) -> None:
+        """This box's accounts, authorized_keys and dpkg status merged with the snapshot's, as the whole-box mount
+        merges them: the snapshot's copies restored into ``<state>/merge``, each merge renamed into place."""
+        if not self.plan.merges:
+            return
+        staging = self.plan.state_dir / "merge"
+        shutil.rmtree(staging, ignore_errors=True)
+        r = Restorer(Catalog(self.plan.catalog_path), self.plan.repo.read_pack_range, os.fsencode(staging),
+                     includes=[os.fsencode(p) for _k, p in self.plan.merges], check_space=False,
+                     decode_blob=self.plan.repo.codec.decode_blob)
+        r.run()
+        done = []
+        for kind, path in self.plan.merges:
+            rel = path.lstrip("/")
+            try:
+                hostpaths.write_merged(kind, path, staging / rel, Path("/"), rel, staging)
+                done.append(f"{path} (merged)")
+            except (OSError, OgrefsError) as exc:
+                log.warning("not merged: %s (%s); this box's file stays", path, exc)
+                done.append(f"{path}: not merged ({exc}); this box's file stays")
+        self.info["merged"] = done
+        self.plan.registration.write(self.info)
 
     def _ready(self) -> None:
         """Tell the waiting ``mount`` (once): ready, or why the working set is not in place."""
