@@ -120,7 +120,7 @@ class Batch:
     ``entries``: the entries of this run (their directories exist already); ``extents(inos, on_malformed)``:
     the rows of :meth:`~ogrefs.repo.catalog.Catalog.all_extents` for those files only (a file whose rows are
     malformed is named to ``on_malformed`` and fails alone); ``paths``: every path of the tree
-    (a leftover-like name among them is the tree's, never removed); ``may_replace(name)``: None when the
+    (at least those named like temporary files: such a name among them is the tree's, never removed); ``may_replace(name)``: None when the
     finished file may be renamed over what ``name`` holds now, else why not (someone on the box changed it
     meanwhile: theirs stays); ``done(ino)``: called once a file is in place under all of its names.  Every file
     is made durable before its rename (one syncfs for the batch's files, at its end), so a file in place
@@ -244,9 +244,15 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
 
 
 
+def looks_temporary(name: bytes) -> bool:
+    """Whether ``name`` has the pattern of a restore's temporary files (a tree may hold such names itself)."""
+    return _TMP_NAME.fullmatch(name) is not None
+
+
 def remove_stale(tree: LocalTree, rel: bytes, paths: set[bytes] | frozenset[bytes]) -> int:
     """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
-    regular files of ours named by the pattern that are not entries of the snapshot (``paths``). How many."""
+    regular files of ours named by the pattern that are not entries of the snapshot (``paths``: at least
+    every such path of the snapshot named by the pattern). How many."""
     removed = 0
     for name in tree.names_in(rel):
         path = rel + b"/" + name

@@ -37,7 +37,7 @@ a batch's files and call :meth:`InPlace._settle` as each is in place.  Control
 connections call :meth:`InPlace.need` and :meth:`InPlace.status` from their
 own threads.  ``_lock`` guards what those share: ``_settled``, ``_urgent``,
 ``_waiters``, ``failed`` and the counters.  The catalog answers any thread
-(one SQLite connection each); ``_names``, ``_nodes``, ``_class_of`` are
+(one SQLite connection each); ``_names``, ``_size``, ``_class_of`` are
 written by :meth:`InPlace.prepare` before any other thread starts and only read after.
 """
 
@@ -58,7 +58,7 @@ from ogrefs.inplace import kept
 from ogrefs.localtree import LocalTree, MetadataProblem, split, syncfs_fd
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import ROOT_INO, Catalog, Inode
-from ogrefs.restore import Batch, Interrupted, ReadRange, Restorer, remove_stale
+from ogrefs.restore import Batch, Interrupted, ReadRange, Restorer, looks_temporary, remove_stale
 from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,9 @@ class InPlace:
         self._as_root = os.geteuid() == 0
         self._lock = threading.Lock()
         self._names: dict[int, list[bytes]] = {}  # non-directory ino -> its names (hard links: several)
-        self._nodes: dict[int, Inode] = {}
+        #: non-directory ino -> its size if regular, -1 if not (inodes are read again per batch: a box of
+        #: millions of files keeps only this and the names in memory)
+        self._size: dict[int, int] = {}
         self._dirs: list[tuple[bytes, Inode]] = []  # parents first
         self._skipped: set[bytes] = set()  # top paths this box keeps
         self._class_of: dict[int, int] = {}
@@ -134,7 +136,7 @@ class InPlace:
         self.metadata_problems: dict[bytes, str] = {}
         self.counts = {"bytes_total": [0, 0, 0], "bytes_done": [0, 0, 0], "files_total": 0, "files_done": 0,
                        "kept_files": 0, "kept_bytes": 0, "fetched_bytes": 0, "written_bytes": 0}
-        self._all_paths: frozenset[bytes] = frozenset()
+        self._tmp_like: frozenset[bytes] = frozenset()  # paths of the tree named like temporary files
         self._prepared = threading.Event()  # set once prepare() ended; need() waits for it
         self._prepare_error: str | None = None
 
@@ -177,24 +179,24 @@ class InPlace:
             if self.skip(path, parents[parent], name):
                 self._skipped.add(path)
                 continue
-            paths.append(path)
+            if looks_temporary(name):
+                paths.append(path)
             if node.is_dir:
                 parents[path] = node.ino
                 self._dirs.append((path, node))
                 continue
             if node.ino not in self._names:
                 self._names[node.ino] = []
-                self._nodes[node.ino] = node
+                self._size[node.ino] = node.size if node.is_reg else -1
                 walk_order.append(node.ino)
             self._names[node.ino].append(path)
-        self._all_paths = frozenset(paths)
+        self._tmp_like = frozenset(paths)
         return walk_order
 
     def _record_plan(self) -> None:
         files, others, links = [], [], []
         for ino, names in self._names.items():
-            node = self._nodes[ino]
-            if node.is_reg:
+            if self._size[ino] >= 0:
                 files.append((ino, names[0]))
                 links.extend((name, ino) for name in names[1:])
             else:
@@ -210,24 +212,23 @@ class InPlace:
             try:
                 tree.make_dir(path)
                 if clean:
-                    remove_stale(tree, path, self._all_paths)
+                    remove_stale(tree, path, self._tmp_like)
                 self._note(path, tree.apply_metadata(path, node, self.cat.xattrs(node.ino), as_root=self._as_root))
             except OSError as exc:
                 raise OgrefsError(f"cannot create directory {os.fsdecode(self._display(path))}: "
                                   f"{exc.strerror}") from None
         if clean:
-            remove_stale(tree, b"", self._all_paths)
+            remove_stale(tree, b"", self._tmp_like)
 
     def _queue(self, order: Order, walk_order: list[int], complete: frozenset[int]) -> None:
         seen: set[int] = set()
         for cls, inos in enumerate((order.trace, order.hints, walk_order)):
             for ino in inos:
-                node = self._nodes.get(ino)
-                if node is None or ino in seen:
+                if ino not in self._size or ino in seen:
                     continue
                 seen.add(ino)
                 self._class_of[ino] = cls
-                size = node.size if node.is_reg else 0
+                size = max(self._size[ino], 0)
                 self.counts["bytes_total"][cls] += size
                 self.counts["files_total"] += 1
                 if ino in complete:
@@ -237,7 +238,7 @@ class InPlace:
                 else:
                     self._queues[cls].append(ino)
         first = order.trace or order.hints
-        self._working = {ino for ino in first if ino in self._nodes and ino not in complete}
+        self._working = {ino for ino in first if ino in self._size and ino not in complete}
 
     # -- 2. batches -----------------------------------------------------------------------------------
     def run(self, on_working_set: Callable[[], None] = lambda: None) -> None:
@@ -272,7 +273,7 @@ class InPlace:
                     if ino in self._settled or ino in out:
                         continue
                     out.append(ino)
-                    size += self._nodes[ino].size if self._nodes[ino].is_reg else 0
+                    size += max(self._size[ino], 0)
                 if out:
                     return out
         return out
@@ -282,15 +283,15 @@ class InPlace:
             rest = self._keep_what_is_there(tree, inos)
             if rest:
                 self._write(tree, rest)
-            done = [ino for ino in inos if self._nodes[ino].is_reg and self._settled.get(ino, "") is None]
+            done = [ino for ino in inos if self._size[ino] >= 0 and self._settled.get(ino, "") is None]
             syncfs_fd(tree.root_fd)
         self.plan.mark_complete(done)
 
     def _keep_what_is_there(self, tree: LocalTree, inos: list[int]) -> list[int]:
         """Keep the batch's entries that are already in place; the others, to write."""
         def check(ino: int) -> list[MetadataProblem] | None:
-            node, name = self._nodes[ino], self._names[ino][0]
-            if len(self._names[ino]) != 1 or node.nlink != 1:
+            node, name = self.cat.get(ino), self._names[ino][0]
+            if node is None or len(self._names[ino]) != 1 or node.nlink != 1:
                 return None
             xattrs = self.cat.xattrs(ino)
             if node.is_lnk:
@@ -313,13 +314,14 @@ class InPlace:
             self._note(self._names[ino][0], problems)
             with self._lock:
                 self.counts["kept_files"] += 1
-                self.counts["kept_bytes"] += self._nodes[ino].size if self._nodes[ino].is_reg else 0
+                self.counts["kept_bytes"] += max(self._size[ino], 0)
             self._settle(ino, None)
         return rest
 
     def _write(self, tree: LocalTree, inos: list[int]) -> None:
         """The batch's other entries through a Restorer: verified, durable, renamed into place."""
-        entries = [(name, self._nodes[ino]) for ino in inos for name in self._names[ino]]
+        nodes = {ino: self.cat.get(ino) for ino in inos}
+        entries = [(name, node) for ino, node in nodes.items() if node is not None for name in self._names[ino]]
         before = {name: _identity(tree, name) for name, _n in entries}
 
         def may_replace(name: bytes) -> str | None:
@@ -328,7 +330,7 @@ class InPlace:
                 return None
             return "changed on this box while it was copied: this box's version is kept"
 
-        batch = Batch(entries, self._extents, self._all_paths, may_replace, lambda ino: self._settle(ino, None))
+        batch = Batch(entries, self._extents, self._tmp_like, may_replace, lambda ino: self._settle(ino, None))
         r = Restorer(self.cat, self.read_range, self.target or b"/", decode_blob=self.decode_blob,
                      workers=self.workers, check_space=False, stop_event=self.stop, batch=batch)
         try:
@@ -344,7 +346,7 @@ class InPlace:
                 continue
             names = [self._display(n) for n in self._names[ino]]
             why = next((r.failed[n] for n in names if n in r.failed), None)
-            if why is None and self._nodes[ino].is_reg:
+            if why is None and self._size[ino] >= 0:
                 why = "not written"
             self._settle(ino, why)  # a symlink, FIFO or device node the restorer made: in place
 
@@ -361,7 +363,7 @@ class InPlace:
 
     def _settle(self, ino: int, why: str | None) -> None:
         """``ino`` is in place (``why`` None) or failed: counted, and the requests waiting on it answered."""
-        node, cls = self._nodes[ino], self._class_of.get(ino, 2)
+        size, cls = max(self._size[ino], 0), self._class_of.get(ino, 2)
         with self._lock:
             if ino in self._settled:
                 return
@@ -369,7 +371,7 @@ class InPlace:
             self._working.discard(ino)
             if why is None:
                 self.counts["files_done"] += 1
-                self.counts["bytes_done"][cls] += node.size if node.is_reg else 0
+                self.counts["bytes_done"][cls] += size
             else:
                 for name in self._names[ino]:
                     self.failed[self._display(name)] = why
@@ -464,7 +466,7 @@ class InPlace:
             out.extend(c.ino for _n, c in self.cat.children(node.ino) if not c.is_dir)
         elif node is not None:
             out.append(node.ino)
-        return [ino for ino in out if ino in self._nodes]
+        return [ino for ino in out if ino in self._size]
 
     # -- what the status says ---------------------------------------------------------------------------
     def status(self) -> dict:
