@@ -399,3 +399,37 @@ def test_at_root_the_tree_comes_back_and_accounts_are_merged(lab):
     assert passwd.read_text() == ("root:x:0:0:root:/root:/bin/bash\ntrainer:x:1001:1001::/home/trainer:/bin/bash\n"
                                   "alice:x:1000:1000::/home/alice:/bin/sh\n")
     assert "(merged)" in " ".join(Registration.for_mountpoint(Path("/")).read()["merged"])
+
+
+def test_a_file_someone_writes_during_its_batch_is_theirs(tmp_path):
+    """A job on the box writes a path of the snapshot while the copy fetches it: the job's file stays (the
+    snapshot's is not renamed over it) and the path is reported; every other file is put in place."""
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.inplace.engine import InPlace, Order
+    from ogrefs.repo.catalog import Catalog
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"f{i}").write_bytes(os.urandom(5000))
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    out = tmp_path / "out"
+    theirs = _under(out, src) / "f3"
+
+    def read_range(pack, offset, length):  # the batch is planned: its names' state was taken before this
+        if not theirs.exists():
+            theirs.write_bytes(b"the job's checkpoint")
+        return repo.read_pack_range(pack, offset, length)
+
+    engine = InPlace(Catalog(repo.catalog_path(m["id"])), read_range, os.fsencode(out),
+                     Plan(tmp_path / "plan.sqlite"), snapshot_id=m["id"], skip=lambda *a: False)
+    engine.prepare(Order())
+    engine.run()
+    assert theirs.read_bytes() == b"the job's checkpoint"
+    assert list(engine.failed) == [os.fsencode(theirs)] and "this box's version is kept" in engine.failed[
+        os.fsencode(theirs)]
+    for i in (0, 1, 2, 4):
+        assert (_under(out, src) / f"f{i}").read_bytes() == (src / f"f{i}").read_bytes()
+    assert _leftovers(out) == []

@@ -70,6 +70,8 @@ BATCH_BYTES = 64 * MiB
 #: Symlinks followed while resolving a path asked for (the kernel's own limit).
 _MAX_LINKS = 40
 
+#: What a name holds (inode, change time, size), or None: someone changed it if this differs later.
+Identity = tuple[int, int, int] | None
 #: ``skip(path, parent ino, name)``: this box keeps the entry at ``path`` (and everything below it).
 Skip = Callable[[bytes, int, bytes], bool]
 
@@ -280,49 +282,69 @@ class InPlace:
 
     def _run_batch(self, inos: list[int]) -> None:
         with LocalTree(self.target or b"/") as tree:
-            rest = self._keep_what_is_there(tree, inos)
+            rest, before = self._keep_what_is_there(tree, inos)
             if rest:
-                self._write(tree, rest)
+                self._write(tree, rest, before)
             done = [ino for ino in inos if self._size[ino] >= 0 and self._settled.get(ino, "") is None]
             syncfs_fd(tree.root_fd)
         self.plan.mark_complete(done)
 
-    def _keep_what_is_there(self, tree: LocalTree, inos: list[int]) -> list[int]:
-        """Keep the batch's entries that are already in place; the others, to write."""
-        def check(ino: int) -> list[MetadataProblem] | None:
-            node, name = self.cat.get(ino), self._names[ino][0]
-            if node is None or len(self._names[ino]) != 1 or node.nlink != 1:
-                return None
-            xattrs = self.cat.xattrs(ino)
-            if node.is_lnk:
-                return kept.keep_symlink(tree, name, node, xattrs, as_root=self._as_root)
-            if not node.is_reg:
-                return None
-            try:
-                extents = self.cat.extents(ino)
-            except CorruptObject:
-                return None  # the restorer fails it alone
-            return kept.keep_file(tree, name, node, extents, xattrs, self.chunk_id, as_root=self._as_root)
+    def _keep_what_is_there(self, tree: LocalTree, inos: list[int]) -> tuple[list[int], dict[bytes, Identity]]:
+        """Keep the batch's entries that are already in place; the others, to write, and what each of their
+        names holds now (see :func:`_identity`)."""
+        listed: dict[bytes, set[bytes]] = {}  # one listing a directory instead of a stat a name
+        for ino in inos:
+            for name in self._names[ino]:
+                parent = split(name)[0]
+                if parent not in listed:
+                    listed[parent] = _names_in(tree, parent)
 
+        def check(ino: int) -> tuple[list[MetadataProblem] | None, dict[bytes, Identity]]:
+            names = self._names[ino]
+            ids = {name: _identity(tree, name) if split(name)[1] in listed[split(name)[0]] else None
+                   for name in names}
+            if ids[names[0]] is None or len(names) != 1:
+                return None, ids  # nothing there (most of a fresh pod): no catalog query
+            return self._keep_one(tree, ino, names[0]), ids
+
+        there = [ino for ino in inos if any(split(n)[1] in listed[split(n)[0]] for n in self._names[ino])]
         with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-inplace-keep") as pool:
-            found = list(pool.map(check, inos))
-        rest = []
-        for ino, problems in zip(inos, found):
+            found_there = dict(zip(there, pool.map(check, there)))
+        found = [found_there.get(ino) or (None, {n: None for n in self._names[ino]}) for ino in inos]
+        rest, before = [], {}
+        for ino, (problems, ids) in zip(inos, found):
             if problems is None:
                 rest.append(ino)
+                before.update(ids)
                 continue
             self._note(self._names[ino][0], problems)
             with self._lock:
                 self.counts["kept_files"] += 1
                 self.counts["kept_bytes"] += max(self._size[ino], 0)
             self._settle(ino, None)
-        return rest
+        return rest, before
 
-    def _write(self, tree: LocalTree, inos: list[int]) -> None:
-        """The batch's other entries through a Restorer: verified, durable, renamed into place."""
+    def _keep_one(self, tree: LocalTree, ino: int, name: bytes) -> list[MetadataProblem] | None:
+        """Keep entry ``ino`` at ``name`` if it is the snapshot's already (kept.py); its metadata problems."""
+        node = self.cat.get(ino)
+        if node is None or node.nlink != 1:
+            return None
+        xattrs = self.cat.xattrs(ino)
+        if node.is_lnk:
+            return kept.keep_symlink(tree, name, node, xattrs, as_root=self._as_root)
+        if not node.is_reg:
+            return None
+        try:
+            extents = self.cat.extents(ino)
+        except CorruptObject:
+            return None  # the restorer fails it alone
+        return kept.keep_file(tree, name, node, extents, xattrs, self.chunk_id, as_root=self._as_root)
+
+    def _write(self, tree: LocalTree, inos: list[int], before: dict[bytes, Identity]) -> None:
+        """The batch's other entries through a Restorer: verified, durable, renamed into place; a name that no
+        longer holds what it held ``before`` (someone on the box wrote it) keeps theirs."""
         nodes = {ino: self.cat.get(ino) for ino in inos}
         entries = [(name, node) for ino, node in nodes.items() if node is not None for name in self._names[ino]]
-        before = {name: _identity(tree, name) for name, _n in entries}
 
         def may_replace(name: bytes) -> str | None:
             now = _identity(tree, name)
@@ -494,7 +516,16 @@ class InPlace:
                                                                        for p in problems)
 
 
-def _identity(tree: LocalTree, rel: bytes) -> tuple[int, int, int] | None:
+def _names_in(tree: LocalTree, rel: bytes) -> set[bytes]:
+    """The names in directory ``rel`` of the tree (none where it cannot be listed: its entries are then written,
+    and say why they cannot be)."""
+    try:
+        return set(tree.names_in(rel))
+    except OSError:
+        return set()
+
+
+def _identity(tree: LocalTree, rel: bytes) -> Identity:
     """What the name holds now (inode, change time, size), or None: changed by someone if this differs later."""
     try:
         st = tree.lstat(rel)
