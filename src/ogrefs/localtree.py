@@ -51,7 +51,7 @@ from typing import Iterator
 from ogrefs.repo.catalog import Inode
 from ogrefs.errors import OgrefsError
 
-__all__ = ["LocalTree", "PathConflict", "EntryReplaced", "FileId", "MetadataProblem", "pwrite_all", "split"]
+__all__ = ["LocalTree", "PathConflict", "EntryReplaced", "FileId", "MetadataProblem", "pwrite_all", "split", "syncfs_fd"]
 
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
@@ -128,6 +128,18 @@ def _probe_openat2() -> bool:
 _libc = ctypes.CDLL(None, use_errno=True)
 HAVE_OPENAT2 = _probe_openat2()
 _HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
+
+
+def syncfs_fd(fd: int) -> None:
+    """syncfs(2) of the file system holding ``fd``; os.sync() where it is missing.  Raises OSError on errors."""
+    try:
+        func = _libc.syncfs
+    except AttributeError:
+        os.sync()
+        return
+    if func(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def split(rel: bytes) -> tuple[bytes, bytes]:

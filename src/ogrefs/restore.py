@@ -103,6 +103,7 @@ from ogrefs.localtree import (
     apply_fd_metadata,
     pwrite_all,
     split,
+    syncfs_fd,
 )
 from ogrefs.units import human_bytes
 from ogrefs.store.base import StoreError
@@ -119,6 +120,29 @@ _TMP_NAME = re.compile(rb"\.ogrefs-restore-[0-9a-f]{16}-[0-9]+\.tmp")
 #: Errors of one range's fetch that fail only its files: store errors, bad bytes, and a location the
 #: store refuses as a key (a forged pack name in a catalog is ValueError from key validation).
 _FETCH_ERRORS = (StoreError, CorruptObject, ValueError)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a caller other than ``ogrefs restore`` gives a :class:`Restorer` for one run over part of a tree
+    (the no-FUSE mount's write-in-place engine, :mod:`ogrefs.inplace`, runs one per batch of files).
+
+    ``entries``: the entries of this run (their directories exist already); ``extents(inos, on_malformed)``:
+    the rows of :meth:`~ogrefs.repo.catalog.Catalog.all_extents` for those files only (a file whose rows are
+    malformed is named to ``on_malformed`` and fails alone); ``paths``: every path of the tree
+    (at least those named like temporary files: such a name among them is the tree's, never removed); ``may_replace(name)``: None when the
+    finished file may be renamed over what ``name`` holds now, else why not (someone on the box changed it
+    meanwhile: theirs stays); ``done(ino)``: called once a file is in place under all of its names.  Every file
+    is made durable before its rename (one syncfs for the batch's files, at its end), so a file in place
+    survives a crash with its bytes.
+    """
+
+    entries: list[tuple[bytes, Inode]]
+    extents: Callable[[set[int], Callable[[int, str], object]],
+                      Iterator[tuple[int, int, int, bytes, str | None, int, int]]]
+    paths: frozenset[bytes]
+    may_replace: Callable[[bytes], str | None]
+    done: Callable[[int], None]
 
 
 class Interrupted(OgrefsError):
@@ -233,6 +257,26 @@ def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:
 
 
 
+def looks_temporary(name: bytes) -> bool:
+    """Whether ``name`` has the pattern of a restore's temporary files (a tree may hold such names itself)."""
+    return _TMP_NAME.fullmatch(name) is not None
+
+
+def remove_stale(tree: LocalTree, rel: bytes, paths: set[bytes] | frozenset[bytes]) -> int:
+    """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
+    regular files of ours named by the pattern that are not entries of the snapshot (``paths``: at least
+    every such path of the snapshot named by the pattern). How many."""
+    removed = 0
+    for name in tree.names_in(rel):
+        path = rel + b"/" + name
+        if not _TMP_NAME.fullmatch(name) or path in paths:
+            continue
+        with contextlib.suppress(OSError, EntryReplaced):
+            tree.unlink(path, FileId.of(tree.lstat(path)))
+            removed += 1
+    return removed
+
+
 def _tmp_for(rel: bytes, ino: int, token: bytes) -> bytes:
     parent, _ = split(rel)
     return parent + b"/" + TMP_PREFIX + token + b"-" + str(ino).encode() + TMP_SUFFIX
@@ -251,8 +295,12 @@ class Restorer:
                  includes: list[bytes] | None = None, workers: int = 8,
                  progress: Callable[[RestoreStats], None] | None = None,
                  decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob,
-                 check_space: bool = True, stop_event: threading.Event | None = None) -> None:
+                 check_space: bool = True, stop_event: threading.Event | None = None,
+                 batch: Batch | None = None) -> None:
         self.cat = catalog
+        self.batch = batch
+        #: a batch's files waiting for its end, each with its open fd (closed by _place_ready or _finish)
+        self._ready: list[tuple[_File, int, list[MetadataProblem]]] = []
         self.read_range = read_range
         self.decode_blob = decode_blob
         self.target = os.path.abspath(target).rstrip(b"/")
@@ -275,7 +323,8 @@ class Restorer:
         self._last_tick = 0.0
         self.tree: LocalTree | None = None
         self._token = b""  # of the temporary names (see _token_for)
-        self._paths: set[bytes] = set()  # every selected path: a leftover-like name among them is the tree's
+        # every selected path: a leftover-like name among them is the tree's
+        self._paths: set[bytes] | frozenset[bytes] = set()
         self._keep_fds = _fds_to_keep()  # files kept open from creation to completion, at most (under _lock)
         self._create_locks = [threading.Lock() for _ in range(64)]  # a file's: its ino modulo 64
 
@@ -298,9 +347,9 @@ class Restorer:
             raise CorruptObject("catalog has no root directory")
         self.tree = LocalTree(self.target or b"/")
         try:
-            entries = self._select()
+            entries = self._select() if self.batch is None else self.batch.entries
             self._token = _token_for(entries)
-            self._paths = {path for path, _node in entries}
+            self._paths = {path for path, _node in entries} if self.batch is None else self.batch.paths
             ranges, needed = self._plan({n.ino for _p, n in entries if n.is_reg and n.size})
             if self.check_space:
                 self._check_space(needed)
@@ -308,6 +357,8 @@ class Restorer:
                 self._dirs.append((b"", root))
             self._build(entries)
             self._fetch_all(ranges, self._create_files)
+            if self.batch is not None:
+                self._place_ready()
             self._verify_in_place()
         finally:
             self._finish()
@@ -339,8 +390,9 @@ class Restorer:
         # files whose data the catalog lays out or locates wrongly (ino -> why): they fail alone
         self._malformed: dict[int, str] = {}
         needed = 0
-        for ino, off, length, chunk, pack, poff, slen in self.cat.all_extents(
-                on_malformed=self._malformed.setdefault):
+        rows = (self.cat.all_extents(on_malformed=self._malformed.setdefault) if self.batch is None
+                else self.batch.extents(wanted, self._malformed.setdefault))
+        for ino, off, length, chunk, pack, poff, slen in rows:
             if ino not in wanted:
                 continue
             if pack is None:
@@ -456,15 +508,8 @@ class Restorer:
             return True
 
     def _clean_stale(self, rel: bytes) -> None:
-        """Remove temporary files an earlier restore, killed before it finished, left in directory ``rel``:
-        regular files of ours named by the pattern that are not entries of the snapshot."""
         assert self.tree is not None
-        for name in self.tree.names_in(rel):
-            path = rel + b"/" + name
-            if not _TMP_NAME.fullmatch(name) or path in self._paths:
-                continue
-            with contextlib.suppress(OSError, EntryReplaced):
-                self.tree.unlink(path, FileId.of(self.tree.lstat(path)))
+        remove_stale(self.tree, rel, self._paths)
 
     # -- step 4: the data ------------------------------------------------------------------------
     def _fetch_all(self, ranges: list[_Range], meanwhile: Callable[[], None]) -> None:
@@ -554,7 +599,29 @@ class Restorer:
             return None
 
     def _complete(self, f: _File) -> None:
-        """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file)."""
+        """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file).
+
+        In a batch the names wait for the batch's end (:meth:`_place_ready`): one ``syncfs`` makes every file
+        of the batch durable before any of them takes its name, instead of an ``fdatasync`` each."""
+        fd = self._open_tmp(f)
+        if fd is None:
+            return
+        try:
+            problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
+            if self.batch is not None:  # held open: once chowned, the name can no longer be proven ours
+                with self._lock:
+                    self._ready.append((f, fd, problems))
+                fd = -1
+                return
+            self._place(f, fd, problems)
+        except OSError as exc:
+            self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _open_tmp(self, f: _File) -> int | None:
+        """``f``'s temporary file, still ours and of its size; None (and ``f`` failed) otherwise."""
         assert self.tree is not None
         fd, f.fd = f.fd, -1  # a kept fd is this thread's to close now
         try:
@@ -566,12 +633,17 @@ class Restorer:
             self._fail({f.node.ino}, f"temporary file lost ({_reason(exc)})")
             if fd >= 0:
                 os.close(fd)
-            return
+            return None
+        if os.fstat(fd).st_size != f.node.size:
+            os.close(fd)
+            self._fail({f.node.ino}, "temporary file was truncated or extended by someone else")
+            return None
+        return fd
+
+    def _place(self, f: _File, fd: int, problems: list[MetadataProblem]) -> None:
+        """Rename ``f`` (open as ``fd``) to its first name, link its others; its metadata problems noted."""
+        assert self.tree is not None
         try:
-            if os.fstat(fd).st_size != f.node.size:
-                self._fail({f.node.ino}, "temporary file was truncated or extended by someone else")
-                return
-            problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
             self.tree.rename(f.tmp, f.names[0], own_fd=fd)
             with self._lock:
                 f.done = True
@@ -585,10 +657,28 @@ class Restorer:
                         self.failed[self.display(name)] = f"hardlink not made ({_reason(exc)})"
             for name in f.names:
                 self._note(name, problems)
+            if self.batch is not None:
+                self.batch.done(f.node.ino)
         except (OSError, PathConflict) as exc:
             self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
-        finally:
-            os.close(fd)
+
+    def _place_ready(self) -> None:
+        """A batch's end: its complete files made durable at once (syncfs), then each under its names unless
+        someone on the box changed a name meanwhile (then theirs stays, and the file fails)."""
+        assert self.tree is not None and self.batch is not None
+        if not self._ready:
+            return
+        syncfs_fd(self.tree.root_fd)
+        while self._ready:
+            f, fd, problems = self._ready.pop(0)
+            try:
+                why = next((w for w in map(self.batch.may_replace, f.names) if w is not None), None)
+                if why is not None:
+                    self._fail({f.node.ino}, why)
+                    continue
+                self._place(f, fd, problems)
+            finally:
+                os.close(fd)
 
     def _verify_in_place(self) -> None:
         """Every name put in place still holds its file, or the file is reported and not counted: a name
@@ -623,6 +713,8 @@ class Restorer:
         if tree is None:
             return
         try:
+            while self._ready:  # a batch that did not reach its end
+                os.close(self._ready.pop()[1])
             for f in self._files.values():
                 if f.fd >= 0:
                     os.close(f.fd)

@@ -406,3 +406,32 @@ def test_check_read_data_reports_entries_restore_would_refuse(base, tmp_path):
     assert any("b'..'" in p and forged_id[:12] in p for p in problems)
     assert any("zz-loop" in p and "second time" in p for p in problems)
     assert not any(m["id"][:12] in p for p in problems)  # the genuine snapshot is fine
+
+
+@pytest.mark.parametrize("bad", ["dotdot", "escape", "slash", "absolute"])
+def test_the_no_fuse_mount_skips_bad_names_writes_nothing_outside_and_says_so(base, tmp_path, sandbox, caplog,
+                                                                             expect_log, bad):
+    """The write-in-place engine (issue 48) over a forged catalog: what restore promises, and not finished."""
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.inplace.engine import InPlace, Order
+
+    repo, cat_path, src = base
+    target, check = sandbox
+    name = {"escape": _escape(src), "absolute": os.fsencode(tmp_path / "outside" / "abs-escaped")}.get(
+        bad, BAD_NAMES[bad])
+    expect_log(r"skipped entry", logger="ogrefs.repo.catalog")
+    f = Forged(cat_path, tmp_path / "work" / "forged.sqlite", src)
+    planted = f.add_inode(f.dir_ino)
+    f.link(planted, b"planted", f.data_ino)
+    f.link(f.src_ino, name, planted)
+    cat = f.close()
+    plan = Plan(tmp_path / "work" / "plan.sqlite")
+    engine = InPlace(cat, repo.read_pack_range, os.fsencode(target), plan, snapshot_id="forged",
+                     skip=lambda *a: False, workers=2)
+    with caplog.at_level(logging.WARNING, logger="ogrefs.repo.catalog"):
+        engine.prepare(Order())
+        engine.run()
+    check()
+    _good_entries_restored(target, src)
+    assert not any(p.name == "planted" for p in target.rglob("*"))
+    assert any(repr(name) in s for s in engine.status()["skipped"]) and plan.meta("finished") is None

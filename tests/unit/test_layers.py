@@ -28,7 +28,8 @@ LEVELS: list[set[str]] = [
     {"store"},
     {"repo"},
     {"box", "supervise"},  # this box as mounts change and record it; a job whose files arrive while it runs
-    {"snapshot", "restore", "maint", "lazy", "localtree"},  # the middle: threads (snapshot, restore, maint), trio (lazy)
+    {"snapshot", "restore", "maint", "lazy", "localtree", "inplace"},  # the middle: threads (snapshot, restore,
+    # maint, inplace), trio (lazy)
     {"mount"},
     {"agent"},
     {"cli"},
@@ -39,6 +40,8 @@ LEVELS: list[set[str]] = [
 PEER_EDGES: dict[tuple[str, str], str] = {
     ("restore", "localtree"): "localtree writes entries into a local tree; restore is one of its two users",
     ("lazy", "localtree"): "the materializer is localtree's other user (the same no-follow writes as restore)",
+    ("inplace", "restore"): "the no-FUSE mount writes each batch of files with restore's Restorer",
+    ("inplace", "localtree"): "the no-FUSE mount keeps and finishes entries with the same no-follow writes",
 }
 
 #: Third-party packages that only some modules may import: the module itself or a package prefix of it.

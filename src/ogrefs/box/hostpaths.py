@@ -468,7 +468,7 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
                 continue
             rel = path[len(shows.rstrip("/")) + 1:]
             try:
-                _write_merged(kind, path, Path(o.lower) / rel, layer, rel, Path(o.lower))
+                write_merged(kind, path, Path(o.lower) / rel, layer, rel, Path(o.lower))
             except NotMerged as exc:  # a user's symlink, FIFO or huge file there: said where the mount says
                 log.warning("not merged: %s; the snapshot's %s is shown", exc, path)
                 kept.append(f"{path}: not merged ({exc}); the snapshot's copy is shown")
@@ -513,7 +513,9 @@ def unmount_layers(state_dir: Path) -> None:
     mountsys.umount(str(state_dir / "host"), lazy=True)
 
 
-def _write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, lower_root: Path) -> None:
+def write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, lower_root: Path) -> None:
+    """This box's ``path`` merged with the snapshot's ``snap_file`` (a copy below ``lower_root``) into
+    ``layer/rel``: the keeper's merged layer, or ``/`` itself for the no-FUSE mount (mount/inplace.py)."""
     snap_text = read_bounded(str(snap_file), MAX_MERGE_BYTES[kind])
     host_text = read_bounded(path, MAX_MERGE_BYTES[kind])
     if kind == "accounts":

@@ -66,6 +66,9 @@ def parse_size(text: str) -> int:
 @click.option("--prefetch/--no-prefetch", default=None,
               help="Fetch the prefetch hints (venv, newest checkpoint) and the trace in the background "
                    "(default: on for writable mounts; a read-only mount fetches only what is read).")
+@click.option("--no-fuse", "no_fuse", is_flag=True,
+              help="Write the snapshot into place at its original paths instead of mounting it (automatic where "
+                   "FUSE or mounting is not allowed: RunPod, vast.ai; docs/mount.md).")
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; Ctrl-C unmounts.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Local chunk cache (default: <XDG cache>/ogrefs/chunks), shared by mounts.")
@@ -84,7 +87,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
           encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
           no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None,
-          filters=None) -> None:
+          no_fuse: bool = False, filters=None) -> None:
     """Mount snapshot SNAP at MOUNTPOINT; file data is fetched when read.
 
     At / (``ogrefs mount SNAP /``) every root path of the snapshot appears at
@@ -103,6 +106,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
 
+    in_place = not read_only and _in_place(no_fuse, as_json or getattr(obj, "quiet", False))
     rules = None if read_only else tuple(load_rules(defaults=not no_host_paths, files=host_paths_file,
                                                     add=host_path, drop=no_host_path))
     opts = MountOptions(repo_url=obj.url(), snapshot=snap, mountpoint=mountpoint, s3_endpoint=obj.s3_endpoint,
@@ -111,7 +115,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
-                        prefetch=prefetch, host_rules=rules)
+                        prefetch=prefetch, host_rules=rules, no_fuse=in_place)
 
     def resolve(repo):
         manifest = pick(repo, snap, filters, as_json or obj.quiet)  # `latest`: this box's; named by id from here
@@ -123,6 +127,9 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
     # the mount's start, and the daemon's calls besides pack reads, within --retry-for too (store/deadline.py)
     plan = do_mount(opts, open_repo=lambda: obj.open(retry_for=retry_for), resolve=resolve)
     if foreground:
+        return
+    if in_place:
+        _report_in_place(plan, snap, as_json or getattr(obj, "quiet", False), as_json)
         return
     info = plan.registration.read() or {}  # what the daemon and the keeper recorded of this mount
     if as_json:
@@ -140,6 +147,43 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                 click.echo(kept)
         for note in info.get("trace_notes") or []:
             click.echo(note)
+
+
+def _in_place(forced: bool, quiet: bool) -> bool:
+    """Whether this writable mount writes the snapshot into place; where it falls back by itself, one line why."""
+    if forced:
+        return True
+    from ogrefs.mount.inplace import why_no_fuse
+
+    why = why_no_fuse()
+    if why and not quiet:
+        click.echo(f"{why}: writing the snapshot into place at its original paths instead (no-FUSE mode)", err=True)
+    return why is not None
+
+
+def _report_in_place(plan, snap: str, quiet: bool, as_json: bool) -> None:
+    """What a no-FUSE mount did by the time its working set was in place."""
+    from ogrefs.mount.status import read_status
+
+    try:
+        m = read_status(plan.target).get("materialize") or {}
+    except (MountError, UsageError):
+        m = {}
+    if as_json:
+        emit_json({"snapshot": plan.snapshot_id, "selector": snap, "target": str(plan.target), "mode": "in-place",
+                   "state_dir": str(plan.state_dir), "files_done": m.get("files_done"),
+                   "files_total": m.get("files_total"), "kept_bytes": m.get("kept_bytes"),
+                   "fetched_bytes": m.get("fetched_bytes"), "trace_notes": list(plan.trace_notes)})
+        return
+    if quiet:
+        return
+    named = plan.snapshot_id[:12] + (f" ({snap})" if not plan.snapshot_id.startswith(snap.lower()) else "")
+    click.echo(f"{named} is in place at {plan.target} for its working set (no-FUSE mode, plan in {plan.state_dir}): "
+               f"{m.get('files_done', 0)} of {m.get('files_total', 0)} files, {_human(m.get('kept_bytes', 0))} kept "
+               f"from this box, {_human(m.get('fetched_bytes', 0))} fetched; the rest follows in the background "
+               f"(`ogrefs status {plan.target} --wait`)")
+    for note in plan.trace_notes:
+        click.echo(note)
 
 
 @click.command()
@@ -211,6 +255,9 @@ def _report(st: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return
+    if st.get("in_place"):
+        click.echo("\n".join(_in_place_lines(st, sys.stdout.isatty())))
+        return
     if st.get("finalized"):
         click.echo(f"ogrefs mount of snapshot {st['snapshot'][:12]} at {st['mountpoint']}: finalized, "
                    f"runs from local disk ({st['state_dir']}/tree) with no daemon")
@@ -236,6 +283,20 @@ def _report(st: dict, as_json: bool) -> None:
     elif y.get("snapshots"):
         lines.append(f"  stepped aside for {y['snapshots']} snapshot(s) of the box, {y.get('yielded_s', 0):.1f} s in all")
     click.echo("\n".join(lines))
+
+
+def _in_place_lines(st: dict, tty: bool) -> list[str]:
+    """A no-FUSE mount: what is in place, kept, fetched, failed."""
+    m = st.get("materialize") or {}
+    who = f"pid {st['pid']}" if st.get("pid") else "no daemon"
+    lines = [f"ogrefs no-FUSE copy of snapshot {st['snapshot'][:12]} at {st['mountpoint']} ({who}; "
+             f"plan in {st.get('state_dir')})",
+             f"  files in place        {m.get('files_done', 0)} of {m.get('files_total', 0)}",
+             f"  kept from this box    {m.get('kept_files', 0)} files, {_human(m.get('kept_bytes', 0))} not fetched",
+             f"  fetched from store    {_human(m.get('fetched_bytes', 0))}",
+             f"  failed                {m.get('failed', 0)}" + (f" (first: {m['first_failure']})"
+                                                                 if m.get("first_failure") else "")]
+    return lines + _prefetch_lines(m, tty)
 
 
 #: below this much read, fetched/read says nothing (one byte read fetches a whole chunk)
@@ -274,7 +335,8 @@ def _prefetch_lines(m: dict, tty: bool) -> list[str]:
     """Per priority class: bytes done / total, and for the whole: rate and ETA (a bar on a terminal)."""
     if not m:
         return []
-    what = "materialized to local disk" if m.get("mode") == "materialize" else "prefetched into the cache"
+    what = {"materialize": "materialized to local disk", "in-place": "written in place"}.get(
+        m.get("mode"), "prefetched into the cache")
     state = m.get("state", "?") + (f": {m['reason']}" if m.get("reason") else "")
     out = [f"  {what:27} {'complete' if m.get('complete') else state}"]
     for name, c in (m.get("classes") or {}).items():

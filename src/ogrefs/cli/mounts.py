@@ -36,7 +36,7 @@ def mounts_cmd(remove: str | None, as_json: bool) -> None:
         click.echo("no mounts and no mount state on this box")
         return
     for m in items:
-        kind = "writable" if m.writable else "read-only"
+        kind = "no-FUSE" if m.in_place else "writable" if m.writable else "read-only"
         snap = (m.snapshot or "?")[:12]
         click.echo(f"{m.target or '?'}  {kind}, {m.state}, snapshot {snap}" + (f", pid {m.pid}" if m.pid else ""))
         if m.state_dir:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: How long ``mount`` waits for the daemon's ``ready``.
 READY_TIMEOUT = 120.0
+#: How long ``mount`` waits for a no-FUSE mount's working set (all of it crosses the link first: a day).
+IN_PLACE_READY_TIMEOUT = 86400.0
 #: A lazy unmount waits this long for the daemon; one still serving open files after it is not an error.
 LAZY_EXIT_WAIT_S = 2.0
 
@@ -61,6 +63,8 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None,
     passphrase is asked and stretched once; this process does not touch it
     after forking.
     """
+    if opts.no_fuse:
+        return _mount_in_place(opts, open_repo, resolve)
     problem = fuse_problem()
     if problem:
         raise MountError(problem)
@@ -91,7 +95,28 @@ def mount(opts: MountOptions, open_repo: Callable[[], Repository] | None = None,
     return plan
 
 
-def _spawn_and_wait(plan: MountPlan, child: Callable[[MountPlan, int], int]) -> None:
+def _mount_in_place(opts: MountOptions, open_repo: Callable[[], Repository] | None,
+                    resolve: Callable[[Repository], dict[str, Any]] | None) -> Any:
+    """The no-FUSE mount (mount/inplace.py): returns its plan once the working set is in place."""
+    from ogrefs.mount import inplace
+
+    repo = (open_repo() if open_repo is not None
+            else Repository.open(opts.repo_url, s3_endpoint=opts.s3_endpoint, cache_root=opts.cache_root))
+    lock = repo.lock("shared", "mount").acquire()
+    try:
+        plan = inplace.prepare(opts, repo, lock, resolve)
+    except BaseException:
+        lock.release()
+        raise
+    if opts.foreground:
+        if inplace.InPlaceDaemon(plan, None).run():
+            raise MountError(f"the no-FUSE copy to {plan.target} did not complete (see above)")
+        return plan
+    _spawn_and_wait(plan, inplace.daemon_child, timeout=IN_PLACE_READY_TIMEOUT)
+    return plan
+
+
+def _spawn_and_wait(plan: Any, child: Callable[[Any, int], int], timeout: float = READY_TIMEOUT) -> None:
     """Double fork (new session) into ``child``; wait on its pipe for ``ready`` or ``error <reason>``."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -112,7 +137,7 @@ def _spawn_and_wait(plan: MountPlan, child: Callable[[MountPlan, int], int]) -> 
     plan.lock.hand_over()  # the daemon refreshes and releases it from now on
     os.close(w)
     os.waitpid(pid, 0)
-    line = _read_line(r, READY_TIMEOUT)
+    line = _read_line(r, timeout)
     os.close(r)
     if line == "ready":
         return
@@ -124,7 +149,7 @@ def _spawn_and_wait(plan: MountPlan, child: Callable[[MountPlan, int], int]) -> 
         with contextlib.suppress(OSError):
             os.kill(info["pid"], signal.SIGTERM)
     if line == "timeout":
-        raise MountError(f"the mount did not become ready within {READY_TIMEOUT:.0f} s (log: {reg.log})")
+        raise MountError(f"the mount did not become ready within {timeout:.0f} s (log: {reg.log})")
     raise MountError(f"the mount daemon exited before the mount was ready (log: {reg.log})")
 
 
@@ -162,6 +187,8 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> s
     reg = Registration.for_mountpoint(mp)
     info = reg.read()
     pid = info.get("pid") if info else None
+    if info and info.get("in_place"):
+        return _stop_in_place(mp, reg, info, timeout)
     if info and (info.get("writable") or info.get("finalized")):
         return _unmount_writable(mp, reg, info, lazy, timeout)
     if not mountsys.is_ogrefs(mountsys.mount_at(mp), "fuse.ogrefs"):
@@ -173,6 +200,24 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> s
     if pid and pid_alive(pid):
         _wait_exit(pid, timeout, mp)
     return None
+
+
+def _stop_in_place(mp: Path, reg: Registration, info: dict, timeout: float) -> str:
+    """A no-FUSE mount: nothing is mounted; its daemon (if it still copies) stops after its batch, and what is
+    in place stays (it is this box's own disk now). Its record goes."""
+    pid = info.get("pid")
+    if pid and pid_alive(pid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        _wait_exit(pid, timeout, mp)
+    m = (reg.read() or info).get("materialize") or {}
+    reg.remove()
+    with contextlib.suppress(OSError):
+        (reg.path.with_suffix(".sock")).unlink()
+    if m.get("complete"):
+        return f"{mp}: the snapshot was written in place (no-FUSE mode); nothing was mounted, its record is cleared"
+    return (f"{mp}: the no-FUSE copy stopped with {m.get('files_done', 0)} of {m.get('files_total', '?')} files "
+            "in place (they stay); the same `ogrefs mount` resumes it")
 
 
 def _not_ours(mp: Path) -> str:

@@ -55,6 +55,7 @@ from ogrefs.box import hostpaths, mountsys, overlay, owncli, rescue, topfiles
 from ogrefs.repo import default_cache_dir
 
 if TYPE_CHECKING:
+    from ogrefs.mount.options import MountOptions
     from ogrefs.mount.plan import MountPlan
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,14 @@ def read_line(fd: int, timeout: float | None) -> str:
 
 def own_directories(plan: MountPlan) -> list[str]:
     """ogrefs' own directories: never covered by an overlay (bound back on top of it)."""
-    opts = plan.opts
-    paths = [plan.state_dir, opts.cache_root or default_cache_dir(), opts.chunk_cache,
-             plan.registration.path.parent.parent]  # the runtime directory
+    return own_directories_of(plan.opts, plan.state_dir, plan.registration)
+
+
+def own_directories_of(opts: MountOptions, state_dir: Path | None, registration: Registration) -> list[str]:
+    """ogrefs' own directories of a mount (its state, caches, runtime directory, a local repository); the
+    no-FUSE mount never writes the snapshot into them either."""
+    paths = [state_dir, opts.cache_root or default_cache_dir(), opts.chunk_cache,
+             registration.path.parent.parent]  # the runtime directory
     url = opts.repo_url or ""
     if url.startswith("file://"):
         paths.append(url[len("file://"):])

@@ -18,31 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 
-from ogrefs.box.records import Registration
 from ogrefs.mount import keeper
+from ogrefs.mount.detach import configure_logging, detach_stdio, serve_detached
 from ogrefs.mount.daemon import Daemon, KeeperLink
 from ogrefs.mount.plan import MountPlan
 
 log = logging.getLogger(__name__)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
-
-
-def detach_stdio(reg: Registration) -> None:
-    """Leave the caller's terminal: stdin from /dev/null, stdout and stderr to the mount's log."""
-    os.chdir("/")
-    devnull = os.open(os.devnull, os.O_RDWR)
-    logfd = os.open(reg.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(devnull, 0)
-    os.dup2(logfd, 1)
-    os.dup2(logfd, 2)
-    os.close(devnull)
-    os.close(logfd)
 
 
 def serve_here(plan: MountPlan) -> int:
@@ -55,15 +37,8 @@ def daemon_child(plan: MountPlan, ready_fd: int) -> int:
     """The detached child of a background mount: the keeper (writable) or the daemon itself (read-only)."""
     if plan.writable:
         return run_keeper(plan, ready_fd)
-    detach_stdio(plan.registration)
-    configure_logging(plan.opts.log_level)
-    try:
-        return Daemon(plan, ready_fd).run()
-    except BaseException as exc:  # noqa: BLE001 - the daemon must report, not crash silently
-        log.exception("mount daemon failed")
-        with contextlib.suppress(OSError):
-            os.write(ready_fd, f"error {exc}\n".encode())
-        return 1
+    return serve_detached(plan.registration, plan.opts.log_level, ready_fd, lambda: Daemon(plan, ready_fd).run(),
+                          "mount daemon")
 
 
 def run_keeper(plan: MountPlan, ready_fd: int | None) -> int:

@@ -32,6 +32,7 @@ class MountState:
     state_dir: str | None
     pid: int | None = None
     sizes: dict[str, int] = field(default_factory=dict)  # bytes on disk: tree, upper, other; cache
+    in_place: bool = False  # a no-FUSE mount: the snapshot written onto this box's disk (nothing mounted)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -76,8 +77,11 @@ def list_mounts() -> list[MountState]:
     for info in registered_mounts():
         state_dir = info.get("state_dir")
         state = "finalized" if info.get("finalized") else ("mounted" if _live(info) else "dead")
+        if info.get("in_place"):  # nothing is mounted: the copy is complete, going on, or stopped
+            state = {"finalized": "in place", "mounted": "copying", "dead": "stopped"}[state]
         ms = MountState(state, bool(info.get("writable")), info.get("mountpoint"), info.get("snapshot"), state_dir,
-                        info.get("pid") if state == "mounted" else None)
+                        info.get("pid") if state in ("mounted", "copying") else None,
+                        in_place=bool(info.get("in_place")))
         if state_dir:
             seen_states.add(os.path.abspath(state_dir))
             ms.sizes = _state_sizes(Path(state_dir))
@@ -119,7 +123,7 @@ def remove_state(which: str) -> Path:
         raise UsageError(f"{which} is the target of several state directories: name one of them")
     m = hits[0]
     state = Path(m.state_dir)
-    if m.state in ("mounted", "finalized"):
+    if m.state in ("mounted", "finalized", "copying"):
         raise UsageError(f"{state} belongs to a live mount at {m.target} ({m.state}); "
                          f"`ogrefs unmount {m.target}` first")
     if _lock_held(state) or _mounted_inside(state):

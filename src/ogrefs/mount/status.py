@@ -36,6 +36,10 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
     info = reg.read()
     if info is None:
         raise UsageError(f"{mp} is not an ogrefs mount")
+    if info.get("in_place") and not pid_alive(info.get("pid") or 0):  # no-FUSE: its daemon has ended
+        gone = {"state": "stopped", "complete": False,
+                "reason": f"its daemon is gone (killed?); the same `ogrefs mount` resumes the copy to {mp}"}
+        return {**info, "time": time.time(), "age": 0.0, "materialize": info.get("materialize") or gone}
     if info.get("finalized"):
         return {**info, "age": 0.0, "materialize": {"complete": True}}
     if not pid_alive(info.get("pid", 0)):

@@ -195,11 +195,12 @@ def _plan_chunks(catalog: Catalog, plan: Plan) -> None:
     plan.settle_files(bad)
     # hints, in rank order: their files' chunks come before everything else but the trace
     for seq, (_klass, ino, _rank) in enumerate(catalog.hints()):
-        for fino in _hint_files(catalog, ino):
+        for fino in hint_files(catalog, ino):
             plan.hint_file(seq, fino)
 
 
-def _hint_files(catalog: Catalog, ino: int) -> Iterable[int]:
+def hint_files(catalog: Catalog, ino: int) -> Iterable[int]:
+    """The regular files hint ``ino`` names: itself, or every file below a directory (the no-FUSE mount too)."""
     node = catalog.get(ino)
     if node is None:
         return

@@ -22,14 +22,13 @@ store).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 
 from typing import Callable
 
 from ogrefs.box.copyplan import TRACE, Item, Plan
-from ogrefs.localtree import LocalTree, pwrite_all
+from ogrefs.localtree import LocalTree, pwrite_all, syncfs_fd
 from ogrefs.repo.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -40,22 +39,6 @@ _SYNCFS_ABOVE = 16
 #: Chunks at least this large leave the page cache once durable (bulk data; small files stay cached).
 _DROP_FROM_PAGE_CACHE = 256 * 1024
 
-_libc = None
-
-
-def syncfs_fd(fd: int) -> None:
-    """syncfs(2) of the file system holding ``fd``; os.sync() where it is missing.  Raises OSError on errors."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        func = _libc.syncfs
-    except (OSError, AttributeError):
-        os.sync()
-        return
-    if func(fd) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 def syncfs(path: bytes) -> None:

@@ -1,0 +1,534 @@
+"""The no-FUSE resume's engine: a snapshot written into place at its original paths, in priority order.
+
+Where FUSE or mounting is not allowed (a RunPod or vast.ai container), ``ogrefs
+mount SNAP /`` writes the snapshot onto this box's own disk instead of
+mounting it (``mount/inplace.py`` runs this engine as a daemon).  In plain
+words:
+
+1. **Prepare.** Walk the catalog once, leaving out what this box keeps
+   (``skip``: host-owned paths, mount points, below them too).  Record the
+   entries in the plan (``box/copyplan.py``, the materializer's format: a
+   regular file is recorded complete once it is in place with its metadata,
+   so a rerun after a kill or a reboot skips it, and a snapshot of this box
+   can ask which files are whole).  Create every directory, parents first,
+   with its owner, mode and xattrs (its times come last).  On a rerun,
+   temporary files a killed run left are removed first (``restore``'s pattern).
+2. **Batches, in priority order.** The files of the recorded trace, then the
+   hints' (venv, CUDA libraries, the newest coherent checkpoint), then the rest
+   in catalog order, at most :data:`BATCH_FILES` files or
+   :data:`BATCH_BYTES` bytes at a time; a path asked for (:meth:`InPlace.need`)
+   goes into the next batch, ahead of everything.  In a batch, what the box
+   already has is kept (``kept.py``: the same bytes by chunk id, never by
+   mtime); the rest is written by a :class:`~ogrefs.restore.Restorer` over the
+   batch: temporary names, every blob verified, metadata on the descriptor,
+   ``fdatasync``, rename.  A name someone on this box changed while the batch
+   ran keeps their file (the snapshot's is not put over it).  After each batch,
+   one ``syncfs`` and then the plan records its files complete.
+3. **Finish.** Directory times (and modes again), deepest first; the plan is
+   marked finished when nothing failed.
+
+A kill -9 or a full disk at any point leaves names that hold either what was
+there before or the snapshot's verified file with its metadata, plus
+temporary files a rerun removes: never a partial file under a real name.
+
+Threads: the engine's thread (the daemon's) prepares and runs the batches and
+alone writes the plan and the tree's directories; a Restorer's workers write
+a batch's files and call :meth:`InPlace._settle` as each is in place.  Control
+connections call :meth:`InPlace.need` and :meth:`InPlace.status` from their
+own threads.  ``_lock`` guards what those share: ``_settled``, ``_urgent``,
+``_waiters``, ``failed`` and the counters.  The catalog answers any thread
+(one SQLite connection each); ``_names``, ``_size``, ``_class_of`` are
+written by :meth:`InPlace.prepare` before any other thread starts and only read after.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from ogrefs.box.copyplan import CLASSES, Plan
+from ogrefs.errors import CorruptObject, OgrefsError
+from ogrefs.inplace import kept
+from ogrefs.localtree import LocalTree, MetadataProblem, split, syncfs_fd
+from ogrefs.repo import codec
+from ogrefs.repo.catalog import ROOT_INO, Catalog, Inode
+from ogrefs.restore import Batch, Interrupted, ReadRange, Restorer, looks_temporary, remove_stale
+from ogrefs.units import MiB
+
+log = logging.getLogger(__name__)
+
+#: A batch holds at most this many files ...
+BATCH_FILES = 256
+#: ... or this many bytes: at 1 Gbit/s about half a second, the longest a path asked for waits behind a batch.
+BATCH_BYTES = 64 * MiB
+#: Symlinks followed while resolving a path asked for (the kernel's own limit).
+_MAX_LINKS = 40
+
+#: What a name holds (inode, change time, size), or None: someone changed it if this differs later.
+Identity = tuple[int, int, int] | None
+#: ``skip(path, parent ino, name)``: this box keeps the entry at ``path`` (and everything below it).
+Skip = Callable[[bytes, int, bytes], bool]
+
+
+class Refused(OgrefsError):
+    """The state directory holds the plan of another snapshot."""
+
+
+@dataclass(frozen=True)
+class Order:
+    """Which entries go first: the trace's files in trace order, then the hints' (inode numbers)."""
+
+    trace: tuple[int, ...] = ()
+    hints: tuple[int, ...] = ()
+
+
+@dataclass
+class Need:
+    """One ``need`` request: it is answered when every entry it waits for is in place, or one failed."""
+
+    pending: set[int]
+    answer: str = "ok"  # ok, or "failed <reason>"; "absent"/"host" are answered at once
+    event: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def now(cls, answer: str) -> "Need":
+        need = cls(set(), answer)
+        need.event.set()
+        return need
+
+
+class InPlace:
+    """See the module docstring."""
+
+    def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, plan: Plan, *, snapshot_id: str,
+                 skip: Skip, chunk_id: kept.ChunkId = codec.chunk_id,
+                 decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob, workers: int = 8,
+                 stop: threading.Event | None = None) -> None:
+        self.cat = catalog
+        self.read_range = read_range
+        self.target = os.path.abspath(target).rstrip(b"/")
+        self.plan = plan
+        self.snapshot_id = snapshot_id
+        self.skip = skip
+        self.chunk_id = chunk_id
+        self.decode_blob = decode_blob
+        self.workers = workers
+        self.stop = stop or threading.Event()
+        self._as_root = os.geteuid() == 0
+        self._lock = threading.Lock()
+        self._names: dict[int, list[bytes]] = {}  # non-directory ino -> its names (hard links: several)
+        #: non-directory ino -> its size if regular, -1 if not (inodes are read again per batch: a box of
+        #: millions of files keeps only this and the names in memory)
+        self._size: dict[int, int] = {}
+        self._dirs: list[tuple[bytes, Inode]] = []  # parents first
+        self._skipped: set[bytes] = set()  # top paths this box keeps
+        self._class_of: dict[int, int] = {}
+        self._queues: list[deque[int]] = [deque(), deque(), deque()]
+        self._urgent: deque[int] = deque()
+        self._settled: dict[int, str | None] = {}  # ino -> None (in place) or why it failed
+        self._waiters: dict[int, list[Need]] = {}
+        self._working: set[int] = set()  # the working set still to settle
+        self.failed: dict[bytes, str] = {}  # path -> reason
+        self.metadata_problems: dict[bytes, str] = {}
+        self.counts = {"bytes_total": [0, 0, 0], "bytes_done": [0, 0, 0], "files_total": 0, "files_done": 0,
+                       "kept_files": 0, "kept_bytes": 0, "fetched_bytes": 0, "written_bytes": 0}
+        self._tmp_like: frozenset[bytes] = frozenset()  # paths of the tree named like temporary files
+        self._prepared = threading.Event()  # set once prepare() ended; need() waits for it
+        self._prepare_error: str | None = None
+
+    # -- 1. prepare ---------------------------------------------------------------------------------
+    def prepare(self, order: Order) -> None:
+        """Walk, record the plan, make the directories, queue the files (the engine's thread)."""
+        try:
+            self._prepare(order)
+        except BaseException as exc:
+            self._prepare_error = str(exc) or type(exc).__name__
+            raise
+        finally:
+            self._prepared.set()
+
+    def _prepare(self, order: Order) -> None:
+        owner = self.plan.open(self.snapshot_id)
+        if owner != self.snapshot_id:
+            raise Refused(f"{self.plan.path.parent} holds the in-place copy of snapshot {owner[:12]}, not "
+                          f"{self.snapshot_id[:12]}; give this one another --state-dir")
+        resuming = self.plan.meta("built") == "1"
+        walk_order = self._walk()
+        if not resuming:
+            self._record_plan()
+        with LocalTree(self.target or b"/") as tree:
+            self._make_dirs(tree, clean=resuming)
+        complete = self.plan.complete_inos()
+        self._queue(order, walk_order, complete)
+
+    def _walk(self) -> list[int]:
+        """Every entry this box does not keep; the non-directory inodes in catalog order."""
+        walk_order: list[int] = []
+        paths: list[bytes] = []
+        parents: dict[bytes, int] = {b"": ROOT_INO}
+        for path, node in self.cat.walk():
+            parent, name = split(path)
+            if parent in self._skipped or parent not in parents:
+                if node.is_dir:
+                    self._skipped.add(path)
+                continue
+            if self.skip(path, parents[parent], name):
+                self._skipped.add(path)
+                continue
+            if looks_temporary(name):
+                paths.append(path)
+            if node.is_dir:
+                parents[path] = node.ino
+                self._dirs.append((path, node))
+                continue
+            if node.ino not in self._names:
+                self._names[node.ino] = []
+                self._size[node.ino] = node.size if node.is_reg else -1
+                walk_order.append(node.ino)
+            self._names[node.ino].append(path)
+        self._tmp_like = frozenset(paths)
+        return walk_order
+
+    def _record_plan(self) -> None:
+        files, others, links = [], [], []
+        for ino, names in self._names.items():
+            if self._size[ino] >= 0:
+                files.append((ino, names[0]))
+                links.extend((name, ino) for name in names[1:])
+            else:
+                others.extend((ino, name, 0) for name in names)
+        others.extend((node.ino, path, 1) for path, node in self._dirs)
+        self.plan.begin_build()
+        self.plan.add_entries(files, others, links)
+        self.plan.commit_build()
+
+    def _make_dirs(self, tree: LocalTree, *, clean: bool) -> None:
+        """Every directory, parents first, owner and mode set at once (a job running meanwhile can enter it)."""
+        for path, node in self._dirs:
+            try:
+                tree.make_dir(path)
+                if clean:
+                    remove_stale(tree, path, self._tmp_like)
+                self._note(path, tree.apply_metadata(path, node, self.cat.xattrs(node.ino), as_root=self._as_root))
+            except OSError as exc:
+                raise OgrefsError(f"cannot create directory {os.fsdecode(self._display(path))}: "
+                                  f"{exc.strerror}") from None
+        if clean:
+            remove_stale(tree, b"", self._tmp_like)
+
+    def _queue(self, order: Order, walk_order: list[int], complete: frozenset[int]) -> None:
+        seen: set[int] = set()
+        for cls, inos in enumerate((order.trace, order.hints, walk_order)):
+            for ino in inos:
+                if ino not in self._size or ino in seen:
+                    continue
+                seen.add(ino)
+                self._class_of[ino] = cls
+                size = max(self._size[ino], 0)
+                self.counts["bytes_total"][cls] += size
+                self.counts["files_total"] += 1
+                if ino in complete:
+                    self._settled[ino] = None
+                    self.counts["bytes_done"][cls] += size
+                    self.counts["files_done"] += 1
+                else:
+                    self._queues[cls].append(ino)
+        first = order.trace or order.hints
+        self._working = {ino for ino in first if ino in self._size and ino not in complete}
+
+    # -- 2. batches -----------------------------------------------------------------------------------
+    def run(self, on_working_set: Callable[[], None] = lambda: None) -> None:
+        """Every batch in order, then the directories' metadata; ``on_working_set`` once the trace's files (or
+        the hints', without a trace) are settled.  Raises :class:`~ogrefs.restore.Interrupted` when stopped."""
+        signalled = False
+        while True:
+            if not signalled and not self.working_left():
+                signalled = True
+                on_working_set()
+            if self.stop.is_set():
+                raise Interrupted("stopped")
+            inos = self._next_batch()
+            if not inos:
+                break
+            self._run_batch(inos)
+        self._finish()
+
+    def working_left(self) -> int:
+        with self._lock:
+            return len(self._working)
+
+    def _next_batch(self) -> list[int]:
+        """The next files: asked-for ones first, then the queues in class order; one class a batch (a batch
+        finishes its files in pack order, so a trace file sharing one with the rest could come after it)."""
+        out: list[int] = []
+        size = 0
+        with self._lock:
+            for queue in (self._urgent, *self._queues):
+                while queue and len(out) < BATCH_FILES and size < BATCH_BYTES:
+                    ino = queue.popleft()
+                    if ino in self._settled or ino in out:
+                        continue
+                    out.append(ino)
+                    size += max(self._size[ino], 0)
+                if out:
+                    return out
+        return out
+
+    def _run_batch(self, inos: list[int]) -> None:
+        with LocalTree(self.target or b"/") as tree:
+            rest, before = self._keep_what_is_there(tree, inos)
+            if rest:
+                self._write(tree, rest, before)
+            done = [ino for ino in inos if self._size[ino] >= 0 and self._settled.get(ino, "") is None]
+            syncfs_fd(tree.root_fd)
+        self.plan.mark_complete(done)
+
+    def _keep_what_is_there(self, tree: LocalTree, inos: list[int]) -> tuple[list[int], dict[bytes, Identity]]:
+        """Keep the batch's entries that are already in place; the others, to write, and what each of their
+        names holds now (see :func:`_identity`)."""
+        listed: dict[bytes, set[bytes]] = {}  # one listing a directory instead of a stat a name
+        for ino in inos:
+            for name in self._names[ino]:
+                parent = split(name)[0]
+                if parent not in listed:
+                    listed[parent] = _names_in(tree, parent)
+
+        def check(ino: int) -> tuple[list[MetadataProblem] | None, dict[bytes, Identity]]:
+            names = self._names[ino]
+            ids = {name: _identity(tree, name) if split(name)[1] in listed[split(name)[0]] else None
+                   for name in names}
+            if ids[names[0]] is None or len(names) != 1:
+                return None, ids  # nothing there (most of a fresh pod): no catalog query
+            return self._keep_one(tree, ino, names[0]), ids
+
+        there = [ino for ino in inos if any(split(n)[1] in listed[split(n)[0]] for n in self._names[ino])]
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-inplace-keep") as pool:
+            found_there = dict(zip(there, pool.map(check, there)))
+        found = [found_there.get(ino) or (None, {n: None for n in self._names[ino]}) for ino in inos]
+        rest, before = [], {}
+        for ino, (problems, ids) in zip(inos, found):
+            if problems is None:
+                rest.append(ino)
+                before.update(ids)
+                continue
+            self._note(self._names[ino][0], problems)
+            with self._lock:
+                self.counts["kept_files"] += 1
+                self.counts["kept_bytes"] += max(self._size[ino], 0)
+            self._settle(ino, None)
+        return rest, before
+
+    def _keep_one(self, tree: LocalTree, ino: int, name: bytes) -> list[MetadataProblem] | None:
+        """Keep entry ``ino`` at ``name`` if it is the snapshot's already (kept.py); its metadata problems."""
+        node = self.cat.get(ino)
+        if node is None or node.nlink != 1:
+            return None
+        xattrs = self.cat.xattrs(ino)
+        if node.is_lnk:
+            return kept.keep_symlink(tree, name, node, xattrs, as_root=self._as_root)
+        if not node.is_reg:
+            return None
+        try:
+            extents = self.cat.extents(ino)
+        except CorruptObject:
+            return None  # the restorer fails it alone
+        return kept.keep_file(tree, name, node, extents, xattrs, self.chunk_id, as_root=self._as_root)
+
+    def _write(self, tree: LocalTree, inos: list[int], before: dict[bytes, Identity]) -> None:
+        """The batch's other entries through a Restorer: verified, durable, renamed into place; a name that no
+        longer holds what it held ``before`` (someone on the box wrote it) keeps theirs."""
+        nodes = {ino: self.cat.get(ino) for ino in inos}
+        entries = [(name, node) for ino, node in nodes.items() if node is not None for name in self._names[ino]]
+
+        def may_replace(name: bytes) -> str | None:
+            now = _identity(tree, name)
+            if now is None or now == before[name]:
+                return None
+            return "changed on this box while it was copied: this box's version is kept"
+
+        batch = Batch(entries, self._extents, self._tmp_like, may_replace, lambda ino: self._settle(ino, None))
+        r = Restorer(self.cat, self.read_range, self.target or b"/", decode_blob=self.decode_blob,
+                     workers=self.workers, check_space=False, stop_event=self.stop, batch=batch)
+        try:
+            r.run()
+        except Interrupted:
+            pass  # the run's loop stops after this batch; what is in place is settled
+        with self._lock:
+            self.counts["fetched_bytes"] += r.stats.fetched_bytes
+            self.counts["written_bytes"] += r.stats.written_bytes
+            self.metadata_problems.update(r.metadata_problems)
+        for ino in inos:
+            if ino in self._settled or self.stop.is_set():
+                continue
+            names = [self._display(n) for n in self._names[ino]]
+            why = next((r.failed[n] for n in names if n in r.failed), None)
+            if why is None and self._size[ino] >= 0:
+                why = "not written"
+            self._settle(ino, why)  # a symlink, FIFO or device node the restorer made: in place
+
+    def _extents(self, wanted: set[int], on_malformed: Callable[[int, str], object]
+                 ) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
+        for ino in sorted(wanted):
+            try:
+                extents = self.cat.extents(ino)
+            except CorruptObject as exc:
+                on_malformed(ino, str(exc))
+                continue
+            for e in extents:
+                yield ino, e.offset, e.length, e.chunk, e.pack, e.pack_offset, e.stored_len
+
+    def _settle(self, ino: int, why: str | None) -> None:
+        """``ino`` is in place (``why`` None) or failed: counted, and the requests waiting on it answered."""
+        size, cls = max(self._size[ino], 0), self._class_of.get(ino, 2)
+        with self._lock:
+            if ino in self._settled:
+                return
+            self._settled[ino] = why
+            self._working.discard(ino)
+            if why is None:
+                self.counts["files_done"] += 1
+                self.counts["bytes_done"][cls] += size
+            else:
+                for name in self._names[ino]:
+                    self.failed[self._display(name)] = why
+            for need in self._waiters.pop(ino, []):
+                need.pending.discard(ino)
+                if why is not None:
+                    need.answer = f"failed {os.fsdecode(self._display(self._names[ino][0]))}: {why}"
+                if not need.pending or why is not None:
+                    need.event.set()
+
+    # -- 3. finish ------------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Directories' metadata deepest first (their times survive), then the plan says finished."""
+        with LocalTree(self.target or b"/") as tree:
+            dirs = list(self._dirs)
+            if self.target:
+                dirs.insert(0, (b"", self.cat.get(ROOT_INO)))
+            for path, node in reversed(dirs):
+                try:
+                    self._note(path, tree.apply_metadata(path, node, self.cat.xattrs(node.ino),
+                                                         as_root=self._as_root))
+                except OSError as exc:
+                    self._note(path, [MetadataProblem("metadata", exc.strerror or str(exc))])
+            syncfs_fd(tree.root_fd)
+        if not self.failed and not self.skipped():
+            self.plan.mark_finished()
+
+    def skipped(self) -> list[str]:
+        """Catalog entries not written because they are unsafe or malformed (as ``restore`` lists them)."""
+        return [f"{name!r} in directory inode {parent}: {reason}"
+                for (parent, name), reason in sorted(self.cat.rejected.items())]
+
+    # -- asked for: the supervisor's requests -----------------------------------------------------------
+    def need(self, path: bytes) -> Need:
+        """Bring the entry at absolute ``path`` (a directory: its entries) to the front; a :class:`Need` to wait on.
+
+        Symlinks of the snapshot on the way are followed (and their own entries brought too).  Answered at
+        once with ``absent`` for a path the snapshot does not have, ``host`` for one this box keeps.
+        """
+        self._prepared.wait()
+        if self._prepare_error is not None:
+            return Need.now(f"failed {self._prepare_error}")
+        rel = self._relative(path)
+        if rel is None:
+            return Need.now("absent")
+        found = self._resolve(rel)
+        if isinstance(found, str):
+            return Need.now(found)
+        with self._lock:
+            pending = {ino for ino in found if ino not in self._settled}
+            failed = next((self._settled[i] for i in found if self._settled.get(i)), None)
+            if failed is not None:
+                return Need.now(f"failed {failed}")
+            if not pending:
+                return Need.now("ok")
+            need = Need(pending)
+            for ino in pending:
+                self._waiters.setdefault(ino, []).append(need)
+                self._urgent.append(ino)
+        return need
+
+    def _relative(self, path: bytes) -> bytes | None:
+        path = os.path.normpath(path)
+        if not self.target:
+            return path if path.startswith(b"/") else None
+        if path == self.target:
+            return b""
+        return path[len(self.target):] if path.startswith(self.target + b"/") else None
+
+    def _resolve(self, rel: bytes) -> list[int] | str:
+        """The non-directory inodes that must be in place for ``rel`` to be as the snapshot has it."""
+        parts = [p for p in rel.split(b"/") if p]
+        node, here, links, out = self.cat.get(ROOT_INO), b"", 0, []
+        while parts:
+            part = parts.pop(0)
+            child = self.cat.lookup(node.ino, part) if node is not None and node.is_dir else None
+            path = here + b"/" + part
+            if any(path == s or path.startswith(s + b"/") for s in self._skipped):
+                return "host"
+            if child is None:
+                return "absent"
+            if child.is_lnk and links < _MAX_LINKS:
+                links += 1
+                out.append(child.ino)
+                target = child.target or b""
+                parts = [p for p in target.split(b"/") if p] + parts
+                if target.startswith(b"/"):
+                    node, here = self.cat.get(ROOT_INO), b""
+                continue
+            node, here = child, path
+        if node is not None and node.is_dir:
+            out.extend(c.ino for _n, c in self.cat.children(node.ino) if not c.is_dir)
+        elif node is not None:
+            out.append(node.ino)
+        return [ino for ino in out if ino in self._size]
+
+    # -- what the status says ---------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Counters for the status file (any thread)."""
+        with self._lock:
+            c = {k: (list(v) if isinstance(v, list) else v) for k, v in self.counts.items()}
+            failed = len(self.failed)
+            first = next(iter(self.failed.items()), None)
+        classes = {name: {"bytes_total": c["bytes_total"][i], "bytes_done": c["bytes_done"][i]}
+                   for i, name in enumerate(CLASSES)}
+        return {"mode": "in-place", "classes": classes, "bytes_total": sum(c["bytes_total"]),
+                "bytes_done": sum(c["bytes_done"]), "files_total": c["files_total"], "files_done": c["files_done"],
+                "kept_files": c["kept_files"], "kept_bytes": c["kept_bytes"], "fetched_bytes": c["fetched_bytes"],
+                "written_bytes": c["written_bytes"], "failed": failed, "skipped": self.skipped(),
+                "first_failure": f"{os.fsdecode(first[0])}: {first[1]}" if first else None,
+                "metadata_problems": len(self.metadata_problems), "working_left": self.working_left()}
+
+    def _display(self, rel: bytes) -> bytes:
+        return (self.target + rel) if rel else (self.target or b"/")
+
+    def _note(self, rel: bytes, problems: list[MetadataProblem]) -> None:
+        if problems:
+            with self._lock:
+                self.metadata_problems[self._display(rel)] = "; ".join(f"{p.what} not set ({p.reason})"
+                                                                       for p in problems)
+
+
+def _names_in(tree: LocalTree, rel: bytes) -> set[bytes]:
+    """The names in directory ``rel`` of the tree (none where it cannot be listed: its entries are then written,
+    and say why they cannot be)."""
+    try:
+        return set(tree.names_in(rel))
+    except OSError:
+        return set()
+
+
+def _identity(tree: LocalTree, rel: bytes) -> Identity:
+    """What the name holds now (inode, change time, size), or None: changed by someone if this differs later."""
+    try:
+        st = tree.lstat(rel)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns, st.st_size) if not stat.S_ISDIR(st.st_mode) else (st.st_ino, 0, 0)
