@@ -30,7 +30,7 @@ from ogrefs.box.records import Overlay, Registration, load_overlays, mountpoint_
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.lazy.trace.resolve import entries_to_replay
 from ogrefs.box import holders, hostpaths, mountsys, overlay, topfiles
-from ogrefs.mount.checks import check_mountpoint
+from ogrefs.mount.checks import check_mountpoint, check_release
 from ogrefs.mount.options import MountOptions
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.repo.traces import find_trace
@@ -105,6 +105,8 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock, mountpoint: Pa
     if opts.encrypt_cache and repo.codec.cache_key() is None:
         raise UsageError("--encrypt-cache needs an encrypted repository (its key encrypts the cache)")
     manifest = resolve(repo) if resolve is not None else repo.resolve(opts.snapshot)
+    if not opts.read_only and not opts.box_root:
+        check_release(manifest, mountpoint, opts)
     # Three chains of store requests that need only the manifest run side by side (behind a far link
     # each request costs a round trip, and in a row they were a fifth of a mount's start at 30 ms):
     # the lock narrowed to this snapshot, the catalog, the trace to replay (a listing, then a get).
@@ -149,8 +151,8 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
         plans = overlay.plan_box_root(state / "lower", target, state)
     else:
         plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top,
-                             skipped=skipped)
-        if str(target) == "/" and any(overlay.normalized(r) == "/" for r in roots):
+                             skipped=skipped, data_only=opts.data_only)
+        if str(target) == "/" and any(overlay.normalized(r) == "/" for r in roots) and not opts.data_only:
             top_files = topfiles.planned(catalog)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     state_lock = lock_state_dir(state, Registration.for_mountpoint(target))
