@@ -33,6 +33,7 @@ the fork), the keeper writes the merged layer before any overlay is up.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import logging
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ogrefs.errors import OgrefsError, UsageError
-from ogrefs.box import mountsys, safepath
+from ogrefs.box import exact, mountsys, safepath
 from ogrefs.repo.catalog import ROOT_INO
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class HostPlan:
     hidden: dict[int, frozenset] = field(default_factory=dict)  # parent ino -> names the view omits
     kept: list[str] = field(default_factory=list)  # snapshot paths replaced by this box's (or by nothing)
     merges: list[tuple[str, str]] = field(default_factory=list)  # (kind, path) synthesized from both sides
+    mask: list[Any] | None = None  # exact.MaskEntry list (None: no mask: --merge, a whole box at /)
 
 
 def _match(catalog: Any, pattern: str) -> list[tuple[int, bytes, Any, str]]:
@@ -413,14 +415,22 @@ class HostLayer:
     root: str | None = None  # a run root: ldconfig -r ROOT
 
     def run_ldconfig(self, timeout: float = 120.0) -> str:
-        """Run this box's ldconfig (opened before the overlays) so /etc/ld.so.cache matches the merged view."""
+        """Rebuild /etc/ld.so.cache for the merged view: at /, this box's ldconfig (opened before the overlays);
+        in a run root, the snapshot's own ldconfig chrooted there (its cache in its glibc's format, over its
+        libraries and this box's driver), else this box's with ``-r``."""
         if self.ldconfig_fd is None:
             return "not needed"
         pid = os.fork()
         if pid == 0:  # single-threaded keeper: a plain fork, then exec through the descriptor
             try:
-                args = ["ldconfig"] + (["-r", self.root] if self.root else [])
-                os.execve(self.ldconfig_fd, args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+                env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+                if self.root:
+                    os.chroot(self.root)
+                    os.chdir("/")
+                    for own in ("/usr/sbin/ldconfig", "/sbin/ldconfig"):
+                        with contextlib.suppress(OSError):
+                            os.execve(own, ["ldconfig"], env)
+                os.execve(self.ldconfig_fd, ["ldconfig"], env)
             finally:
                 os._exit(127)
         deadline = time.monotonic() + timeout
@@ -443,9 +453,16 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     if host is None:
         return HostLayer(list(overlays))
     out, kept = [], list(host.kept)
-    if host.merges:
+    if host.merges or host.mask is not None:
         _fresh_tmpfs(state_dir / "host")
     for n, o in enumerate(overlays):
+        if host.mask is not None and o.keep_existing:  # the box's own below, masked (exact.py)
+            masked = exact.below(host.mask, o.lower[len(str(state_dir / "lower")):] or "/")
+            if exact.whole(masked):
+                o = replace(o, keep_existing=False)  # all of it the snapshot's: no own layer at all
+            else:
+                exact.write(masked, state_dir / "host" / f"mask{n}")
+                o = replace(o, mask=str(state_dir / "host" / f"mask{n}"))
         layer = state_dir / "host" / str(n)
         wrote = False
         shows = o.lower[len(str(state_dir / "lower")):] or "/"  # the snapshot path this overlay shows
@@ -491,7 +508,7 @@ def _fresh_tmpfs(path: Path) -> None:
     """
     mountsys.umount(str(path), lazy=True)  # a previous mount's
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    mountsys.mount("ogrefs-host", str(path), "tmpfs", 0, "mode=0755,size=64m")
+    mountsys.mount("ogrefs-host", str(path), "tmpfs", 0, "mode=0755,size=64m,nr_inodes=1m")
 
 
 def unmount_layers(state_dir: Path) -> None:

@@ -77,7 +77,8 @@ def is_system(path: str) -> bool:
 
 
 def plan_box_root(lower_root: Path, target: Path, state_dir: Path) -> list[Overlay]:
-    """``ogrefs run``/``shell``: one overlay at ``target`` showing the snapshot's ``/`` over this box's ``/``."""
+    """``ogrefs run``/``shell``: one overlay at ``target`` showing the snapshot's ``/`` over this box's ``/``
+    (masked by exact.py unless ``--merge``: the keeper adds the layer)."""
     return [Overlay(normalized(os.path.abspath(str(target))), str(lower_root), str(state_dir / "upper" / "0"),
                     str(state_dir / "work" / "0"), keep_existing=True, host_dir="/")]
 
@@ -194,6 +195,8 @@ def lowerdir(o: Overlay, own: str | None = None) -> str:
     layers = [o.merged] if o.merged else []
     layers.append(o.lower)
     if own is not None:
+        if o.mask:
+            layers.append(o.mask)  # what of the box's own stays hidden below the snapshot's (exact.py)
         layers.append(own)  # the box's own content stays visible below the snapshot's
     return ":".join(layers)
 

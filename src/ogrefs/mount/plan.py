@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ogrefs.box.records import Overlay, Registration, load_overlays, mountpoint_key, pid_alive, state_base
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.lazy.trace.resolve import entries_to_replay
-from ogrefs.box import holders, hostpaths, mountsys, overlay, topfiles
+from ogrefs.box import exact, holders, hostpaths, mountsys, overlay, topfiles
 from ogrefs.mount.checks import check_mountpoint, check_release
 from ogrefs.mount.options import MountOptions
 from ogrefs.repo.catalog import ROOT_INO, Catalog
@@ -166,9 +166,25 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
     if str(target) == "/" or opts.box_root:  # read this box's own tree now: nothing of an earlier mount covers it any more
         rules = list(opts.host_rules) if opts.host_rules is not None else hostpaths.load_rules()
         host_paths = hostpaths.plan(catalog, rules)
+        host_paths.mask = _mask(opts, catalog, rules, roots)
     os.chmod(state, 0o700)
     return WritableLayout(target=target, state_dir=state, overlays=plans, skipped=skipped, host_paths=host_paths,
                           top_files=top_files, state_lock=state_lock)
+
+
+def _mask(opts: MountOptions, catalog: Catalog, rules: list, roots: list[str]) -> list | None:
+    """What of this box stays hidden below the snapshot's roots (exact.py), or None for no mask.
+
+    ``run``/``shell``: everything below the snapshot's roots, unless ``--merge``. At ``/``: the roots of a
+    snapshot of named data paths (its project: this box's system does not need it merged); a whole box's
+    top-level directories and any system directory keep this box's entries (its own system needs them).
+    """
+    if opts.box_root:
+        return None if opts.merge_host else exact.plan(catalog, rules, roots)
+    data = [r for r in roots if overlay.normalized(r) != "/" and not overlay.is_system(r)]
+    if any(overlay.normalized(r) == "/" for r in roots) or not data:
+        return None
+    return exact.plan(catalog, rules, data)
 
 
 def lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_WAIT_S) -> int:
