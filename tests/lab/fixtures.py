@@ -38,27 +38,28 @@ def skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _mirror_reachable() -> str | None:
+def _mirror_reachable(suite: str = roots.SUITE) -> str | None:
     try:
-        with urllib.request.urlopen(f"{roots.MIRROR}/dists/{roots.SUITE}/Release", timeout=15) as resp:
+        with urllib.request.urlopen(f"{roots.MIRROR}/dists/{suite}/Release", timeout=15) as resp:
             resp.read(64)
     except OSError as exc:
         return f"the Debian mirror {roots.MIRROR} is unreachable ({exc}); the lab roots cannot be built"
     return None
 
 
-def lab_roots() -> dict[str, Path]:
+def lab_roots(suite: str = roots.SUITE) -> dict[str, Path]:
+    """Boxes A and B of Debian ``suite`` (roots.SUITES), built if missing (or the lab skipped, with the reason)."""
     reason = roots.check_prerequisites()
     if reason:
         skip_or_fail(reason)
-    if not (roots.cache_root() / f"base-{roots.base_recipe_hash()}").is_dir():
+    if not (roots.cache_root() / f"base-{roots.base_recipe_hash(suite)}").is_dir():
         roots.ensure_host_tools()
         if shutil.which("debootstrap") is None:
             skip_or_fail("debootstrap is not installed and could not be installed")
-        reason = _mirror_reachable()
+        reason = _mirror_reachable(suite)
         if reason:
             skip_or_fail(reason)
-    return roots.box_roots(lambda m: print(f"lab: {m}"))
+    return roots.box_roots(lambda m: print(f"lab: {m}"), suite)
 
 
 def prebuild_lab_roots() -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import glob
 import logging
 import os
 import signal
@@ -97,6 +98,8 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("host", "/etc/X11/xorg.conf.d/*nvidia*"),
 )
 CONFIG_FILE = "/etc/ogrefs/host-paths"
+#: run/shell: names the directories of this box's driver libraries for the snapshot's own ldconfig
+DRIVER_CONF = "/etc/ld.so.conf.d/000-ogrefs-host-driver.conf"
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,15 @@ def load_rules(*, defaults: bool = True, files: Iterable[str] = (), add: Iterabl
     return [r for r in rules if r.pattern not in dropped]
 
 
+def with_driver(rules: list[Rule]) -> tuple[list[Rule], list[str]]:
+    """``rules`` plus one host rule per file of this box's running NVIDIA driver found through its linker
+    cache (inspect/driverlibs.py, as nvidia-container-toolkit finds them), and the directories they lie in."""
+    from ogrefs.inspect.driverlibs import driver_libraries
+
+    _version, libs = driver_libraries()
+    return rules + [Rule("host", glob.escape(p)) for p in libs], sorted({os.path.dirname(p) for p in libs})
+
+
 # -- what of the snapshot the rules take away --------------------------------------------------------
 @dataclass
 class HostPlan:
@@ -156,6 +168,7 @@ class HostPlan:
     kept: list[str] = field(default_factory=list)  # snapshot paths replaced by this box's (or by nothing)
     merges: list[tuple[str, str]] = field(default_factory=list)  # (kind, path) synthesized from both sides
     mask: list[Any] | None = None  # exact.MaskEntry list (None: no mask: --merge, a whole box at /)
+    driver_dirs: list[str] = field(default_factory=list)  # run/shell: where this box's driver libraries lie
 
 
 def _match(catalog: Any, pattern: str) -> list[tuple[int, bytes, Any, str]]:
@@ -453,7 +466,7 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     if host is None:
         return HostLayer(list(overlays))
     out, kept = [], list(host.kept)
-    if host.merges or host.mask is not None:
+    if host.merges or host.mask is not None or host.driver_dirs:
         _fresh_tmpfs(state_dir / "host")
     for n, o in enumerate(overlays):
         if host.mask is not None and o.keep_existing:  # the box's own below, masked (exact.py)
@@ -485,6 +498,12 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
                 clash = account_clashes(str((Path(o.lower) / rel).parent), os.path.dirname(path))
                 kept += [f"{path}: the snapshot's {u} gives its uid to this box's {b} (merged)"
                          for u, b in sorted(clash.users.items())]
+        if host.driver_dirs and shows == "/":  # run/shell: this box's driver directories for the root's ldconfig
+            _write_text(layer, DRIVER_CONF.lstrip("/"), Path(o.lower), "".join(
+                f"{d}\n" for d in ["# this box's NVIDIA driver libraries (ogrefs run, inspect/driverlibs.py)",
+                                    *host.driver_dirs]), None)
+            wrote = True
+            kept.append(f"{DRIVER_CONF} (this box's driver libraries in {', '.join(host.driver_dirs)})")
         out.append(replace(o, merged=str(layer)) if wrote else o)
     fd = None
     root = overlays[0].target if overlays and overlays[0].host_dir == "/" else None  # ogrefs run/shell
@@ -526,17 +545,26 @@ def _write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, 
         text = merge_dpkg_status(snap_text, host_text)
     else:
         text = merge_lines(snap_text, host_text)
-    # directories of the layer carry the snapshot's attributes (an .ssh directory stays 0700 and its owner's)
+    _write_text(layer, rel, lower_root, text, snap_file)
+
+
+def _write_text(layer: Path, rel: str, lower_root: Path, text: str, attrs: Path | None) -> None:
+    """``text`` at ``rel`` in ``layer`` with ``attrs``' owner and mode (None: root's 0644); the directories on
+    the way carry the snapshot's attributes where it has them (an .ssh directory stays 0700 and its owner's)."""
     parts = rel.split("/")
     for i in range(1, len(parts)):
         d = layer.joinpath(*parts[:i])
         d.mkdir(parents=True, exist_ok=True)
-        _copy_attrs(lower_root.joinpath(*parts[:i]), d)
+        with contextlib.suppress(FileNotFoundError):
+            _copy_attrs(lower_root.joinpath(*parts[:i]), d)
     dest = layer / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".ogrefs-tmp")
     tmp.write_text(text, errors="surrogateescape")
-    _copy_attrs(snap_file, tmp)
+    if attrs is not None:
+        _copy_attrs(attrs, tmp)
+    else:
+        os.chmod(tmp, 0o644)
     os.replace(tmp, dest)
 
 

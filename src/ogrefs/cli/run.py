@@ -48,7 +48,7 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, merge
     def build(root: Path) -> MountOptions:
         return MountOptions(repo_url=obj.url(), snapshot=chosen[0], mountpoint=root, s3_endpoint=obj.s3_endpoint,
                             read_only=False, state_dir=state_dir, materialize=materialize, box_root=True,
-                            host_rules=rules, save_trace=False, merge_host=merge)
+                            host_rules=rules, save_trace=False, merge_host=merge, inject_driver=not no_host_paths)
 
     def open_repo():
         repo = obj.open()

@@ -165,7 +165,11 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
     host_paths = None
     if str(target) == "/" or opts.box_root:  # read this box's own tree now: nothing of an earlier mount covers it any more
         rules = list(opts.host_rules) if opts.host_rules is not None else hostpaths.load_rules()
+        driver_dirs: list[str] = []
+        if opts.box_root and opts.inject_driver:
+            rules, driver_dirs = hostpaths.with_driver(rules)
         host_paths = hostpaths.plan(catalog, rules)
+        host_paths.driver_dirs = driver_dirs
         host_paths.mask = _mask(opts, catalog, rules, roots)
     os.chmod(state, 0o700)
     return WritableLayout(target=target, state_dir=state, overlays=plans, skipped=skipped, host_paths=host_paths,
