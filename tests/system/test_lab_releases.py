@@ -10,7 +10,9 @@ What must hold, each step under a timeout:
 * B stays usable: its tools (sed, ps, apt-get), its sshd binary (``sshd -t``),
   systemctl, the ogrefs CLI, its own os-release;
 * A's training resumes in the mode the line names: ``ogrefs run`` (A's
-  userland in its own root, with B's hostname and B's driver);
+  userland in its own root, with B's hostname and B's driver, which lies
+  where no default rule looks and reaches A's root through B's linker cache,
+  in A's own linker cache);
 * ``ogrefs mount --data-only A:latest /`` brings A's project and /root back
   at their places, B still usable while it is mounted and after the unmount;
 * B powers off.
@@ -50,6 +52,19 @@ def releases():
     return {suite: fixtures.lab_roots(suite) for suite in VERSION}
 
 
+def driver_elsewhere(root: Path) -> str:
+    """Move B's driver libraries where the default host-path rules do not look (as a runfile installer or
+    another distribution's packages may put them), named in B's linker configuration; returns the directory."""
+    rel = "usr/lib64/nvidia-lab"
+    (root / rel).mkdir(parents=True)
+    lib = root / "usr/lib/x86_64-linux-gnu"
+    for path in [*lib.glob("libcuda.so*"), *lib.glob("libnvidia-ml.so*")]:
+        path.rename(root / rel / path.name)
+    (root / "etc/ld.so.conf.d/nvidia-lab.conf").write_text(f"/{rel}\n")
+    subprocess.run(["ldconfig", "-r", str(root)], check=True, timeout=60)
+    return f"/{rel}"
+
+
 def assert_b_usable(box: NspawnBox, b_suite: str) -> None:
     lines = box.out(USABLE, timeout=STEP_TIMEOUT_S).split()
     assert lines[0] == "systemd" and lines[1] == "sshd-ok", lines
@@ -65,9 +80,11 @@ def test_another_release_keeps_b_usable_and_resumes_a_in_its_own_root(releases, 
     assert recorded["os"]["version_id"] == VERSION[a_suite] and recorded["glibc"] and recorded["systemd"]
     root = fixtures.prepared_box(releases[b_suite]["b"], tmp_path / "b")
     install_unit(root, A.box)
+    drivers = driver_elsewhere(root)  # found through B's linker cache: the toolkit's way (inspect/driverlibs.py)
     box = box_b(root, snap.repo_dir, tmp_path, B)
     try:
         box.boot()
+        assert f"Driver Version: {B.driver}" in box.out("nvidia-smi")  # B's own, from there
         # the unit refused, with one line naming both releases and the modes that work; nothing mounted
         assert box.out("systemctl is-active ogrefs-resume.service", check=False).strip() == "failed"
         journal = box.out("journalctl -b -u ogrefs-resume.service --no-pager -o cat", check=False)
@@ -81,13 +98,14 @@ def test_another_release_keeps_b_usable_and_resumes_a_in_its_own_root(releases, 
 
         # A's training, in the mode the line names: A's userland in its own root, B's identity and driver
         inside = ("sh -c '. /etc/os-release && echo $VERSION_ID && cat /etc/hostname && "
-                  "nvidia-smi | grep -o \"Driver Version: [0-9.]*\" && cd /opt/project && .venv/bin/python train.py 2'")
+                  "nvidia-smi | grep -o \"Driver Version: [0-9.]*\" && ldconfig -p | grep -c " + drivers + " && "
+                  "cd /opt/project && .venv/bin/python train.py 2'")
         res = box.sh(f"{ENV}ogrefs -q run {sid[:12]} -- {inside}", timeout=STEP_TIMEOUT_S, check=False)
         assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
         lines = res.stdout.splitlines()
-        assert lines[:4] == [VERSION[a_suite], B.hostname, f"Driver Version: {B.driver}",
+        assert lines[:5] == [VERSION[a_suite], B.hostname, f"Driver Version: {B.driver}", "4",
                              "resumed from step 100 loss 0.4321"], res.stdout + res.stderr
-        assert lines[4].startswith("saved step 102 ")
+        assert lines[5].startswith("saved step 102 ")
         assert_b_usable(box, b_suite)
 
         # A's data paths back at their places, B's system its own meanwhile and after
