@@ -62,18 +62,20 @@ def lab_roots(suite: str = roots.SUITE) -> dict[str, Path]:
     return roots.box_roots(lambda m: print(f"lab: {m}"), suite)
 
 
-def prebuild_lab_roots() -> None:
-    """Build the roots now if they can be (tests/conftest.py's collection hook); else leave it to lab_roots()."""
+def prebuild_lab_roots(suites: tuple[str, ...] = (roots.SUITE,)) -> None:
+    """Build the roots of ``suites`` now if they can be (tests/conftest.py's collection hook); else leave it
+    to lab_roots()."""
     if roots.check_prerequisites():
         return
-    if not (roots.cache_root() / f"base-{roots.base_recipe_hash()}").is_dir():
-        roots.ensure_host_tools()
-        if shutil.which("debootstrap") is None or _mirror_reachable():
-            return
-    try:
-        roots.box_roots(lambda m: print(f"lab: {m}", flush=True))
-    except Exception as exc:  # lab_roots() builds again in the test and reports it there
-        print(f"lab: building the roots before the tests failed: {exc}", flush=True)
+    for suite in suites:
+        if not (roots.cache_root() / f"base-{roots.base_recipe_hash(suite)}").is_dir():
+            roots.ensure_host_tools()
+            if shutil.which("debootstrap") is None or _mirror_reachable(suite):
+                return
+        try:
+            roots.box_roots(lambda m: print(f"lab: {m}", flush=True), suite)
+        except Exception as exc:  # lab_roots() builds again in the test and reports it there
+            print(f"lab: building the {suite} roots before the tests failed: {exc}", flush=True)
 
 
 def file_sums(box: Box, paths: tuple[str, ...] = IDENTITY_FILES) -> dict[str, str]:
