@@ -45,6 +45,9 @@ def parse_size(text: str) -> int:
                    "(default /var/lib/ogrefs/mounts/<snapshot>-<target>); the same dir resumes.")
 @click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
+@click.option("--merge", "merge", is_flag=True,
+              help="At /: a snapshot of data paths (a project directory) shows this box's files there too, where "
+                   "it has none (without it: the snapshot's directories exactly, docs/mount.md).")
 @click.option("--data-only", "data_only", is_flag=True,
               help="At /: bring back the snapshot's data paths (/home, /root, /opt, /srv, ...) and leave this box's "
                    "system (/usr, /etc, /var, /bin, /lib*, /boot) alone: how a snapshot of another OS release "
@@ -86,7 +89,7 @@ def parse_size(text: str) -> int:
 @click.pass_obj
 @filter_options
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
-          data_only: bool, encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          merge: bool, data_only: bool, encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
           no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None,
           filters=None) -> None:
@@ -118,7 +121,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
-                        prefetch=prefetch, host_rules=rules, data_only=data_only)
+                        prefetch=prefetch, host_rules=rules, data_only=data_only, merge_host=merge)
 
     def resolve(repo):
         manifest = pick(repo, snap, filters, as_json or obj.quiet)  # `latest`: this box's; named by id from here

@@ -42,5 +42,5 @@ class MountOptions:
     host_rules: tuple[Any, ...] | None = None  # writable mounts at /: hostpaths.Rule list (None: the defaults)
     data_only: bool = False  # at /: leave the snapshot's system directories (overlay.SYSTEM_DIRS) to this box
     inject_driver: bool = False  # run/shell: this box's running driver through its linker cache (driverlibs.py)
-    merge_host: bool = False  # run/shell: this box's entries show where the snapshot has none (no mask, exact.py)
+    merge_host: bool = False  # run/shell, data paths at /: this box's entries show where the snapshot has none
     box_root: bool = False  # writable: assemble a whole root at the mountpoint (ogrefs run/shell), host paths on

@@ -179,12 +179,14 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
 def _mask(opts: MountOptions, catalog: Catalog, rules: list, roots: list[str]) -> list | None:
     """What of this box stays hidden below the snapshot's roots (exact.py), or None for no mask.
 
-    ``run``/``shell``: everything below the snapshot's roots, unless ``--merge``. At ``/``: the roots of a
+    ``--merge``: none. ``run``/``shell``: everything below the snapshot's roots. At ``/``: the roots of a
     snapshot of named data paths (its project: this box's system does not need it merged); a whole box's
     top-level directories and any system directory keep this box's entries (its own system needs them).
     """
+    if opts.merge_host:
+        return None
     if opts.box_root:
-        return None if opts.merge_host else exact.plan(catalog, rules, roots)
+        return exact.plan(catalog, rules, roots)
     data = [r for r in roots if overlay.normalized(r) != "/" and not overlay.is_system(r)]
     if any(overlay.normalized(r) == "/" for r in roots) or not data:
         return None
