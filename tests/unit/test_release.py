@@ -142,3 +142,13 @@ def test_mount_at_root_of_another_release_is_one_line_and_mounts_nothing(tmp_pat
     assert "`ogrefs shell" in proc.stderr and "--data-only" in proc.stderr
     assert Path("/proc/self/mountinfo").read_text().count("\n") == before
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+def test_run_merge_is_warned_of_another_release_only():
+    from ogrefs.inspect.compat import release_note
+
+    here = machine_info()
+    assert release_note(_manifest(here)) is None
+    other = dict(here, glibc="1.0")
+    assert release_note(_manifest(other)) == release_name(here)
+    assert release_note(_manifest(None)) is None  # nothing recorded: nothing to say

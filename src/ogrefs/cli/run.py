@@ -36,7 +36,7 @@ def _options(f):
 
 def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, merge, materialize, host_path,
          no_host_path, no_host_paths, host_paths_file, filters) -> None:
-    from ogrefs.inspect.compat import environment_warning
+    from ogrefs.inspect.compat import environment_warning, release_note
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
     from ogrefs.mount.run import run
@@ -57,6 +57,9 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, merge
         warning = environment_warning(manifest, False)
         if warning:
             click.echo(f"warning: {warning}", err=True)
+        if merge and (other := release_note(manifest)):
+            click.echo(f"warning: --merge shows this box's {other} files where the snapshot has none: its programs "
+                       "may load this box's libraries of another release", err=True)
         return repo
 
     code = run(build, open_repo, lambda _repo: chosen[0], command, nspawn=nspawn)
