@@ -1,9 +1,10 @@
-"""Cached Debian 12 roots for the whole-box lab (issue 12).
+"""Cached Debian roots for the whole-box lab (issue 12): Debian 12 (bookworm), and 13 (trixie) beside it
+for the lab of releases (issue 47, ``--suite trixie``; Python 3.13 there).
 
 Two stages, each cached under ``$OGREFS_LAB_CACHE`` (default
 ``/var/cache/ogrefs-lab``) in a directory named by the hash of its recipe:
 
-* ``base-<hash>/root``: ``debootstrap bookworm`` from the Debian mirror with
+* ``base-<hash>/root``: ``debootstrap <suite>`` from the Debian mirror with
   systemd, fuse3 and the distribution's Python 3.11.2, plus a venv made with
   that Python (``/opt/ogrefs/venv``) holding ogrefs' dependencies from PyPI
   (bookworm's python3-pyfuse3 3.2, python3-trio 0.22 and python3-zstandard
