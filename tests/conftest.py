@@ -98,10 +98,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     if session.config.option.collectonly:
         return
-    if any("lab" in getattr(item, "fixturenames", ()) for item in session.items):
-        from tests.lab import fixtures
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if used & {"lab", "releases"}:
+        from tests.lab import fixtures, roots
 
-        fixtures.prebuild_lab_roots()
+        fixtures.prebuild_lab_roots(roots.SUITES if "releases" in used else (roots.SUITE,))
 
 
 @pytest.fixture

@@ -38,41 +38,44 @@ def skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _mirror_reachable() -> str | None:
+def _mirror_reachable(suite: str = roots.SUITE) -> str | None:
     try:
-        with urllib.request.urlopen(f"{roots.MIRROR}/dists/{roots.SUITE}/Release", timeout=15) as resp:
+        with urllib.request.urlopen(f"{roots.MIRROR}/dists/{suite}/Release", timeout=15) as resp:
             resp.read(64)
     except OSError as exc:
         return f"the Debian mirror {roots.MIRROR} is unreachable ({exc}); the lab roots cannot be built"
     return None
 
 
-def lab_roots() -> dict[str, Path]:
+def lab_roots(suite: str = roots.SUITE) -> dict[str, Path]:
+    """Boxes A and B of Debian ``suite`` (roots.SUITES), built if missing (or the lab skipped, with the reason)."""
     reason = roots.check_prerequisites()
     if reason:
         skip_or_fail(reason)
-    if not (roots.cache_root() / f"base-{roots.base_recipe_hash()}").is_dir():
+    if not (roots.cache_root() / f"base-{roots.base_recipe_hash(suite)}").is_dir():
         roots.ensure_host_tools()
         if shutil.which("debootstrap") is None:
             skip_or_fail("debootstrap is not installed and could not be installed")
-        reason = _mirror_reachable()
+        reason = _mirror_reachable(suite)
         if reason:
             skip_or_fail(reason)
-    return roots.box_roots(lambda m: print(f"lab: {m}"))
+    return roots.box_roots(lambda m: print(f"lab: {m}"), suite)
 
 
-def prebuild_lab_roots() -> None:
-    """Build the roots now if they can be (tests/conftest.py's collection hook); else leave it to lab_roots()."""
+def prebuild_lab_roots(suites: tuple[str, ...] = (roots.SUITE,)) -> None:
+    """Build the roots of ``suites`` now if they can be (tests/conftest.py's collection hook); else leave it
+    to lab_roots()."""
     if roots.check_prerequisites():
         return
-    if not (roots.cache_root() / f"base-{roots.base_recipe_hash()}").is_dir():
-        roots.ensure_host_tools()
-        if shutil.which("debootstrap") is None or _mirror_reachable():
-            return
-    try:
-        roots.box_roots(lambda m: print(f"lab: {m}", flush=True))
-    except Exception as exc:  # lab_roots() builds again in the test and reports it there
-        print(f"lab: building the roots before the tests failed: {exc}", flush=True)
+    for suite in suites:
+        if not (roots.cache_root() / f"base-{roots.base_recipe_hash(suite)}").is_dir():
+            roots.ensure_host_tools()
+            if shutil.which("debootstrap") is None or _mirror_reachable(suite):
+                return
+        try:
+            roots.box_roots(lambda m: print(f"lab: {m}", flush=True), suite)
+        except Exception as exc:  # lab_roots() builds again in the test and reports it there
+            print(f"lab: building the {suite} roots before the tests failed: {exc}", flush=True)
 
 
 def file_sums(box: Box, paths: tuple[str, ...] = IDENTITY_FILES) -> dict[str, str]:

@@ -106,6 +106,17 @@ class NspawnBox:
             self.console.close()
 
 
+def box_b(root: Path, repo_dir: Path, workdir: Path, provider: Provider) -> NspawnBox:
+    """Box B as the lab boots it (not booted yet): its scratch disk, the repository disk, its "loaded module"."""
+    scratch = workdir / "scratch"
+    scratch.mkdir(exist_ok=True)
+    (scratch / f"{provider.hostname}.txt").write_text("B's local NVMe\n")
+    kmod = workdir / "kmod-version"
+    kmod.write_text(provider.kmod_line())
+    return NspawnBox(root, provider, {str(repo_dir): "/srv/ogrefs", str(scratch): "/mnt/scratch",
+                                      str(kmod): "/run/nvidia-lab/version"}, workdir)
+
+
 def _child_named(pid: int, name: str) -> int | None:
     """The first process below ``pid`` whose command is ``name`` (nspawn's inner child runs the box's PID 1)."""
     todo = [pid]

@@ -1,9 +1,10 @@
-"""Cached Debian 12 roots for the whole-box lab (issue 12).
+"""Cached Debian roots for the whole-box lab (issue 12): Debian 12 (bookworm), and 13 (trixie) beside it
+for the lab of releases (issue 47, ``--suite trixie``; Python 3.13 there).
 
 Two stages, each cached under ``$OGREFS_LAB_CACHE`` (default
 ``/var/cache/ogrefs-lab``) in a directory named by the hash of its recipe:
 
-* ``base-<hash>/root``: ``debootstrap bookworm`` from the Debian mirror with
+* ``base-<hash>/root``: ``debootstrap <suite>`` from the Debian mirror with
   systemd, fuse3 and the distribution's Python 3.11.2, plus a venv made with
   that Python (``/opt/ogrefs/venv``) holding ogrefs' dependencies from PyPI
   (bookworm's python3-pyfuse3 3.2, python3-trio 0.22 and python3-zstandard
@@ -38,7 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LAB_DIR = Path(__file__).resolve().parent
-SUITE = "bookworm"
+SUITE = "bookworm"  # Debian 12, the lab's default release
+SUITES = ("bookworm", "trixie")  # Debian 12 and 13: the releases lab of issue 47
 MIRROR = os.environ.get("OGREFS_LAB_MIRROR", "http://deb.debian.org/debian")
 VENV = "/opt/ogrefs/venv"
 
@@ -73,14 +75,14 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()[:16]
 
 
-def base_recipe_hash() -> str:
-    recipe = repr((1, SUITE, MIRROR, PACKAGES, VENV, project_dependencies())).encode()
+def base_recipe_hash(suite: str = SUITE) -> str:
+    recipe = repr((1, suite, MIRROR, PACKAGES, VENV, project_dependencies())).encode()
     return _digest(recipe)
 
 
-def boxes_recipe_hash() -> str:
+def boxes_recipe_hash(suite: str = SUITE) -> str:
     files = sorted([LAB_DIR / "providers.py", *(LAB_DIR / "fake_nvidia").iterdir()])
-    return _digest(base_recipe_hash().encode(), *(f.name.encode() + f.read_bytes() for f in files))
+    return _digest(base_recipe_hash(suite).encode(), *(f.name.encode() + f.read_bytes() for f in files))
 
 
 def check_prerequisites() -> str | None:
@@ -167,10 +169,10 @@ def in_root(root: Path, script: str, timeout: float, env: dict[str, str] | None 
                timeout=timeout, env={**base_env, **(env or {})}).stdout
 
 
-def _build_base(tmp: Path) -> None:
+def _build_base(tmp: Path, suite: str = SUITE) -> None:
     root = tmp / "root"
     try:
-        run(["debootstrap", "--variant=minbase", "--include=systemd-sysv,ca-certificates", SUITE, str(root), MIRROR],
+        run(["debootstrap", "--variant=minbase", "--include=systemd-sysv,ca-certificates", suite, str(root), MIRROR],
             timeout=DEBOOTSTRAP_TIMEOUT_S)
     except RuntimeError as exc:
         log = root / "debootstrap/debootstrap.log"
@@ -183,28 +185,28 @@ def _build_base(tmp: Path) -> None:
         f"{VENV}/bin/python -c 'import pyfuse3, trio, blake3, pyfastcdc, zstandard, boto3, pynvml'; "
         "apt-get clean; rm -rf /var/lib/apt/lists/*"
     ), timeout=PIP_TIMEOUT_S)
-    (root / "etc/ogrefs-lab-base").write_text(f"{base_recipe_hash()}\n")
+    (root / "etc/ogrefs-lab-base").write_text(f"{base_recipe_hash(suite)}\n")
 
 
-def base_root(log: Callable[[str], None] = print) -> Path:
-    final = cache_root() / f"base-{base_recipe_hash()}"
-    return _build_stage(final, _build_base, log) / "root"
+def base_root(log: Callable[[str], None] = print, suite: str = SUITE) -> Path:
+    final = cache_root() / f"base-{base_recipe_hash(suite)}"
+    return _build_stage(final, lambda tmp: _build_base(tmp, suite), log) / "root"
 
 
-def _build_boxes(tmp: Path) -> None:
+def _build_boxes(tmp: Path, suite: str = SUITE) -> None:
     from . import providers
 
-    base = base_root()
+    base = base_root(suite=suite)
     for name in ("a", "b"):
         run(["cp", "-a", "--reflink=auto", str(base), str(tmp / name)], timeout=600)
         providers.make_provider_box(tmp / name, providers.PROVIDERS[name])
 
 
-def box_roots(log: Callable[[str], None] = print) -> dict[str, Path]:
-    """The cached, read-only-by-convention roots of boxes A and B (built if missing)."""
-    base_root(log)
-    final = cache_root() / f"boxes-{boxes_recipe_hash()}"
-    built = _build_stage(final, _build_boxes, log)
+def box_roots(log: Callable[[str], None] = print, suite: str = SUITE) -> dict[str, Path]:
+    """The cached, read-only-by-convention roots of boxes A and B of ``suite`` (built if missing)."""
+    base_root(log, suite)
+    final = cache_root() / f"boxes-{boxes_recipe_hash(suite)}"
+    built = _build_stage(final, lambda tmp: _build_boxes(tmp, suite), log)
     return {"a": built / "a", "b": built / "b"}
 
 
@@ -241,6 +243,10 @@ def install_ogrefs(root: Path, src: Path | None = None) -> None:
 
 
 def main(argv: list[str]) -> int:
+    suite = argv[argv.index("--suite") + 1] if "--suite" in argv[:-1] else SUITE
+    if suite not in SUITES:
+        print(f"make_lab_roots: unknown suite {suite!r} (known: {', '.join(SUITES)})", file=sys.stderr)
+        return 2
     reason = check_prerequisites()
     if reason:
         print(f"make_lab_roots: {reason}", file=sys.stderr)
@@ -251,7 +257,7 @@ def main(argv: list[str]) -> int:
         return 1
     started = time.monotonic()
     try:
-        roots = box_roots(lambda m: print(f"make_lab_roots: {m}", file=sys.stderr))
+        roots = box_roots(lambda m: print(f"make_lab_roots: {m}", file=sys.stderr), suite)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"make_lab_roots: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.lab import fixtures, roots
-from tests.lab.nspawn import NspawnBox, nspawn_missing
+from tests.lab.nspawn import box_b, nspawn_missing
 from tests.lab.providers import PROVIDERS
 
 pytestmark = [pytest.mark.lab, pytest.mark.fuse, pytest.mark.slow]
@@ -50,13 +50,7 @@ def boot_b(lab, tmp_path, python_not_b: bool = False):
     snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv", python_not_b)
     root = fixtures.prepared_box(lab["b"], tmp_path / "b")
     install_unit(root, A.box)  # the user names box A on B: its name as `ogrefs snapshots` lists it
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    (scratch / f"{B.hostname}.txt").write_text("B's local NVMe\n")
-    kmod = tmp_path / "kmod-version"
-    kmod.write_text(B.kmod_line())
-    box = NspawnBox(root, B, {str(snap.repo_dir): "/srv/ogrefs", str(scratch): "/mnt/scratch",
-                              str(kmod): "/run/nvidia-lab/version"}, tmp_path)
+    box = box_b(root, snap.repo_dir, tmp_path, B)
     try:
         box.boot()
         yield box, snap

@@ -63,7 +63,9 @@ PY
     assert compare_trees(copy, proj) == []
 
 
-def test_existing_content_stays_visible_below_the_snapshot(box):
+def test_existing_content_stays_visible_below_the_snapshot_with_merge_only(box):
+    """A snapshot of a project directory at /: its directory exactly (issue 47: this box's newer files are
+    not mixed into the snapshot's), this box's own beside it with --merge; the box's own back afterwards."""
     proj, snap = box["proj"], box["snap"]
     in_namespace(box, f"""
         mount -t tmpfs fresh-box {proj.parent}
@@ -71,6 +73,10 @@ def test_existing_content_stays_visible_below_the_snapshot(box):
         echo "from the new box" > {proj}/local-only
         echo "box version" > {proj}/small.txt
         {OGREFS} mount {snap} /
+        test ! -e {proj}/local-only
+        test "$(cat {proj}/small.txt)" = "hello ogrefs"   # the snapshot's copy
+        {OGREFS} unmount /
+        {OGREFS} mount --merge {snap} /
         test "$(cat {proj}/local-only)" = "from the new box"
         test "$(cat {proj}/small.txt)" = "hello ogrefs"   # the snapshot's copy is on top
         {OGREFS} unmount /

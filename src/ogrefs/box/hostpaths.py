@@ -34,8 +34,10 @@ the fork), the keeper writes the merged layer before any overlay is up.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
+import glob
 import logging
 import os
 import signal
@@ -46,7 +48,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ogrefs.errors import OgrefsError, UsageError
-from ogrefs.box import mountsys, safepath
+from ogrefs.box import exact, mountsys, safepath
 from ogrefs.repo.catalog import ROOT_INO
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("host", "/usr/local/bin/ogrefs"), ("host", "/etc/ogrefs"),
 )
 CONFIG_FILE = "/etc/ogrefs/host-paths"
+#: run/shell: names the directories of this box's driver libraries for the snapshot's own ldconfig
+DRIVER_CONF = "/etc/ld.so.conf.d/000-ogrefs-host-driver.conf"
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,15 @@ def load_rules(*, defaults: bool = True, files: Iterable[str] = (), add: Iterabl
     return [r for r in rules if r.pattern not in dropped]
 
 
+def with_driver(rules: list[Rule]) -> tuple[list[Rule], list[str]]:
+    """``rules`` plus one host rule per file of this box's running NVIDIA driver found through its linker
+    cache (inspect/driverlibs.py, as nvidia-container-toolkit finds them), and the directories they lie in."""
+    from ogrefs.inspect.driverlibs import driver_libraries
+
+    _version, libs = driver_libraries()
+    return rules + [Rule("host", glob.escape(p)) for p in libs], sorted({os.path.dirname(p) for p in libs})
+
+
 # -- what of the snapshot the rules take away --------------------------------------------------------
 @dataclass
 class HostPlan:
@@ -158,6 +171,8 @@ class HostPlan:
     hidden: dict[int, frozenset] = field(default_factory=dict)  # parent ino -> names the view omits
     kept: list[str] = field(default_factory=list)  # snapshot paths replaced by this box's (or by nothing)
     merges: list[tuple[str, str]] = field(default_factory=list)  # (kind, path) synthesized from both sides
+    mask: list[Any] | None = None  # exact.MaskEntry list (None: no mask: --merge, a whole box at /)
+    driver_dirs: list[str] = field(default_factory=list)  # run/shell: where this box's driver libraries lie
 
 
 def _match(catalog: Any, pattern: str) -> list[tuple[int, bytes, Any, str]]:
@@ -427,14 +442,22 @@ class HostLayer:
     root: str | None = None  # a run root: ldconfig -r ROOT
 
     def run_ldconfig(self, timeout: float = 120.0) -> str:
-        """Run this box's ldconfig (opened before the overlays) so /etc/ld.so.cache matches the merged view."""
+        """Rebuild /etc/ld.so.cache for the merged view: at /, this box's ldconfig (opened before the overlays);
+        in a run root, the snapshot's own ldconfig chrooted there (its cache in its glibc's format, over its
+        libraries and this box's driver), else this box's with ``-r``."""
         if self.ldconfig_fd is None:
             return "not needed"
         pid = os.fork()
         if pid == 0:  # single-threaded keeper: a plain fork, then exec through the descriptor
             try:
-                args = ["ldconfig"] + (["-r", self.root] if self.root else [])
-                os.execve(self.ldconfig_fd, args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+                env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+                if self.root:
+                    os.chroot(self.root)
+                    os.chdir("/")
+                    for own in ("/usr/sbin/ldconfig", "/sbin/ldconfig"):
+                        with contextlib.suppress(OSError):
+                            os.execve(own, ["ldconfig"], env)
+                os.execve(self.ldconfig_fd, ["ldconfig"], env)
             finally:
                 os._exit(127)
         deadline = time.monotonic() + timeout
@@ -457,9 +480,16 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     if host is None:
         return HostLayer(list(overlays))
     out, kept = [], list(host.kept)
-    if host.merges:
+    if host.merges or host.mask is not None or host.driver_dirs:
         _fresh_tmpfs(state_dir / "host")
     for n, o in enumerate(overlays):
+        if host.mask is not None and o.keep_existing:  # the box's own below, masked (exact.py)
+            masked = exact.below(host.mask, o.lower[len(str(state_dir / "lower")):] or "/")
+            if exact.whole(masked):
+                o = replace(o, keep_existing=False)  # all of it the snapshot's: no own layer at all
+            else:
+                exact.write(masked, state_dir / "host" / f"mask{n}")
+                o = replace(o, mask=str(state_dir / "host" / f"mask{n}"))
         layer = state_dir / "host" / str(n)
         wrote = False
         shows = o.lower[len(str(state_dir / "lower")):] or "/"  # the snapshot path this overlay shows
@@ -482,6 +512,12 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
                 clash = account_clashes(str((Path(o.lower) / rel).parent), os.path.dirname(path))
                 kept += [f"{path}: the snapshot's {u} gives its uid to this box's {b} (merged)"
                          for u, b in sorted(clash.users.items())]
+        if host.driver_dirs and shows == "/":  # run/shell: this box's driver directories for the root's ldconfig
+            _write_text(layer, DRIVER_CONF.lstrip("/"), Path(o.lower), "".join(
+                f"{d}\n" for d in ["# this box's NVIDIA driver libraries (ogrefs run, inspect/driverlibs.py)",
+                                    *host.driver_dirs]), None)
+            wrote = True
+            kept.append(f"{DRIVER_CONF} (this box's driver libraries in {', '.join(host.driver_dirs)})")
         out.append(replace(o, merged=str(layer)) if wrote else o)
     fd = None
     root = overlays[0].target if overlays and overlays[0].host_dir == "/" else None  # ogrefs run/shell
@@ -505,7 +541,7 @@ def _fresh_tmpfs(path: Path) -> None:
     """
     mountsys.umount(str(path), lazy=True)  # a previous mount's
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    mountsys.mount("ogrefs-host", str(path), "tmpfs", 0, "mode=0755,size=64m")
+    mountsys.mount("ogrefs-host", str(path), "tmpfs", 0, "mode=0755,size=64m,nr_inodes=1m")
 
 
 def unmount_layers(state_dir: Path) -> None:
@@ -525,17 +561,26 @@ def write_merged(kind: str, path: str, snap_file: Path, layer: Path, rel: str, l
         text = merge_dpkg_status(snap_text, host_text)
     else:
         text = merge_lines(snap_text, host_text)
-    # directories of the layer carry the snapshot's attributes (an .ssh directory stays 0700 and its owner's)
+    _write_text(layer, rel, lower_root, text, snap_file)
+
+
+def _write_text(layer: Path, rel: str, lower_root: Path, text: str, attrs: Path | None) -> None:
+    """``text`` at ``rel`` in ``layer`` with ``attrs``' owner and mode (None: root's 0644); the directories on
+    the way carry the snapshot's attributes where it has them (an .ssh directory stays 0700 and its owner's)."""
     parts = rel.split("/")
     for i in range(1, len(parts)):
         d = layer.joinpath(*parts[:i])
         d.mkdir(parents=True, exist_ok=True)
-        _copy_attrs(lower_root.joinpath(*parts[:i]), d)
+        with contextlib.suppress(FileNotFoundError):
+            _copy_attrs(lower_root.joinpath(*parts[:i]), d)
     dest = layer / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".ogrefs-tmp")
     tmp.write_text(text, errors="surrogateescape")
-    _copy_attrs(snap_file, tmp)
+    if attrs is not None:
+        _copy_attrs(attrs, tmp)
+    else:
+        os.chmod(tmp, 0o644)
     os.replace(tmp, dest)
 
 

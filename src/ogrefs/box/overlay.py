@@ -43,6 +43,9 @@ from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.errors import OgrefsError, UsageError
 
 PROTECTED = ("/proc", "/sys", "/dev", "/run", "/boot")
+#: Where a release keeps its programs, libraries and their state (dpkg, systemd, alternatives): what
+#: ``mount --data-only`` leaves to this box, and what a mount at / of another release must not cover.
+SYSTEM_DIRS = ("/usr", "/etc", "/var", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot")
 #: Top-level directories of a whole-box snapshot that are never overlaid, even with --force.
 NEVER = ("/proc", "/sys", "/dev", "/run", "/tmp", "/lost+found")
 
@@ -67,14 +70,22 @@ def _protected(path: str) -> str | None:
     return None
 
 
+def is_system(path: str) -> bool:
+    """Whether ``path`` is, or lies in, one of :data:`SYSTEM_DIRS`."""
+    path = normalized(path)
+    return any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS)
+
+
 def plan_box_root(lower_root: Path, target: Path, state_dir: Path) -> list[Overlay]:
-    """``ogrefs run``/``shell``: one overlay at ``target`` showing the snapshot's ``/`` over this box's ``/``."""
+    """``ogrefs run``/``shell``: one overlay at ``target`` showing the snapshot's ``/`` over this box's ``/``
+    (masked by exact.py unless ``--merge``: the keeper adds the layer)."""
     return [Overlay(normalized(os.path.abspath(str(target))), str(lower_root), str(state_dir / "upper" / "0"),
                     str(state_dir / "work" / "0"), keep_existing=True, host_dir="/")]
 
 
 def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, force: bool = False,
-         top_level: list[str] | None = None, skipped: list[dict] | None = None) -> list[Overlay]:
+         top_level: list[str] | None = None, skipped: list[dict] | None = None,
+         data_only: bool = False) -> list[Overlay]:
     """The overlays that show the snapshot at ``target``; raises UsageError for protected paths.
 
     ``top_level``: names of the snapshot's top-level directories (for a
@@ -83,6 +94,8 @@ def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, forc
     top-level directory of the snapshot that is not overlaid.
     Paths are compared normalized (``//boot`` and ``/tmp/../proc`` are
     ``/boot`` and ``/proc``), as the kernel will resolve them.
+    ``data_only`` (at ``/``): the snapshot's system directories (:data:`SYSTEM_DIRS`) are left to
+    this box and listed in ``skipped``; only its data paths come back.
     """
     target_s = normalized(os.path.abspath(str(target)))
     if target_s != "/":
@@ -99,12 +112,18 @@ def plan(roots: list[str], lower_root: Path, target: Path, state_dir: Path, forc
             # ones a running system needs (they were not asked for by name).
             for name in sorted(top_level or []):
                 p = normalized(name)
-                if p in NEVER or (not force and _protected(p)):
+                if data_only and is_system(p) and p not in NEVER:
+                    if skipped is not None:
+                        skipped.append({"path": p, "reason": f"the box's own {p} is kept (--data-only)"})
+                elif p in NEVER or (not force and _protected(p)):
                     if skipped is not None:
                         why = "never overlaid" if p in NEVER else "protected; --force covers it"
                         skipped.append({"path": p, "reason": f"the box's own {p} is kept ({why})"})
                 elif p != "/" and p not in paths:
                     paths.append(p)
+        elif data_only and is_system(root):
+            if skipped is not None:
+                skipped.append({"path": root, "reason": f"the box's own {root} is kept (--data-only)"})
         elif root not in paths:
             paths.append(root)
     refused = [(p, why) for p in paths if (why := _protected(p))]
@@ -176,6 +195,8 @@ def lowerdir(o: Overlay, own: str | None = None) -> str:
     layers = [o.merged] if o.merged else []
     layers.append(o.lower)
     if own is not None:
+        if o.mask:
+            layers.append(o.mask)  # what of the box's own stays hidden below the snapshot's (exact.py)
         layers.append(own)  # the box's own content stays visible below the snapshot's
     return ":".join(layers)
 

@@ -41,6 +41,7 @@ class Overlay:
     work: str
     keep_existing: bool  # the target's previous content is the lowest layer
     merged: str | None = None  # a layer of host files synthesized for this box (hostpaths.py), topmost
+    mask: str | None = None  # with keep_existing: the layer between snapshot and own that hides the own (exact.py)
     binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
     host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
     #: With the box's own directory as the lowest layer: the keeper's O_PATH descriptor of that directory,

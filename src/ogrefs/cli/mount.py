@@ -10,6 +10,7 @@ machinery, the repository layer or pyfuse3.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -44,6 +45,13 @@ def parse_size(text: str) -> int:
                    "(default /var/lib/ogrefs/mounts/<snapshot>-<target>); the same dir resumes.")
 @click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
+@click.option("--merge", "merge", is_flag=True,
+              help="At /: a snapshot of data paths (a project directory) shows this box's files there too, where "
+                   "it has none (without it: the snapshot's directories exactly, docs/mount.md).")
+@click.option("--data-only", "data_only", is_flag=True,
+              help="At /: bring back the snapshot's data paths (/home, /root, /opt, /srv, ...) and leave this box's "
+                   "system (/usr, /etc, /var, /bin, /lib*, /boot) alone: how a snapshot of another OS release "
+                   "comes back (its programs: `ogrefs run`/`shell`).")
 @click.option("--encrypt-cache", is_flag=True,
               help="Encrypted repositories: keep the local chunk cache encrypted too (AES-256-GCM).")
 @click.option("--no-materialize", is_flag=True,
@@ -84,7 +92,7 @@ def parse_size(text: str) -> int:
 @click.pass_obj
 @filter_options
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
-          encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          merge: bool, data_only: bool, encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
           no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None,
           no_fuse: bool = False, filters=None) -> None:
@@ -106,6 +114,8 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
 
+    if data_only and (read_only or os.path.normpath(os.path.abspath(mountpoint)) != "/"):
+        raise UsageError("--data-only is for a writable mount at / (it leaves this box's /usr, /etc, /var ... alone)")
     in_place = not read_only and _in_place(no_fuse, as_json or getattr(obj, "quiet", False))
     rules = None if read_only else tuple(load_rules(defaults=not no_host_paths, files=host_paths_file,
                                                     add=host_path, drop=no_host_path))
@@ -115,7 +125,8 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
-                        prefetch=prefetch, host_rules=rules, no_fuse=in_place)
+                        prefetch=prefetch, host_rules=rules, no_fuse=in_place, data_only=data_only,
+                        merge_host=merge)
 
     def resolve(repo):
         manifest = pick(repo, snap, filters, as_json or obj.quiet)  # `latest`: this box's; named by id from here

@@ -17,6 +17,10 @@ def _options(f):
         click.option("--state-dir", type=click.Path(path_type=Path), default=None,
                      help="Where writes land (default: the snapshot's own, kept for the next run)."),
         click.option("--nspawn", is_flag=True, help="Enter with systemd-nspawn instead of chroot."),
+        click.option("--merge", is_flag=True,
+                     help="Also show this box's files where the snapshot has none (inside the snapshot's own "
+                          "directories too); without it they show only above the snapshot's paths and where "
+                          "a host-path rule keeps them."),
         click.option("--materialize", is_flag=True, help="Copy the whole snapshot to local disk meanwhile."),
         click.option("--host-path", "host_path", multiple=True, metavar="[KIND:]PATH",
                      help="Also keep PATH from this box (see `ogrefs mount --help`)."),
@@ -30,9 +34,9 @@ def _options(f):
     return json_refused_option(filter_options(f))
 
 
-def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, materialize, host_path, no_host_path,
-         no_host_paths, host_paths_file, filters) -> None:
-    from ogrefs.inspect.compat import environment_warning
+def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, merge, materialize, host_path,
+         no_host_path, no_host_paths, host_paths_file, filters) -> None:
+    from ogrefs.inspect.compat import environment_warning, release_note
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
     from ogrefs.mount.run import run
@@ -44,7 +48,7 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, mater
     def build(root: Path) -> MountOptions:
         return MountOptions(repo_url=obj.url(), snapshot=chosen[0], mountpoint=root, s3_endpoint=obj.s3_endpoint,
                             read_only=False, state_dir=state_dir, materialize=materialize, box_root=True,
-                            host_rules=rules, save_trace=False)
+                            host_rules=rules, save_trace=False, merge_host=merge, inject_driver=not no_host_paths)
 
     def open_repo():
         repo = obj.open()
@@ -53,6 +57,9 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, mater
         warning = environment_warning(manifest, False)
         if warning:
             click.echo(f"warning: {warning}", err=True)
+        if merge and (other := release_note(manifest)):
+            click.echo(f"warning: --merge shows this box's {other} files where the snapshot has none: its programs "
+                       "may load this box's libraries of another release", err=True)
         return repo
 
     code = run(build, open_repo, lambda _repo: chosen[0], command, nspawn=nspawn)

@@ -33,6 +33,17 @@ def environment_warning(manifest: dict[str, Any], strict: bool = False) -> str |
     return text
 
 
+def release_note(manifest: dict[str, Any]) -> str | None:
+    """``Debian GNU/Linux 13 (trixie), glibc 2.41, systemd 257``: this box's release when the snapshot's
+    (recorded in its environment) differs from it, else None (inspect/release.py)."""
+    from ogrefs.inspect.machine import machine_info
+    from ogrefs.inspect.release import release_differences, release_name
+
+    snap = (manifest.get("environment") or {}).get("machine") or {}
+    here = machine_info()
+    return release_name(here) if release_differences(snap, here) else None
+
+
 def _driver(gpus: dict | None) -> str:
     g = gpus or {}
     if not g.get("driver_version"):

@@ -1,6 +1,6 @@
 """Facts about the running machine: host, OS, kernel, CPU, memory.
 
-Everything comes from files under /etc and /proc and from :mod:`os`;
+Everything comes from files under /etc, /proc and /usr and from :mod:`os`;
 nothing is executed.  Missing files give ``None`` fields, never errors.
 """
 
@@ -11,6 +11,7 @@ import platform
 import socket
 
 from ogrefs.inspect.files import open_regular
+from ogrefs.inspect.release import system_versions
 
 __all__ = ["machine_info", "read_os_release"]
 
@@ -64,7 +65,8 @@ def _memory_bytes(path: str = "/proc/meminfo") -> int | None:
 
 
 def machine_info() -> dict:
-    """Hostname, OS release, kernel, architecture, CPU and memory."""
+    """Hostname, OS release (with glibc, systemd's major and OpenSSH: inspect/release.py), kernel, architecture,
+    CPU and memory."""
     uname = os.uname()
     try:
         usable = len(os.sched_getaffinity(0))
@@ -73,6 +75,7 @@ def machine_info() -> dict:
     return {
         "hostname": socket.gethostname() or uname.nodename,
         "os": read_os_release(),
+        **system_versions(),
         "kernel": uname.release,
         "arch": uname.machine,
         "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "usable": usable},

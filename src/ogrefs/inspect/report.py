@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ogrefs.inspect.ckptrules import FRAMEWORK_NAMES
 from ogrefs.inspect.compare import gpu_summary
+from ogrefs.inspect.release import release_name
 
 __all__ = ["format_environment", "format_checkpoint"]
 
@@ -94,7 +95,7 @@ def format_environment(env: dict) -> list[str]:
     if m:
         cpu = m.get("cpu") or {}
         lines.append(
-            f"Machine: {m.get('hostname')}, {(m.get('os') or {}).get('pretty_name', 'unknown OS')}, "
+            f"Machine: {m.get('hostname')}, {release_name(m)}, "
             f"kernel {m.get('kernel')}, {m.get('arch')}, {cpu.get('count')}x {cpu.get('model') or 'CPU'}, "
             f"{_gib(m.get('memory_bytes'))} RAM"
         )

@@ -13,9 +13,15 @@ import stat
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING, Any
+
+from ogrefs.box.overlay import is_system, normalized
 from ogrefs.box.records import Registration, pid_alive
 from ogrefs.errors import UsageError
 from ogrefs.box.mountsys import mounted_fstype
+
+if TYPE_CHECKING:
+    from ogrefs.mount.options import MountOptions
 
 
 def fuse_problem() -> str | None:
@@ -79,3 +85,41 @@ def check_target(target: Path) -> Path:
     if not os.path.isdir(target):
         raise UsageError(f"{target} is not a directory")
     return target
+
+
+def check_release(manifest: dict[str, Any], target: Path, opts: MountOptions) -> None:
+    """At ``/``: refuse a snapshot of another OS release over this box's system directories (one line).
+
+    Two releases' ``/usr`` never mix: this box's running programs (PID 1,
+    sshd, getty, this ogrefs) would exec the snapshot's programs and load its
+    libraries, and its own ``ldconfig`` would point the snapshot's programs at
+    the wrong ones (docs/mount.md, "A box of another release"). The line names
+    what works instead: the snapshot's programs in a root of their own
+    (``ogrefs run``/``shell``) and its data paths at their places
+    (``--data-only``). There is no override: ``--force`` does not mix releases.
+    A snapshot that records no OS release is refused the same way (nothing
+    proves it is this box's). Mounts elsewhere, and snapshots of data paths
+    only, are not checked.
+    """
+    if normalized(str(target)) != "/" or opts.data_only:
+        return
+    if not (manifest.get("whole_box") or any(is_system(p) for p in manifest.get("paths") or [])):
+        return
+    from ogrefs.inspect.machine import machine_info
+    from ogrefs.inspect.release import release_differences, release_name
+
+    snap = (manifest.get("environment") or {}).get("machine") or {}
+    here = machine_info()
+    if (snap.get("os") or {}).get("id"):
+        diffs = release_differences(snap, here)
+        if not diffs:
+            return
+        what = f"it is {release_name(snap)} and this box is {release_name(here)} ({'; '.join(diffs)})"
+    else:
+        what = "it records no OS release to compare with this box's"
+    sid = manifest["id"][:12]
+    raise UsageError(
+        f"refusing to mount snapshot {sid} at /: {what}; one release's programs do not run on the other's "
+        f"libraries, so neither /usr may cover the other; run its programs in a root of their own with "
+        f"`ogrefs run {sid} -- CMD` or `ogrefs shell {sid}`, and bring its data (/home, /root, /opt, /srv, ...) "
+        f"back to their places with `ogrefs mount --data-only {opts.snapshot} /`")

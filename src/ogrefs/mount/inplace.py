@@ -42,12 +42,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ogrefs.box import hostpaths, mountsys
 from ogrefs.box.copyplan import Plan
+from ogrefs.box.overlay import SYSTEM_DIRS
 from ogrefs.box.records import Registration, atomic_json
 from ogrefs.errors import OgrefsError
 from ogrefs.inplace.engine import InPlace, Order
 from ogrefs.lazy.background.materialize.build import hint_files
 from ogrefs.lazy.trace.resolve import entries_to_replay, resolve_entries
-from ogrefs.mount.checks import check_target, fuse_problem
+from ogrefs.mount.checks import check_release, check_target, fuse_problem
 from ogrefs.mount.control import ControlServer
 from ogrefs.mount.detach import serve_detached
 from ogrefs.mount.keeper import own_directories_of
@@ -125,6 +126,7 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock,
     """Resolve what the daemon needs (in the calling process, under ``lock``); raises with a one-line reason."""
     target = check_target(opts.mountpoint)
     manifest = resolve(repo) if resolve is not None else repo.resolve(opts.snapshot)
+    check_release(manifest, target, opts)  # written in place, another release's /usr would stay for good
     lock.set_snapshot(manifest["id"])
     cat_path = repo.catalog_path(manifest["id"])
     catalog = Catalog(cat_path)
@@ -167,6 +169,8 @@ def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path, own: list[s
                  if point.startswith(base + "/")}
     hidden: dict[int, frozenset] = {}
     merges: list[tuple[str, str]] = []
+    if str(target) == "/" and opts.data_only:  # this box's /usr, /etc, /var ... stay as they are
+        untouched |= {os.fsencode(d) for d in SYSTEM_DIRS}
     if str(target) == "/":
         rules = list(opts.host_rules) if opts.host_rules is not None else hostpaths.load_rules()
         rules += [hostpaths.Rule("host", p) for p in CONTAINER_FILES]

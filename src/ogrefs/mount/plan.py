@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ogrefs.box.records import Overlay, Registration, load_overlays, mountpoint_key, pid_alive, state_base
 from ogrefs.errors import OgrefsError, UsageError
 from ogrefs.lazy.trace.resolve import entries_to_replay
-from ogrefs.box import holders, hostpaths, mountsys, overlay, topfiles
-from ogrefs.mount.checks import check_mountpoint
+from ogrefs.box import exact, holders, hostpaths, mountsys, overlay, topfiles
+from ogrefs.mount.checks import check_mountpoint, check_release
 from ogrefs.mount.options import MountOptions
 from ogrefs.repo.catalog import ROOT_INO, Catalog
 from ogrefs.repo.traces import find_trace
@@ -105,6 +105,8 @@ def prepare(opts: MountOptions, repo: Repository, lock: HeldLock, mountpoint: Pa
     if opts.encrypt_cache and repo.codec.cache_key() is None:
         raise UsageError("--encrypt-cache needs an encrypted repository (its key encrypts the cache)")
     manifest = resolve(repo) if resolve is not None else repo.resolve(opts.snapshot)
+    if not opts.read_only and not opts.box_root:
+        check_release(manifest, mountpoint, opts)
     # Three chains of store requests that need only the manifest run side by side (behind a far link
     # each request costs a round trip, and in a row they were a fifth of a mount's start at 30 ms):
     # the lock narrowed to this snapshot, the catalog, the trace to replay (a listing, then a get).
@@ -149,8 +151,8 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
         plans = overlay.plan_box_root(state / "lower", target, state)
     else:
         plans = overlay.plan(roots, state / "lower", target, state, force=opts.force, top_level=top,
-                             skipped=skipped)
-        if str(target) == "/" and any(overlay.normalized(r) == "/" for r in roots):
+                             skipped=skipped, data_only=opts.data_only)
+        if str(target) == "/" and any(overlay.normalized(r) == "/" for r in roots) and not opts.data_only:
             top_files = topfiles.planned(catalog)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     state_lock = lock_state_dir(state, Registration.for_mountpoint(target))
@@ -163,10 +165,32 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
     host_paths = None
     if str(target) == "/" or opts.box_root:  # read this box's own tree now: nothing of an earlier mount covers it any more
         rules = list(opts.host_rules) if opts.host_rules is not None else hostpaths.load_rules()
+        driver_dirs: list[str] = []
+        if opts.box_root and opts.inject_driver:
+            rules, driver_dirs = hostpaths.with_driver(rules)
         host_paths = hostpaths.plan(catalog, rules)
+        host_paths.driver_dirs = driver_dirs
+        host_paths.mask = _mask(opts, catalog, rules, roots)
     os.chmod(state, 0o700)
     return WritableLayout(target=target, state_dir=state, overlays=plans, skipped=skipped, host_paths=host_paths,
                           top_files=top_files, state_lock=state_lock)
+
+
+def _mask(opts: MountOptions, catalog: Catalog, rules: list, roots: list[str]) -> list | None:
+    """What of this box stays hidden below the snapshot's roots (exact.py), or None for no mask.
+
+    ``--merge``: none. ``run``/``shell``: everything below the snapshot's roots. At ``/``: the roots of a
+    snapshot of named data paths (its project: this box's system does not need it merged); a whole box's
+    top-level directories and any system directory keep this box's entries (its own system needs them).
+    """
+    if opts.merge_host:
+        return None
+    if opts.box_root:
+        return exact.plan(catalog, rules, roots)
+    data = [r for r in roots if overlay.normalized(r) != "/" and not overlay.is_system(r)]
+    if any(overlay.normalized(r) == "/" for r in roots) or not data:
+        return None
+    return exact.plan(catalog, rules, data)
 
 
 def lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_WAIT_S) -> int:
