@@ -181,3 +181,16 @@ def test_the_pending_names_and_the_log_never_drop_a_name_not_in_place(tmp_path):
     for name in done:
         pending._drop(os.fsdecode(name))
     assert complete and len(pending) == 0 and not pending.needs(last)
+
+
+def test_need_of_a_directory_is_the_directory_and_needall_every_entry(tmp_path):
+    """A stat or a ``mkdir -p`` of a big checkpoint directory waits for the directory (made before any file),
+    a listing for every entry in it.  Before: every ``need`` of a directory waited for all its files."""
+    engine, there = _engine(tmp_path, 200)
+    entry = engine.need(os.fsencode(there / "a1"), whole=False)
+    listing = engine.need(os.fsencode(there / "a1"), whole=True)
+    assert entry.event.is_set() and entry.answer == "ok"
+    assert not listing.event.is_set()
+    engine.run()
+    assert listing.event.is_set() and listing.answer == "ok"
+    assert len(os.listdir(there / "a1")) == 101  # its 100 files and the link

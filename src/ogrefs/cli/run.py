@@ -87,7 +87,8 @@ def _run_without_fuse(obj, snap: str, command: list[str], filters, forced: bool,
     if not (forced or why or copies):
         return None
     repo = obj.open()
-    manifest = pick(repo, snap, filters, obj.quiet)  # `latest` is this box's, as for mount
+    # `latest` is this box's, as for mount; its note said once (the FUSE run, if it comes to that, says it)
+    manifest = pick(repo, snap, filters, obj.quiet or not (forced or why))
     mine = sorted((c for c in copies if c.get("snapshot") == manifest["id"]), key=lambda c: c["mountpoint"] != "/")
     if not (forced or why or mine):
         return None  # FUSE works and no copy of this snapshot is registered: the mount as ever
