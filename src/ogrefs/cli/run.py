@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ogrefs.cli.base import json_refused_option, refuse_json
+from ogrefs.errors import UsageError
 from ogrefs.cli.select import filter_options, pick
 
 
@@ -22,6 +23,9 @@ def _options(f):
                           "directories too); without it they show only above the snapshot's paths and where "
                           "a host-path rule keeps them."),
         click.option("--materialize", is_flag=True, help="Copy the whole snapshot to local disk meanwhile."),
+        click.option("--no-fuse", "no_fuse", is_flag=True,
+                     help="Write the snapshot into place at / and run the job supervised on this box's own tree "
+                          "(automatic where FUSE or mounting is not allowed; docs/mount.md)."),
         click.option("--host-path", "host_path", multiple=True, metavar="[KIND:]PATH",
                      help="Also keep PATH from this box (see `ogrefs mount --help`)."),
         click.option("--no-host-path", "no_host_path", multiple=True, metavar="PATH",
@@ -35,13 +39,16 @@ def _options(f):
 
 
 def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, merge, materialize, host_path,
-         no_host_path, no_host_paths, host_paths_file, filters) -> None:
+         no_host_path, no_host_paths, host_paths_file, filters, no_fuse: bool = False) -> None:
     from ogrefs.inspect.compat import environment_warning, release_note
     from ogrefs.box.hostpaths import load_rules
     from ogrefs.mount.options import MountOptions
     from ogrefs.mount.run import run
     refuse_json(obj, name, "what its command prints")
     rules = tuple(load_rules(defaults=not no_host_paths, files=host_paths_file, add=host_path, drop=no_host_path))
+    code = _run_without_fuse(obj, snap, command, filters, no_fuse, nspawn, state_dir, rules)
+    if code is not None:
+        sys.exit(code)
 
     chosen: list[str] = []  # the snapshot's id, resolved once (in the child, where the repository is opened)
 
@@ -64,6 +71,58 @@ def _run(obj, name: str, snap: str, command: list[str], state_dir, nspawn, merge
 
     code = run(build, open_repo, lambda _repo: chosen[0], command, nspawn=nspawn)
     sys.exit(code)
+
+
+def _run_without_fuse(obj, snap: str, command: list[str], filters, forced: bool, nspawn: bool, state_dir,
+                      rules) -> int | None:
+    """The no-FUSE ``run`` (docs/mount.md, "ogrefs run without FUSE"), where FUSE or mounting is not allowed, with
+    --no-fuse, or where a no-FUSE mount of the snapshot is registered: the job's exit code; None (nothing done)
+    otherwise.
+
+    The job runs supervised on this box's own tree against the no-FUSE mount of the snapshot (started at /
+    if none is, or resumed where its copy stopped), as `ogrefs mount SNAP /` then the job would.
+    """
+    from ogrefs.box.records import pid_alive, registered_mounts
+    from ogrefs.inspect.compat import environment_warning
+    from ogrefs.mount.client import mount
+    from ogrefs.mount.inplace import why_box_forbids_mounts
+    from ogrefs.mount.options import MountOptions
+    from ogrefs.mount.run import run_on_copy
+
+    copies = [info for info in registered_mounts() if info.get("in_place") and info.get("mountpoint")]
+    why = None if forced else why_box_forbids_mounts()
+    if not (forced or why or copies):
+        return None
+    repo = obj.open()
+    # `latest` is this box's, as for mount; its note said once (the FUSE run, if it comes to that, says it)
+    manifest = pick(repo, snap, filters, obj.quiet or not (forced or why))
+    mine = sorted((c for c in copies if c.get("snapshot") == manifest["id"]), key=lambda c: c["mountpoint"] != "/")
+    if not (forced or why or mine):
+        return None  # FUSE works and no copy of this snapshot is registered: the mount as ever
+    if nspawn:
+        raise UsageError("--nspawn needs a mount; without FUSE the job runs on this box's own tree")
+
+    def say(line: str) -> None:
+        if not obj.quiet:
+            click.echo(line, err=True)
+
+    warning = environment_warning(manifest, False)
+    if warning:
+        say(f"warning: {warning}")
+    named = manifest["id"][:12]
+    copy = mine[0] if mine else None
+    if copy is None or not (copy.get("finalized") or (copy.get("pid") and pid_alive(copy["pid"]))):
+        target = Path(copy["mountpoint"]) if copy else Path("/")
+        say(f"{why or '--no-fuse'}: writing {named} into place at {target} (no-FUSE mode); the job runs on this "
+            "box's own tree")
+        mount(MountOptions(repo_url=obj.url(), snapshot=manifest["id"], mountpoint=target,
+                           s3_endpoint=obj.s3_endpoint, read_only=False, state_dir=state_dir, host_rules=rules,
+                           no_fuse=True), open_repo=lambda: repo)
+    else:
+        target = Path(copy["mountpoint"])
+        say(f"{named} is written into place at {target} by its no-FUSE mount (no-FUSE mode); the job runs on this "
+            "box's own tree")
+    return run_on_copy(target, command, say)
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

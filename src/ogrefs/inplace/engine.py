@@ -35,8 +35,10 @@ Threads: the engine's thread (the daemon's) prepares and runs the batches and
 alone writes the plan and the tree's directories; a Restorer's workers write
 a batch's files and call :meth:`InPlace._settle` as each is in place.  Control
 connections call :meth:`InPlace.need` and :meth:`InPlace.status` from their
-own threads.  ``_lock`` guards what those share: ``_settled``, ``_urgent``,
-``_waiters``, ``failed`` and the counters.  The catalog answers any thread
+own threads, and :meth:`InPlace.pending` / :meth:`InPlace.since` (what
+``ogrefs run``'s supervisor keeps of what is still to come).  ``_lock`` guards
+what those share: ``_settled``, ``_log``, ``_urgent``, ``_waiters``,
+``failed`` and the counters.  The catalog answers any thread
 (one SQLite connection each); ``_names``, ``_size``, ``_class_of`` are
 written by :meth:`InPlace.prepare` before any other thread starts and only read after.
 """
@@ -133,6 +135,7 @@ class InPlace:
         self._urgent: deque[int] = deque()
         self._settled: dict[int, str | None] = {}  # ino -> None (in place) or why it failed
         self._waiters: dict[int, list[Need]] = {}
+        self._log: list[int] = []  # inos settled in place, in that order: what :meth:`since` reads
         self._working: set[int] = set()  # the working set still to settle
         self.failed: dict[bytes, str] = {}  # path -> reason
         self.metadata_problems: dict[bytes, str] = {}
@@ -392,6 +395,7 @@ class InPlace:
             self._settled[ino] = why
             self._working.discard(ino)
             if why is None:
+                self._log.append(ino)
                 self.counts["files_done"] += 1
                 self.counts["bytes_done"][cls] += size
             else:
@@ -427,11 +431,13 @@ class InPlace:
                 for (parent, name), reason in sorted(self.cat.rejected.items())]
 
     # -- asked for: the supervisor's requests -----------------------------------------------------------
-    def need(self, path: bytes) -> Need:
-        """Bring the entry at absolute ``path`` (a directory: its entries) to the front; a :class:`Need` to wait on.
+    def need(self, path: bytes, whole: bool = True) -> Need:
+        """Bring the entry at absolute ``path`` to the front; a :class:`Need` to wait on.
 
-        Symlinks of the snapshot on the way are followed (and their own entries brought too).  Answered at
-        once with ``absent`` for a path the snapshot does not have, ``host`` for one this box keeps.
+        ``whole``: a directory's entries too (a listing); without it a directory is in place already (every
+        directory is made before the first file).  Symlinks of the snapshot on the way are followed (and
+        their own entries brought too).  Answered at once with ``absent`` for a path the snapshot does not
+        have, ``host`` for one this box keeps.
         """
         self._prepared.wait()
         if self._prepare_error is not None:
@@ -439,7 +445,7 @@ class InPlace:
         rel = self._relative(path)
         if rel is None:
             return Need.now("absent")
-        found = self._resolve(rel)
+        found = self._resolve(rel, whole)
         if isinstance(found, str):
             return Need.now(found)
         with self._lock:
@@ -455,6 +461,31 @@ class InPlace:
                 self._urgent.append(ino)
         return need
 
+    def pending(self) -> tuple[list[tuple[bytes, bool]], int, bool]:
+        """Every name not in place yet (or failed), whether it is a regular file, the position in the log of
+        settled entries at that same instant (for :meth:`since`), and whether everything is in place.
+
+        Taken under ``_lock``: an entry settled after it is in the log after that position, so a reader
+        that starts from this and applies :meth:`since` never drops a name that is not in place.
+        """
+        self._prepared.wait()
+        if self._prepare_error is not None:
+            raise OgrefsError(self._prepare_error)
+        with self._lock:
+            inos = [ino for ino in self._size if self._settled.get(ino, "") is not None]
+            seq = len(self._log)
+        names = [(self._display(name), self._size[ino] >= 0) for ino in inos for name in self._names[ino]]
+        return names, seq, not inos
+
+    def since(self, seq: int) -> tuple[list[bytes], int, bool]:
+        """The names settled in place after position ``seq`` of the log, the log's end, whether all is in place."""
+        self._prepared.wait()
+        with self._lock:
+            inos = self._log[max(seq, 0):]
+            end = len(self._log)
+            complete = self.counts["files_done"] == self.counts["files_total"]
+        return [self._display(name) for ino in inos for name in self._names[ino]], end, complete
+
     def _relative(self, path: bytes) -> bytes | None:
         path = os.path.normpath(path)
         if not self.target:
@@ -463,12 +494,20 @@ class InPlace:
             return b""
         return path[len(self.target):] if path.startswith(self.target + b"/") else None
 
-    def _resolve(self, rel: bytes) -> list[int] | str:
-        """The non-directory inodes that must be in place for ``rel`` to be as the snapshot has it."""
+    def _resolve(self, rel: bytes, whole: bool) -> list[int] | str:
+        """The non-directory inodes that must be in place for ``rel`` to be as the snapshot has it (a symlink's
+        ``..`` goes up from the directory the link is in, as the kernel's walk does)."""
         parts = [p for p in rel.split(b"/") if p]
-        node, here, links, out = self.cat.get(ROOT_INO), b"", 0, []
+        root = self.cat.get(ROOT_INO)
+        stack: list[tuple[Inode | None, bytes]] = [(root, b"")]  # the directories walked: ``..`` pops one
+        links, out = 0, []
         while parts:
             part = parts.pop(0)
+            node, here = stack[-1]
+            if part in (b".", b".."):
+                if part == b".." and len(stack) > 1:
+                    stack.pop()
+                continue
             child = self.cat.lookup(node.ino, part) if node is not None and node.is_dir else None
             path = here + b"/" + part
             if any(path == s or path.startswith(s + b"/") for s in self._skipped):
@@ -481,11 +520,13 @@ class InPlace:
                 target = child.target or b""
                 parts = [p for p in target.split(b"/") if p] + parts
                 if target.startswith(b"/"):
-                    node, here = self.cat.get(ROOT_INO), b""
+                    stack = [(root, b"")]
                 continue
-            node, here = child, path
+            stack.append((child, path))
+        node = stack[-1][0]
         if node is not None and node.is_dir:
-            out.extend(c.ino for _n, c in self.cat.children(node.ino) if not c.is_dir)
+            if whole:
+                out.extend(c.ino for _n, c in self.cat.children(node.ino) if not c.is_dir)
         elif node is not None:
             out.append(node.ino)
         return [ino for ino in out if ino in self._size]

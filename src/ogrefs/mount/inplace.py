@@ -83,6 +83,14 @@ def why_no_fuse() -> str | None:
     return None
 
 
+def why_box_forbids_mounts() -> str | None:
+    """:func:`why_no_fuse` where the reason is the box's (no device, no permission, no CAP_SYS_ADMIN), None
+    where FUSE is only missing from or broken in this install: ``ogrefs run`` then says so rather than
+    write the snapshot over this box's own tree (``--no-fuse`` asks for that)."""
+    why = why_no_fuse()
+    return None if why is None or why.startswith("FUSE support is") else why
+
+
 def _has_capability(bit: int) -> bool:
     try:
         with open("/proc/self/status") as fh:
@@ -218,7 +226,7 @@ class InPlaceDaemon:
             self.plan.registration.write(self.info)
             worker = threading.Thread(target=self._work, name="ogrefs-inplace", daemon=True)
             worker.start()
-            server = ControlServer(self.sock_path, self.engine.need, threading.Event())
+            server = ControlServer(self.sock_path, self.engine, threading.Event())
             server.start()
             while worker.is_alive():
                 self._write_status()

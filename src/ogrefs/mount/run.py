@@ -97,6 +97,29 @@ def run_in_place(command: list[str], needs: Callable[[str], bool], ensure: Calla
     return supervise(command, None, needs, ensure, settled=settled)
 
 
+def run_on_copy(mountpoint: Path, command: list[str], say: Callable[[str], None]) -> int:
+    """``ogrefs run`` against the no-FUSE mount at ``mountpoint``: the command's exit code.
+
+    Supervised with what the daemon has not put in place yet (mount/pending.py); where the copy is
+    complete already, run directly (a supervised call costs a kernel round trip, for nothing then).
+    """
+    from ogrefs.mount.control import NeedFailed
+    from ogrefs.mount.pending import PendingPaths
+
+    try:
+        pending = PendingPaths.load(mountpoint)
+    except NeedFailed as exc:
+        raise OgrefsError(f"cannot ask the no-FUSE mount at {mountpoint} what is still to come: {exc.strerror}; "
+                          "the same `ogrefs mount` resumes it") from None
+    if pending.settled():
+        say(f"the snapshot is all in place at {mountpoint}: running the job directly")
+        return _fork_exec(command, lambda: None)
+    say(f"running the job supervised: a path not in place yet at {mountpoint} ({len(pending)} to come) is waited "
+        "for, not missed")
+    with pending:
+        return run_in_place(command, pending.needs, pending.ensure, pending.settled)
+
+
 def _exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -172,15 +195,26 @@ def _enter(root: Path, command: list[str], nspawn: bool) -> int:
         args += [f"--bind={p}" for p in sorted(Path("/dev").glob("nvidia*"))]
         return subprocess.run([*args, "--", *command]).returncode
     cwd = os.getcwd()
+
+    def enter() -> None:
+        os.chroot(root)
+        os.chdir(cwd if os.path.isdir(cwd) else "/")
+
+    return _fork_exec(command, enter)
+
+
+def _fork_exec(command: list[str], prepare: Callable[[], None]) -> int:
+    """Run ``command`` in a child (``prepare`` first, in it); its exit code, Ctrl-C its own."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
-            os.chroot(root)
-            os.chdir(cwd if os.path.isdir(cwd) else "/")
+            prepare()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvp(command[0], command)
         except OSError as exc:
-            print(f"ogrefs: cannot run {command[0]} in the snapshot: {exc.strerror}", file=sys.stderr)
+            print(f"ogrefs: cannot run {command[0]}: {exc.strerror}", file=sys.stderr)
         os._exit(127)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

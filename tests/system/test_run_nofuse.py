@@ -1,0 +1,196 @@
+"""``ogrefs run`` without FUSE (issue 48): the job runs supervised while the snapshot is written into place.
+
+Each container is test_nofuse's (no /dev/fuse, CAP_SYS_ADMIN dropped).  The store delivers nothing until the
+job opens the gate (tests/heldpacks.py), so every file of the snapshot is still to come when the job starts:
+a job that reads the exact bytes waited for them.
+
+* ``ogrefs mount SNAP / --no-fuse`` then ``ogrefs run latest -- python3 ...``: an open, a stat, a listing through
+  the snapshot's own symlink and an exec of files not yet in place all succeed with the snapshot's bytes; a
+  path the snapshot lacks is ENOENT; the tree ends exact;
+* ``ogrefs run --no-fuse SNAP -- CMD`` with no mount: it starts one at /; the daemon killed -9 meanwhile gives
+  the job EIO and a clear line, never a hang; CMD's exit code is run's; the same ``ogrefs mount`` completes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.system import test_nofuse
+from tests.system.test_nofuse import _snapshot, in_container
+from tests.treegen import compare_trees
+
+lab = test_nofuse.lab  # the fixture: a repository, its caches and runtime directory in tmp_path
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, owners, device nodes)")]
+
+
+def _box(lab: dict):
+    """A project of 1,600 small files, a listing through a symlink, a big file and a script; snapshotted, then
+    moved away: the new box has none of it.  (its path, where the old one is, the snapshot id)"""
+    src = lab["tmp"] / "box" / "proj"
+    for i in range(1600):
+        d = src / f"a{i // 400}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:04}").write_bytes(os.urandom(2048))
+    (src / "ckpt").mkdir()
+    for i in range(5):
+        (src / "ckpt" / f"step{i}.pt").write_bytes(os.urandom(1000 + i))
+    os.symlink("../ckpt", src / "a3" / "latest")  # deep in the walk: not in the first batch (made without a read)
+    (src / "big.bin").write_bytes(os.urandom(3_000_000))
+    (src / "bin").mkdir()
+    (src / "bin" / "tool").write_text("#!/bin/sh\necho tool ran\n")
+    (src / "bin" / "tool").chmod(0o755)
+    snap = _snapshot(lab, src)
+    old = src.with_name("proj.old")
+    os.rename(src, old)
+    return src, old, snap
+
+
+def _held(lab: dict) -> str:
+    return f"{sys.executable} -m tests.heldpacks {lab['tmp'] / 'gate'}"
+
+
+def test_mount_then_run_latest_waits_for_files_not_yet_in_place(lab):
+    src, old, snap = _box(lab)
+    job = f"""
+        import hashlib, os, subprocess, sys
+        src = "{src}"
+        try:
+            os.stat(src + "/nowhere")
+        except FileNotFoundError:
+            print("ENOENT")
+        open("{lab['tmp'] / 'gate'}", "w").close()  # the store delivers from now on
+        print(hashlib.sha256(open(src + "/a3/f1599", "rb").read()).hexdigest())
+        print(os.stat(src + "/big.bin").st_size)
+        print(sorted(os.listdir(src + "/a3/latest")))
+        print(subprocess.run([src + "/bin/tool"], capture_output=True, text=True).stdout.strip())
+        sys.exit(7)
+    """
+    proc = in_container(lab, f"""
+        {_held(lab)} mount {snap} / --no-fuse --state-dir {lab['tmp']}/st >/dev/null
+        for p in a3 a3/f1599 big.bin a3/latest; do if [ -e {src}/$p ] || [ -L {src}/$p ]; then echo "$p: there"; else echo "$p: not yet"; fi; done
+        {_held(lab)} run latest -- {sys.executable} -c '{textwrap.dedent(job)}' || echo "run: $?"
+        $OG status / --wait --timeout 120 >/dev/null
+    """)
+    want = [hashlib.sha256((old / "a3" / "f1599").read_bytes()).hexdigest(), "3000000",
+            str(sorted(os.listdir(old / "ckpt"))), "tool ran"]
+    assert proc.stdout.splitlines() == ["a3: there", "a3/f1599: not yet", "big.bin: not yet", "a3/latest: not yet",
+                                      "ENOENT", *want, "run: 7"], proc.stderr
+    lines = proc.stderr.splitlines()
+    assert any(" is written into place at / by its no-FUSE mount (no-FUSE mode)" in ln for ln in lines), lines
+    assert any(ln.startswith("running the job supervised: a path not in place yet at / (") for ln in lines), lines
+    assert compare_trees(old, src) == []
+
+
+def test_run_alone_starts_the_copy_and_a_killed_daemon_is_eio_not_a_hang(lab):
+    src, old, snap = _box(lab)
+    job = f"""
+        import errno, glob, json, os, signal, sys
+        regs = [json.load(open(p)) for p in glob.glob("{lab['tmp']}/run/mounts/*.json")
+                if not p.endswith(".status.json")]
+        os.kill([r["pid"] for r in regs if r.get("in_place")][0], signal.SIGKILL)
+        try:
+            open("{src}/a3/f1599", "rb").read()
+            print("read")
+        except OSError as exc:
+            print(errno.errorcode.get(exc.errno))
+        print(os.path.isdir("{src}/a3"))
+        sys.exit(3)
+    """
+    proc = in_container(lab, f"""
+        {_held(lab)} run --no-fuse {snap} -- {sys.executable} -c '{textwrap.dedent(job)}' || echo "run: $?"
+        touch {lab['tmp'] / 'gate'}
+        $OG mount {snap} / --no-fuse >/dev/null
+        $OG status / --wait --timeout 120 >/dev/null
+    """)
+    assert proc.stdout.splitlines() == ["EIO", "True", "run: 3"], proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("--no-fuse: writing ") and lines[0].endswith(
+        " into place at / (no-FUSE mode); the job runs on this box's own tree"), lines
+    assert f"ogrefs: {src}/a3/f1599: the copy to / stopped before the end; the same `ogrefs mount` resumes it; " \
+           "the job was told EIO" in lines, lines
+    assert compare_trees(old, src) == []
+
+
+def _engine(tmp_path, files: int):
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.inplace.engine import InPlace, Order
+    from ogrefs.repo import Repository
+    from ogrefs.repo.catalog import Catalog
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+
+    src = tmp_path / "src"
+    for i in range(files):
+        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(1024))
+    (src / "ckpt").mkdir()
+    (src / "ckpt" / "step1.pt").write_bytes(b"one")
+    os.symlink("../ckpt", src / f"a{(files - 1) // 100}" / "latest")
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    out = tmp_path / "out"
+    out.mkdir()
+    engine = InPlace(Catalog(repo.catalog_path(m["id"])), repo.read_pack_range, os.fsencode(out),
+                     Plan(tmp_path / "plan.sqlite"), snapshot_id=m["id"], skip=lambda *_a: False)
+    engine.prepare(Order())
+    return engine, out / str(src).lstrip("/")
+
+
+def test_a_relative_link_with_dotdot_is_followed_to_what_it_names(tmp_path):
+    """Before: ``a3/latest -> ../ckpt`` looked ``..`` up as a name: ``absent`` at once, and the job's listing
+    through the link, not in place yet, failed with ENOENT."""
+    engine, there = _engine(tmp_path, 400)
+    need = engine.need(os.fsencode(there / "a3" / "latest" / "step1.pt"))
+    assert not need.event.is_set()
+    engine.run()
+    assert need.event.is_set() and need.answer == "ok"
+    assert (there / "a3" / "latest" / "step1.pt").read_bytes() == b"one"
+
+
+def test_the_pending_names_and_the_log_never_drop_a_name_not_in_place(tmp_path):
+    """``pending`` then ``since``, as ogrefs run's supervisor keeps them: a name leaves the set only once it is in
+    place; a directory is pending while a name in it is; a path below a pending link is pending."""
+    from ogrefs.mount.control import Updates
+    from ogrefs.mount.pending import PendingPaths
+
+    engine, there = _engine(tmp_path, 300)
+    names, seq, complete = engine.pending()
+    assert len(names) == 302 and not complete  # 300 files, step1.pt, the link
+    pending = PendingPaths(Path("/nowhere"), Updates(names, seq, complete))
+    last = str(there / "a2" / "f299")
+    assert pending.needs(last) and pending.needs(str(there / "a2")) and pending.needs(str(there / "a2/latest/x"))
+    assert not pending.needs(str(there / "a2" / "nowhere")) and not pending.needs(str(there))
+    first = engine.need(os.fsencode(there / "a0" / "f000"), whole=False)
+    engine._run_batch(engine._next_batch())  # the asked-for file's batch, and only it
+    assert first.event.is_set()
+    done, end, complete = engine.since(seq)
+    for name in done:
+        pending._drop(os.fsdecode(name))
+    in_place = {p for p in map(str, there.rglob("*")) if not os.path.isdir(p)}
+    assert {os.fsdecode(n) for n in done} == in_place and not complete
+    assert all(pending.needs(os.fsdecode(n)) == (os.fsdecode(n) not in in_place) for n, _r in names)
+    engine.run()
+    done, _end, complete = engine.since(end)
+    for name in done:
+        pending._drop(os.fsdecode(name))
+    assert complete and len(pending) == 0 and not pending.needs(last)
+
+
+def test_need_of_a_directory_is_the_directory_and_needall_every_entry(tmp_path):
+    """A stat or a ``mkdir -p`` of a big checkpoint directory waits for the directory (made before any file),
+    a listing for every entry in it.  Before: every ``need`` of a directory waited for all its files."""
+    engine, there = _engine(tmp_path, 200)
+    entry = engine.need(os.fsencode(there / "a1"), whole=False)
+    listing = engine.need(os.fsencode(there / "a1"), whole=True)
+    assert entry.event.is_set() and entry.answer == "ok"
+    assert not listing.event.is_set()
+    engine.run()
+    assert listing.event.is_set() and listing.answer == "ok"
+    assert len(os.listdir(there / "a1")) == 101  # its 100 files and the link
