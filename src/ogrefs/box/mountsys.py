@@ -42,6 +42,17 @@ MOVE_MOUNT_T_EMPTY_PATH = 0x40
 #: move_mount(2) beneath the top mount at the target (Linux 6.5): the path never shows nothing mounted.
 MOVE_MOUNT_BENEATH = 0x200
 
+#: mount_setattr(2) (Linux 5.12) and its struct mount_attr.
+SYS_MOUNT_SETATTR = 442
+MOUNT_ATTR_RDONLY = 1
+AT_EMPTY_PATH = 0x1000
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
 MS_RDONLY = 1
 MS_REMOUNT = 32
 MS_BIND = 4096
@@ -129,16 +140,30 @@ def can_mount_beneath() -> bool:
     return ctypes.get_errno() != errno.EINVAL
 
 
-def move_beneath(source: str, target_fd: int) -> None:
-    """Move the mount at ``source`` beneath the top mount of ``target_fd`` (an O_PATH descriptor of its root).
+def move_beneath(source: str | int, target: str | int) -> None:
+    """Move the mount at ``source`` beneath the top mount at ``target`` (each a path, or a descriptor: of a
+    detached copy from :func:`clone_tree`, of the top mount's root).
 
     What is mounted at the target does not change until that top mount is
     detached, after which the moved one (with everything mounted inside it)
-    shows: no moment with nothing mounted there. ``source``'s parent must not
-    be a shared mount (the kernel refuses to move out of one).
+    shows: no moment with nothing mounted there. An attached ``source``'s
+    parent must not be a shared mount (the kernel refuses to move out of one).
     """
-    res = _move_mount(AT_FDCWD, _enc(source) or b"", target_fd, b"", MOVE_MOUNT_T_EMPTY_PATH | MOVE_MOUNT_BENEATH)
-    _check(res, f"move_mount {source} beneath")
+    src_fd, src, f_empty = (source, b"", MOVE_MOUNT_F_EMPTY_PATH) if isinstance(source, int) \
+        else (AT_FDCWD, _enc(source) or b"", 0)
+    dst_fd, dst, t_empty = (target, b"", MOVE_MOUNT_T_EMPTY_PATH) if isinstance(target, int) \
+        else (AT_FDCWD, _enc(target) or b"", 0)
+    _check(_move_mount(src_fd, src, dst_fd, dst, f_empty | t_empty | MOVE_MOUNT_BENEATH),
+           f"move_mount {source} beneath {target}")
+
+
+def read_only_copy(fd: int) -> None:
+    """Make the detached copy ``fd`` (:func:`clone_tree`) read-only before it is attached (mount_setattr(2),
+    Linux 5.12: a detached mount cannot be remounted by path)."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    res = _libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(AT_EMPTY_PATH | AT_RECURSIVE),
+                        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    _check(int(res), "mount_setattr")
 
 
 def private_tmpfs(target: str, source: str) -> None:

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Callable
 
 from ogrefs.box import mountsys, safepath
-from ogrefs.box.overlay import (OverlayError, bind_back, check_writable, lowerdir, mount_again, mount_overlay,
-                                mount_with, mounted_inside, open_kept, outermost, shim_local_copy, still_mounted,
-                                unmount_all, unmount_one, unmount_shims)
+from ogrefs.box.overlay import (bind_back, check_writable, lowerdir, mount_again, mount_overlay, mount_with,
+                                mounted_inside, open_kept, outermost, shim_local_copy, still_mounted, unmount_one,
+                                unmount_shims)
 from ogrefs.box.records import MountError, Overlay, save_overlays
 from ogrefs.errors import OgrefsError
 
@@ -93,6 +93,9 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str], *, stage: Path
     lower_root, tree_root = str(state / "lower"), str(state / "tree")
     olds = [_over(o, lower_root, lower_root, tree_root) for o in old]
     news = [replace(_over(o, tree_root, lower_root, tree_root), binds=()) for o in old]
+    for o_old, o_new in zip(olds, news):
+        if _where(o_old, o_new) == "partial":  # the old order killed before the binds: mounted again below
+            mountsys.umount(o_old.target, lazy=True)
     problems = [p for o in news if (p := _finalize_problem(o))]
     if problems:
         raise MountError(f"cannot finalize: {problems[0]}; nothing was changed")
@@ -132,9 +135,8 @@ def _swap_one(state: Path, o_old: Overlay, o_new: Overlay, keep: list[str], stag
         shim_local_copy(o_new, state, below=_state_below(state, o_old, own))
         _swap_beneath(o_old, o_new, own, stage, held[o_old.target])
         return replace(o_new, binds=o_old.binds)
-    errors = unmount_all([o_old], lazy=True)  # the old order: nothing of ogrefs' at the target for a moment
-    if errors:
-        raise OverlayError(errors[0])
+    if where == "old":  # the old order: the box's own directory shows for a moment (the module's docstring)
+        mountsys.umount(o_old.target, lazy=True)  # with everything mounted in it, in one step
     if below is not None and str(state).startswith(o_old.target.rstrip("/") + "/"):
         below.append(os.open(state, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
     shim_local_copy(o_new, state)
@@ -143,20 +145,24 @@ def _swap_one(state: Path, o_old: Overlay, o_new: Overlay, keep: list[str], stag
 
 def _where(o_old: Overlay, o_new: Overlay) -> str:
     """What of ours is at the target: "old" (over the FUSE lower) on top, "new" (over the local copy) on top,
-    "both" (the new one beneath the old one: a finalize killed between the two steps), or "none"."""
-    here = [r for r in mountsys.mount_table() if r.point == o_old.target]
+    "both" (the new one beneath the old one: a finalize killed between the two steps), "partial" (the new
+    one without all its binds: the old order killed between its mount and its binds), or "none"."""
+    table = mountsys.mount_table()
     top = mountsys.mount_at(o_old.target)
+    if top is None:
+        return "none"
 
-    def over(row: mountsys.MountRow | None, o: Overlay) -> bool:
-        return (mountsys.is_ogrefs(row, "overlay") and row is not None and row.option("upperdir") == o.upper
+    def over(row: mountsys.MountRow, o: Overlay) -> bool:
+        return (mountsys.is_ogrefs(row, "overlay") and row.option("upperdir") == o.upper
                 and o.lower in (row.option("lowerdir") or "").split(":"))
 
     if over(top, o_new):
-        return "new"
+        bound = {r.point for r in table if r.parent == top.id}
+        return "new" if all(p in bound for p in o_old.binds) else "partial"
     if not over(top, o_old):
         return "none"
-    assert top is not None
-    return "both" if any(r.id == top.parent and over(r, o_new) for r in here) else "old"
+    below = [r for r in table if r.id == top.parent and r.point == top.point]
+    return "both" if below and over(below[0], o_new) else "old"
 
 
 def _own_layer(o_old: Overlay, own_root: str | None) -> str | None:
