@@ -7,7 +7,7 @@ the command through :data:`KILLER` once to count the steps, then once per step, 
 #: ``python KILLER finalize /`` (ogrefs' CLI) or ``python KILLER -c CODE``: with every step another process
 #: could see counted into $KILL_LOG (each mount(2), umount2(2) and move_mount(2) of mountsys, each
 #: os.replace, each signal sent), and a SIGKILL of itself right before step $KILL_AT (0: none).
-#: $KILL_NO_BENEATH: as if the kernel had no MOVE_MOUNT_BENEATH.
+#: $KILL_NO_BENEATH: as if the kernel had no MOVE_MOUNT_BENEATH; $KILL_BENEATH_REFUSED: as if it refused each.
 KILLER = r'''
 import os, signal, sys
 from ogrefs.box import mountsys
@@ -46,6 +46,10 @@ class Counted:
 mountsys._libc = Counted(mountsys._libc)
 if os.environ.get("KILL_NO_BENEATH"):  # as on a kernel before Linux 6.5
     mountsys.can_mount_beneath = lambda: False
+if os.environ.get("KILL_BENEATH_REFUSED"):  # as where the kernel refuses it (EINVAL: propagation)
+    def refused(source, target):
+        raise OSError(22, "move_mount beneath: Invalid argument")
+    mountsys.move_beneath = refused
 real_replace, real_kill = os.replace, os.kill
 
 

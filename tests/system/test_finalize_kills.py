@@ -19,6 +19,7 @@ the local copy needs its own layer, the /var case of docs/mount.md):
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 
@@ -49,7 +50,7 @@ def _shows_the_box(box, tmp, k: int) -> str:
         f'echo "also $1" > {box}/usr/also-$1'])
 
 
-def _cycle(whole, killer, k: int, beneath: bool = True) -> str | None:
+def _cycle(whole, killer, k: int, beneath: bool = True, **env_extra: str) -> str | None:
     """Mount, write, finalize killed before step k, look, rerun, look again, unmount; None, or what failed.
 
     ``beneath`` False: as on a kernel without MOVE_MOUNT_BENEATH, where a kill between an old overlay's
@@ -62,6 +63,7 @@ def _cycle(whole, killer, k: int, beneath: bool = True) -> str | None:
     env = dict(whole["env"], KILL_AT=str(k), KILL_LOG=str(tmp / f"steps-{k}.txt"), OGREFS_RUNTIME_DIR=str(run))
     if not beneath:
         env["KILL_NO_BENEATH"] = "1"
+    env.update(env_extra)
     # the old order detaches a disk mounted inside an overlay with it, and only the killed process held
     # its copy: killed then, the disk is no longer mounted there (its files are on it, not lost)
     window = f"{{ touch {tmp}/window-{k}; mountpoint -q {box}/mnt/later || disk=; }}" if not beneath else "false"
@@ -130,3 +132,17 @@ def test_without_move_beneath_the_old_order_is_repaired_by_the_rerun_at_every_st
     assert windows, "the old order shows the box's own directory somewhere: this test must see it"
     after = [steps[k - 2] for k in windows]  # the step done last before each such kill
     assert all(" umount2 " in s or " mount " in s for s in after), after
+
+
+def test_where_the_kernel_refuses_to_move_beneath_the_old_order_is_taken(whole):
+    """move_mount(2) may refuse MOVE_MOUNT_BENEATH at a target (EINVAL, e.g. for propagation it would
+    not do): nothing of the staged overlay was seen, and that target takes the old order; finalize ends."""
+    killer = whole["tmp"] / "killer.py"
+    killer.write_text(KILLER)
+    assert _cycle(whole, killer, 0, KILL_BENEATH_REFUSED="1") is None
+    steps = (whole["tmp"] / "steps-0.txt").read_text().splitlines()
+    staged = [s for s in steps if re.search(r"mount b'.*/stage/[0-9a-f]+/[0-9]+'$", s)]
+    assert len(staged) == 3, steps  # each overlay put together aside, then not moved beneath
+    box = whole["box"]
+    for d in ("mnt", "usr", "var"):  # each old one then detached by its path, the new one mounted there
+        assert any(s.endswith(f"umount2 b'{box}/{d}'") for s in steps), steps

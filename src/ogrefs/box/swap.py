@@ -17,10 +17,13 @@ the private tmpfs goes with the next run's, or an overlay already beneath
 the old one is what the rerun shows after detaching the old one), or the new
 one; the rerun takes each target from where it is (:func:`_where`).
 
-Without it (an older kernel, or no keeper's descriptor of the own directory:
-the keeper was killed), the old order stays: the old overlay detached, then
-the new one mounted, so the target shows this box's own directory for that
-moment; a finalize killed then leaves it so until it is rerun.
+Without it (an older kernel, no keeper's descriptor of the own directory:
+the keeper was killed, or a target where the kernel refuses the move), the
+old order stays: the old overlay detached with everything in it in one
+umount2, then the new one mounted, so the target shows this box's own
+directory for that moment; a finalize killed then leaves it so until it is
+rerun (which also takes down and mounts again a new overlay killed before
+its binds: "partial").
 
 No locks: the ``finalize`` command alone calls this, after checking that
 nothing but the caller holds the overlays.
@@ -28,6 +31,7 @@ nothing but the caller holds the overlays.
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -133,8 +137,14 @@ def _swap_one(state: Path, o_old: Overlay, o_new: Overlay, keep: list[str], stag
     own = _own_layer(o_old, own_roots.get(o_old.target)) if where == "old" and beneath else _UNREACHABLE
     if own != _UNREACHABLE:
         shim_local_copy(o_new, state, below=_state_below(state, o_old, own))
-        _swap_beneath(o_old, o_new, own, stage, held[o_old.target])
-        return replace(o_new, binds=o_old.binds)
+        try:
+            _swap_beneath(o_old, o_new, own, stage, held[o_old.target])
+            return replace(o_new, binds=o_old.binds)
+        except _NotBeneath:  # the kernel would not here (propagation it refuses): nothing changed, old order
+            clear_stage(stage)  # with the copies attached on it: copied again
+            for fd in (fd for fds in held.pop(o_old.target).values() for fd in fds):
+                os.close(fd)
+            held[o_old.target] = _hold_mounted_inside(o_old)
     if where == "old":  # the old order: the box's own directory shows for a moment (the module's docstring)
         mountsys.umount(o_old.target, lazy=True)  # with everything mounted in it, in one step
     if below is not None and str(state).startswith(o_old.target.rstrip("/") + "/"):
@@ -192,6 +202,10 @@ def clear_stage(stage: Path) -> None:
         mountsys.umount(str(stage), lazy=True)
 
 
+class _NotBeneath(Exception):
+    """move_mount(2) refused MOVE_MOUNT_BENEATH at this target (EINVAL): nothing of the swap was seen."""
+
+
 def _swap_beneath(o_old: Overlay, o_new: Overlay, own: str | None, stage: Path,
                   inside: dict[str, list[int]]) -> None:
     """Put ``o_new`` together on the stage, move it beneath ``o_old`` at the target, detach ``o_old``.
@@ -213,7 +227,12 @@ def _swap_beneath(o_old: Overlay, o_new: Overlay, own: str | None, stage: Path,
             _attach_inside(o_new, root, inside)
         finally:
             os.close(root)
-        mountsys.move_beneath(point, target_fd)
+        try:
+            mountsys.move_beneath(point, target_fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            raise _NotBeneath() from None
         mountsys.umount(safepath.fd_path(target_fd), lazy=True)  # the old one, with what was mounted in it
     finally:
         for fd in [target_fd, *fds.values()] + ([own_fd] if own_fd is not None else []):
