@@ -92,6 +92,7 @@ def _cycle(whole, killer, k: int, beneath: bool = True, **env_extra: str) -> str
         {PY} -c "import sys; from ogrefs.box.records import pid_alive; sys.exit(pid_alive($daemon))" \
             || {{ echo "step {k}: the daemon $daemon still runs" >&2; exit 1; }}
         test -e {tmp}/window-{k} || test "$(cat {box}/usr/also-killed)" = "also killed"  # written after the kill
+        ! ls -A {run}/stage 2> /dev/null | grep . >&2 || {{ echo "step {k}: the staging directory is left" >&2; exit 1; }}
         test -z "$disk" || umount {box}/mnt/later
         {OGREFS} unmount /
         test "$(cat {box}/usr/marker)" = "host"

@@ -353,6 +353,8 @@ def _finish_finalize(state: Path, reg: Registration, info: dict, below: list[int
     mp = Path(info.get("mountpoint") or state)
     _detach_lower(state, info, below)
     swap.clear_stage(_stage_dir(reg))
+    with contextlib.suppress(OSError):
+        _stage_dir(reg).rmdir()  # empty now (not there if the swap needed none)
     daemon = info.get("finalize_daemon") or {}
     pid = daemon.get("pid")
     if pid and pid_alive(pid) and process_start(pid) == daemon.get("start"):
