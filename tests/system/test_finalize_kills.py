@@ -102,7 +102,9 @@ def _cycle(whole, killer, k: int, beneath: bool = True, **env_extra: str) -> str
     _kill_leftovers(run / "mounts")  # a failed k leaves its daemon and keeper: the next starts clean
     if proc.returncode == 0:
         return None
-    done = (tmp / f"steps-{k}.txt").read_text().splitlines() if k else []
+    if not k:
+        return f"the whole run (no kill): {proc.stderr.strip()}"
+    done = (tmp / f"steps-{k}.txt").read_text().splitlines()
     step = done[k - 1] if len(done) >= k else f"not reached: {done[-1:]}"
     return f"killed before step {k} ({step}): {proc.stderr.strip()}"
 

@@ -231,24 +231,32 @@ def _open_target(o: Overlay) -> tuple[int, bool]:
         raise OverlayError(f"overlay at {o.target} failed: {exc.strerror}") from None
 
 
-def _own_layer(o: Overlay, target_fd: int, trusted: bool) -> tuple[int | None, str | None]:
+def _own_layer(o: Overlay, target_fd: int, trusted: bool, hold: bool) -> tuple[int | None, str | None]:
     """The box's own directory as the overlay's lowest layer: a descriptor of it and how the options name it.
 
-    (None, None) when there is none (not kept, or empty). Named by its path
-    when root alone controls every step to it (the kernel then finds the
-    same directory), else by ``/proc/self/fd/N`` of the descriptor: never by
-    a path a user can point elsewhere between this look and the mount.
+    No layer (not kept, or empty): no name, and a descriptor only with
+    ``hold`` (the keeper), of the directory the overlay covers all the same:
+    ``finalize`` reaches through it what is mounted below the overlay, the
+    FUSE lower where the state directory lies there (client._lower_below).
+    Named by its path when root alone controls every step to it (the kernel
+    then finds the same directory), else by ``/proc/self/fd/N`` of the
+    descriptor: never by a path a user can point elsewhere between this look
+    and the mount.
     """
-    if not o.keep_existing:
+    if not o.keep_existing and not hold:
         return None, None
     if o.host_dir:
         try:
             fd, trusted = safepath.open_dir(o.host_dir)
         except safepath.Untrusted as exc:
+            if not o.keep_existing:
+                return None, None  # not a layer: nothing refused, only not held
             raise Refused(f"{o.target} not overlaid: {exc}") from None
     else:
         fd = os.dup(target_fd)
-    if not os.listdir(safepath.fd_path(fd)):
+    if not o.keep_existing or not os.listdir(safepath.fd_path(fd)):
+        if hold:
+            return fd, None
         os.close(fd)
         return None, None
     return fd, (o.host_dir or o.target) if trusted else safepath.fd_path(fd)
@@ -262,17 +270,18 @@ def mount_one(o: Overlay, keep: list[str] | None = None, hold_own: bool = False)
     bind back are reached by safepath (no symlink a user controls followed,
     :class:`Refused` otherwise) and used through their descriptors.
 
-    ``hold_own`` (the keeper, which lives as long as the mount): when the box's
-    own directory is the lowest layer, its descriptor (opened before the mount)
-    is left open; the result records it (``own_fd``, its
-    ``own_dev``/``own_ino``, the overlay's ``mount_id``). Otherwise those are None:
+    ``hold_own`` (the keeper, which lives as long as the mount): the descriptor
+    of the box's own directory below (opened before the mount; the lowest
+    layer, or without one the directory the overlay covers) is left open; the
+    result records it (``own_fd``, its ``own_dev``/``own_ino``, the overlay's
+    ``mount_id``). Otherwise those are None:
     an overlay mounted again by another process (finalize, a rollback) never
     carries a descriptor that is not the one its lowest layer was opened from.
     """
     target_fd, trusted = _open_target(o)
     own_fd = None
     try:
-        own_fd, own = _own_layer(o, target_fd, trusted)
+        own_fd, own = _own_layer(o, target_fd, trusted, hold_own)
         up = _mount_one(o, keep, target_fd, lowerdir(o, own))
     except BaseException:
         if own_fd is not None:

@@ -45,10 +45,12 @@ class Overlay:
     mask: str | None = None  # with keep_existing: the layer between snapshot and own that hides the own (exact.py)
     binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
     host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
-    #: With the box's own directory as the lowest layer: the keeper's O_PATH descriptor of that directory,
-    #: opened just before this overlay was mounted and held for the keeper's life, the directory's
-    #: (st_dev, st_ino), and the overlay's mount id (mountinfo's first field) right after mount(2). A reader
-    #: opens ``/proc/<keeper_pid>/fd/<own_fd>`` to see the own layer the overlay covers (snapshot/mounted.py).
+    #: The keeper's O_PATH descriptor of the box's own directory below this overlay (its lowest layer, or
+    #: without one the directory it covers), opened just before this overlay was mounted and held for the
+    #: keeper's life, the directory's (st_dev, st_ino), and the overlay's mount id (mountinfo's first field)
+    #: right after mount(2). A reader opens ``/proc/<keeper_pid>/fd/<own_fd>`` to see the own layer the
+    #: overlay covers (snapshot/mounted.py; only where the options name it), finalize to reach the FUSE
+    #: lower mounted below it (mount/client.py).
     own_fd: int | None = None
     own_dev: int | None = None
     own_ino: int | None = None
@@ -152,9 +154,10 @@ def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
     ``finalized``, ``pid`` (daemon), ``keeper_pid``, ``died`` (the daemon was killed; the keeper
     detached the overlays), ``overlays`` (each: ``target``, ``lower``, ``upper``, ``work``,
     ``merged`` — a layer of host files synthesized above the snapshot —, ``binds`` — this box's
-    directories bound back on top —, ``host_dir``, and with the box's own directory as the lowest
-    layer ``own_fd``, ``own_dev``, ``own_ino``, ``mount_id``: the keeper's descriptor of that directory,
-    its identity, and the overlay's mount id as mounted; else None), ``keeper_start`` (the keeper's
+    directories bound back on top —, ``host_dir``, and ``own_fd``, ``own_dev``, ``own_ino``,
+    ``mount_id``: the keeper's descriptor of the box's own directory below (the lowest layer, or the
+    directory covered), its identity, and the overlay's mount id as mounted; None where another process
+    mounted it), ``keeper_start`` (the keeper's
     start time, :func:`process_start`: with ``keeper_pid`` it names one process),
     ``host_owned`` (snapshot paths the FUSE view
     hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
