@@ -94,12 +94,8 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str], *, stage: Path
     mount not marked finalized once the daemon goes). After each target, overlays.json says what is
     mounted, so a rerun after a kill starts from the truth.
     """
-    lower_root, tree_root = str(state / "lower"), str(state / "tree")
-    olds = [_over(o, lower_root, lower_root, tree_root) for o in old]
-    news = [replace(_over(o, tree_root, lower_root, tree_root), binds=()) for o in old]
-    for o_old, o_new in zip(olds, news):
-        if _where(o_old, o_new) == "partial":  # the old order killed before the binds: mounted again below
-            mountsys.umount(o_old.target, lazy=True)
+    olds, news = _olds_news(state, old)
+    take_down_partial(state, old)  # mounted again below, whole
     problems = [p for o in news if (p := _finalize_problem(o))]
     if problems:
         raise MountError(f"cannot finalize: {problems[0]}; nothing was changed")
@@ -121,6 +117,21 @@ def swap_lowers(state: Path, old: list[Overlay], keep: list[str], *, stage: Path
         for fd in [fd for copies in held.values() for fds in copies.values() for fd in fds]:
             os.close(fd)
     return swapped
+
+
+def _olds_news(state: Path, old: list[Overlay]) -> tuple[list[Overlay], list[Overlay]]:
+    """Each of ``old`` over the FUSE lower and over the local copy (without binds: they are put back)."""
+    lower_root, tree_root = str(state / "lower"), str(state / "tree")
+    return ([_over(o, lower_root, lower_root, tree_root) for o in old],
+            [replace(_over(o, tree_root, lower_root, tree_root), binds=()) for o in old])
+
+
+def take_down_partial(state: Path, old: list[Overlay]) -> None:
+    """Detach each new overlay that the old order mounted but a kill kept from its binds ("partial"):
+    what is below shows until it is mounted again, whole. ``old``: overlays.json's (read where it is)."""
+    for o_old, o_new in zip(*_olds_news(state, old)):
+        if _where(o_old, o_new) == "partial":
+            mountsys.umount(o_old.target, lazy=True)
 
 
 def _swap_one(state: Path, o_old: Overlay, o_new: Overlay, keep: list[str], stage: Path, beneath: bool,
@@ -323,4 +334,4 @@ def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: li
             "as before; `ogrefs unmount` then mount again")
 
 
-__all__ = ["STAGE_SOURCE", "clear_stage", "swap_lowers"]
+__all__ = ["STAGE_SOURCE", "clear_stage", "swap_lowers", "take_down_partial"]

@@ -351,6 +351,7 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
         done, total = mat.get("bytes_done", 0), mat.get("bytes_total", 0)
         why = mat.get("reason") or f"{done / 2**30:.2f} of {total / 2**30:.2f} GiB are local"
         raise UsageError(f"{mp} is not fully local yet ({why}); wait for `ogrefs status {mp}` to say complete")
+    _show_state(state, info)
     old = load_overlays(state)
     ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
     writers = holders.writers([o.target for o in old], exclude=ours)  # by mount, not by path
@@ -449,17 +450,48 @@ def _lower_below(state: Path, info: dict) -> dict | None:
     return None
 
 
+def _show_state(state: Path, info: dict) -> None:
+    """A finalize killed between the old order's mount of the new overlay over the state directory and its
+    bind-back of that directory (box/swap.py "partial") left it hidden where that overlay has no own layer
+    (a directory the snapshot owns wholly, box/exact.py): overlays.json is read where the directory is
+    (``finalize_below``, by its identity) and that overlay taken down, so its path shows it again."""
+    first = info.get("finalize_below")
+    if not first:
+        return
+    with contextlib.suppress(OSError):
+        st = os.stat(state)
+        if (st.st_dev, st.st_ino) == (first["dev"], first["ino"]):
+            return  # shown: no finalize was killed there
+    fd = _open_state_below(first)
+    if fd is None:
+        return  # the keeper is gone: nothing names it
+    try:
+        swap.take_down_partial(state, load_overlays(Path(safepath.fd_path(fd))))
+    finally:
+        os.close(fd)
+
+
+def _open_state_below(first: dict) -> int | None:
+    """An O_PATH descriptor of the state directory where it really is (``finalize_below``: below the overlay
+    that covers it), when that path is still the same directory; else None."""
+    try:
+        fd = os.open(first["path"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (first["dev"], first["ino"]):  # not the state directory (any more)
+        os.close(fd)
+        return None
+    return fd
+
+
 def _detach_lower(state: Path, info: dict, below: list[int]) -> None:
     """Detach the FUSE lower: where it was mounted first (below an overlay that covers the state directory)
     and each copy bound back with the state directory; each only when mountinfo says it is ogrefs' FUSE."""
     places = [os.dup(fd) for fd in below]
     first = info.get("finalize_below")
-    if first:
-        with contextlib.suppress(OSError):
-            places.append(os.open(first["path"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            st = os.fstat(places[-1])
-            if (st.st_dev, st.st_ino) != (first["dev"], first["ino"]):  # not the state directory (any more)
-                os.close(places.pop())
+    if first and (fd := _open_state_below(first)) is not None:
+        places.append(fd)
     for fd in places:
         try:
             _umount_fuse(f"/proc/self/fd/{fd}/lower")
