@@ -167,15 +167,17 @@ if o['target'].endswith('/usr')))")
 
 
 def test_finalize_is_recorded_while_the_daemon_still_serves(whole):
-    """swap_lowers hands the new overlays to its caller before it detaches the FUSE lower.
+    """swap_lowers hands the new overlays to its caller while the FUSE lower still serves.
 
     Detaching the lower ends the daemon; its keeper then takes down every
     overlay of a mount whose registration does not say finalized. finalize
-    recorded that only after swap_lowers returned, so under load the keeper
-    sometimes won: the finalized box lost its overlays (and showed the
-    box's own directories) right after "finalized" was printed. The
-    callback is where finalize records it; this checks it runs while the
-    lower is still mounted and the daemon still lives, every time.
+    recorded that only after swap_lowers returned (which had detached the
+    lower), so under load the keeper sometimes won: the finalized box lost
+    its overlays (and showed the box's own directories) right after
+    "finalized" was printed. The callback is where finalize records it;
+    this checks it runs while the lower is still mounted and the daemon
+    still lives, every time; the lower is detached only after swap_lowers
+    returns (finalize's last steps, after the record).
     """
     box, tmp, snap = whole["box"], whole["tmp"], whole["snap"]
     in_namespace(whole["env"], f"""
@@ -186,7 +188,7 @@ def test_finalize_is_recorded_while_the_daemon_still_serves(whole):
 import json, os, sys
 from pathlib import Path
 from ogrefs.box.records import load_overlays, registered_mounts
-from ogrefs.box import overlay
+from ogrefs.box import swap
 from ogrefs.box.mountsys import mounted_fstype
 
 state = Path(sys.argv[1])
@@ -195,7 +197,8 @@ seen = []
 def swapped_all(new):
     seen.append({{"lower": mounted_fstype(state / "lower"), "daemon": os.path.exists(f"/proc/{{info['pid']}}"),
                   "targets": sorted(o.target for o in new)}})
-overlay.swap_lowers(state, load_overlays(state), info.get("own_directories") or [], swapped_all=swapped_all)
+swap.swap_lowers(state, load_overlays(state), info.get("own_directories") or [], stage=state.parent / "stage",
+                 swapped_all=swapped_all)
 seen.append({{"lower_after": mounted_fstype(state / "lower")}})
 print(json.dumps(seen))
 PY
@@ -204,4 +207,4 @@ PY
     assert len(seen) == 2, seen
     assert (seen[0]["lower"] or "").startswith("fuse") and seen[0]["daemon"], seen
     assert seen[0]["targets"] == sorted(str(box / d) for d in ("mnt", "usr", "var")), seen
-    assert not (seen[1]["lower_after"] or "").startswith("fuse"), seen  # and then it is detached
+    assert (seen[1]["lower_after"] or "").startswith("fuse"), seen  # detached by finalize, after the record

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from ..killsteps import KILLER
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                  reason="needs root and unshare (bind mounts)")]
@@ -49,3 +52,48 @@ def test_files_this_box_lacks_appear_and_go_and_its_own_stay(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     assert (root / "swapfile").read_text() == "B's swap\n"
+
+
+def test_finalize_rebinds_each_file_showing_its_bytes_at_every_kill_point(tmp_path):
+    """``finalize`` binds the local copy's files in place of the FUSE lower's: killed before any step
+    (tests/killsteps.py), each file still shows the snapshot's bytes, read-only; run again, each shows
+    the local copy's; hidden, nothing is left. Before: killed between the unmount and the bind, the
+    file was the empty placeholder until finalize was run again (issue 46)."""
+    lower, tree, root, state = (tmp_path / d for d in ("lower", "tree", "root", "state"))
+    for d in (lower, tree, root, state):
+        d.mkdir()
+    for name, text in (("README", "from the snapshot\n"), ("notes.txt", "notes\n")):
+        (lower / name).write_text(text)  # stands for the FUSE lower
+        (tree / name).write_text(text)   # the local copy
+    (tmp_path / "killer.py").write_text(KILLER)
+    entries = [{"name": "README", "kind": "file", "target": ""}, {"name": "notes.txt", "kind": "file", "target": ""}]
+    call = f"from pathlib import Path; from ogrefs.box import topfiles; topfiles.%s"
+    show = call % f"show({entries!r}, Path({str(lower)!r}), Path({str(state)!r}), root={str(root)!r})"
+    rebind = call % f"rebind(Path({str(state)!r}), Path({str(tree)!r}))"
+    shown = f"""test "$(cat {root}/README)" = "from the snapshot" && test "$(cat {root}/notes.txt)" = notes \
+        && ! sh -c 'echo x >> {root}/README' 2> /dev/null"""
+    def killed_at(k: int) -> list[str]:
+        steps = tmp_path / f"steps-{k}.txt"
+        script = f"""set -euo pipefail
+            {sys.executable} -c {shlex.quote(show)}
+            rc=0; KILL_AT={k} KILL_LOG={steps} {sys.executable} {tmp_path}/killer.py -c {shlex.quote(rebind)} || rc=$?
+            test $rc = {137 if k else 0}
+            {shown} || {{ echo "killed before step {k}: a file does not show the snapshot's bytes" >&2; exit 1; }}
+            {sys.executable} -c {shlex.quote(rebind)}
+            {shown}
+            test "$(stat -c %d:%i {root}/README)" = "$(stat -c %d:%i {tree}/README)"
+            test "$(stat -c %d:%i {root}/notes.txt)" = "$(stat -c %d:%i {tree}/notes.txt)"
+            {sys.executable} -c {shlex.quote(call % f"hide(Path({str(state)!r}))")}
+            test -z "$(ls -A {root})"
+            ! grep -F " {root}/" /proc/self/mountinfo
+        """
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
+                              capture_output=True, text=True, timeout=60)
+        done = steps.read_text().splitlines()
+        assert proc.returncode == 0, (k, done[k - 1:k], proc.stderr)
+        return done
+
+    steps = killed_at(0)  # a whole run: counts the steps
+    assert len(steps) >= 4, steps  # each file: the local copy's put in place, the old one detached
+    for k in range(1, len(steps) + 1):
+        killed_at(k)

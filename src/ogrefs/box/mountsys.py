@@ -38,6 +38,20 @@ OPEN_TREE_CLONE = 1
 AT_RECURSIVE = 0x8000
 AT_FDCWD = -100
 MOVE_MOUNT_F_EMPTY_PATH = 4
+MOVE_MOUNT_T_EMPTY_PATH = 0x40
+#: move_mount(2) beneath the top mount at the target (Linux 6.5): the path never shows nothing mounted.
+MOVE_MOUNT_BENEATH = 0x200
+
+#: mount_setattr(2) (Linux 5.12) and its struct mount_attr.
+SYS_MOUNT_SETATTR = 442
+MOUNT_ATTR_RDONLY = 1
+AT_EMPTY_PATH = 0x1000
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
 
 MS_RDONLY = 1
 MS_REMOUNT = 32
@@ -118,11 +132,60 @@ def clone_tree(path: str) -> int:
     return int(fd)
 
 
-def attach_tree(fd: int, target: str) -> None:
-    """Mount the copy :func:`clone_tree` returned at ``target`` (move_mount(2))."""
-    res = _libc.syscall(SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(AT_FDCWD), _enc(target),
-                        ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH))
-    _check(int(res), f"move_mount {target}")
+def attach_tree(fd: int, target: str | int) -> None:
+    """Mount the copy :func:`clone_tree` returned at ``target``: a path, or a directory's descriptor
+    (move_mount(2) follows no symlink of its target, ``/proc/self/fd/N`` included)."""
+    if isinstance(target, int):
+        res = _move_mount(fd, b"", target, b"", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)
+    else:
+        res = _move_mount(fd, b"", AT_FDCWD, _enc(target) or b"", MOVE_MOUNT_F_EMPTY_PATH)
+    _check(res, f"move_mount {target}")
+
+
+def _move_mount(from_fd: int, from_path: bytes, to_fd: int, to_path: bytes, flags: int) -> int:
+    return int(_libc.syscall(SYS_MOVE_MOUNT, ctypes.c_int(from_fd), from_path, ctypes.c_int(to_fd), to_path,
+                             ctypes.c_uint(flags)))
+
+
+def can_mount_beneath() -> bool:
+    """Whether this kernel's move_mount(2) takes MOVE_MOUNT_BENEATH (Linux 6.5), asked with nothing to move:
+    the flags are checked before the descriptors, so an older kernel answers EINVAL, a newer one EBADF."""
+    empty = MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+    if _move_mount(-1, b"", -1, b"", MOVE_MOUNT_BENEATH | empty) == 0:
+        return True
+    return ctypes.get_errno() != errno.EINVAL
+
+
+def move_beneath(source: str | int, target: str | int) -> None:
+    """Move the mount at ``source`` beneath the top mount at ``target`` (each a path, or a descriptor: of a
+    detached copy from :func:`clone_tree`, of the top mount's root).
+
+    What is mounted at the target does not change until that top mount is
+    detached, after which the moved one (with everything mounted inside it)
+    shows: no moment with nothing mounted there. An attached ``source``'s
+    parent must not be a shared mount (the kernel refuses to move out of one).
+    """
+    src_fd, src, f_empty = (source, b"", MOVE_MOUNT_F_EMPTY_PATH) if isinstance(source, int) \
+        else (AT_FDCWD, _enc(source) or b"", 0)
+    dst_fd, dst, t_empty = (target, b"", MOVE_MOUNT_T_EMPTY_PATH) if isinstance(target, int) \
+        else (AT_FDCWD, _enc(target) or b"", 0)
+    _check(_move_mount(src_fd, src, dst_fd, dst, f_empty | t_empty | MOVE_MOUNT_BENEATH),
+           f"move_mount {source} beneath {target}")
+
+
+def read_only_copy(fd: int) -> None:
+    """Make the detached copy ``fd`` (:func:`clone_tree`) read-only before it is attached (mount_setattr(2),
+    Linux 5.12: a detached mount cannot be remounted by path)."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    res = _libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(AT_EMPTY_PATH | AT_RECURSIVE),
+                        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    _check(int(res), "mount_setattr")
+
+
+def private_tmpfs(target: str, source: str) -> None:
+    """A small tmpfs at ``target``, private (nothing mounted inside it propagates; a mount inside it can be moved)."""
+    mount(source, target, "tmpfs", 0, "mode=0700,size=1m")
+    mount("none", target, None, MS_PRIVATE)
 
 
 def private_namespace() -> None:
@@ -161,6 +224,12 @@ class MountRow:
     fstype: str
     source: str
     super_options: tuple[str, ...]
+    parent: int = 0  # the mount it is mounted on (a mount moved beneath another is that one's parent)
+
+    def option(self, name: str) -> str | None:
+        """A super block option's value (``lowerdir``, ``upperdir``), as the kernel shows it, or None."""
+        return next((unescape_mountinfo(o[len(name) + 1:]) for o in self.super_options
+                     if o.startswith(name + "=")), None)
 
 
 def mount_table() -> list[MountRow]:
@@ -174,14 +243,20 @@ def mount_table() -> list[MountRow]:
                 continue
             rows.append(MountRow(int(fields[0]), unescape_mountinfo(fields[4]), after[0] if after else "?",
                                  unescape_mountinfo(after[1]) if len(after) > 1 else "",
-                                 tuple(after[2].split(",")) if len(after) > 2 else ()))
+                                 tuple(after[2].split(",")) if len(after) > 2 else (), int(fields[1])))
     return rows
 
 
 def mount_at(mountpoint: "os.PathLike[str] | str") -> MountRow | None:
-    """What is mounted exactly at ``mountpoint`` (the top one: the last in mountinfo), or None."""
+    """What is mounted exactly at ``mountpoint`` (the top one: the one no other there is mounted on), or None.
+
+    Not simply the last there in mountinfo: a mount moved beneath another
+    (:func:`move_beneath`) is listed after the one now mounted on it.
+    """
     target = os.path.abspath(mountpoint)
-    return next((r for r in reversed(mount_table()) if r.point == target), None)
+    here = [r for r in mount_table() if r.point == target]
+    under = {r.parent for r in here}
+    return next((r for r in reversed(here) if r.id not in under), here[-1] if here else None)
 
 
 #: mountinfo's (type, source) of what ogrefs mounts that holds a daemon's FUSE session: the FUSE mount

@@ -35,11 +35,9 @@ import posixpath
 import stat
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from ogrefs.box.records import Overlay, save_overlays, unescape_mountinfo  # overlays.json's format lives there
 from ogrefs.box import mountsys, safepath
-from ogrefs.box.mountsys import mounted_fstype
 from ogrefs.errors import OgrefsError, UsageError
 
 PROTECTED = ("/proc", "/sys", "/dev", "/run", "/boot")
@@ -233,24 +231,32 @@ def _open_target(o: Overlay) -> tuple[int, bool]:
         raise OverlayError(f"overlay at {o.target} failed: {exc.strerror}") from None
 
 
-def _own_layer(o: Overlay, target_fd: int, trusted: bool) -> tuple[int | None, str | None]:
+def _own_layer(o: Overlay, target_fd: int, trusted: bool, hold: bool) -> tuple[int | None, str | None]:
     """The box's own directory as the overlay's lowest layer: a descriptor of it and how the options name it.
 
-    (None, None) when there is none (not kept, or empty). Named by its path
-    when root alone controls every step to it (the kernel then finds the
-    same directory), else by ``/proc/self/fd/N`` of the descriptor: never by
-    a path a user can point elsewhere between this look and the mount.
+    No layer (not kept, or empty): no name, and a descriptor only with
+    ``hold`` (the keeper), of the directory the overlay covers all the same:
+    ``finalize`` reaches through it what is mounted below the overlay, the
+    FUSE lower where the state directory lies there (client._lower_below).
+    Named by its path when root alone controls every step to it (the kernel
+    then finds the same directory), else by ``/proc/self/fd/N`` of the
+    descriptor: never by a path a user can point elsewhere between this look
+    and the mount.
     """
-    if not o.keep_existing:
+    if not o.keep_existing and not hold:
         return None, None
     if o.host_dir:
         try:
             fd, trusted = safepath.open_dir(o.host_dir)
         except safepath.Untrusted as exc:
+            if not o.keep_existing:
+                return None, None  # not a layer: nothing refused, only not held
             raise Refused(f"{o.target} not overlaid: {exc}") from None
     else:
         fd = os.dup(target_fd)
-    if not os.listdir(safepath.fd_path(fd)):
+    if not o.keep_existing or not os.listdir(safepath.fd_path(fd)):
+        if hold:
+            return fd, None
         os.close(fd)
         return None, None
     return fd, (o.host_dir or o.target) if trusted else safepath.fd_path(fd)
@@ -264,17 +270,18 @@ def mount_one(o: Overlay, keep: list[str] | None = None, hold_own: bool = False)
     bind back are reached by safepath (no symlink a user controls followed,
     :class:`Refused` otherwise) and used through their descriptors.
 
-    ``hold_own`` (the keeper, which lives as long as the mount): when the box's
-    own directory is the lowest layer, its descriptor (opened before the mount)
-    is left open; the result records it (``own_fd``, its
-    ``own_dev``/``own_ino``, the overlay's ``mount_id``). Otherwise those are None:
+    ``hold_own`` (the keeper, which lives as long as the mount): the descriptor
+    of the box's own directory below (opened before the mount; the lowest
+    layer, or without one the directory the overlay covers) is left open; the
+    result records it (``own_fd``, its ``own_dev``/``own_ino``, the overlay's
+    ``mount_id``). Otherwise those are None:
     an overlay mounted again by another process (finalize, a rollback) never
     carries a descriptor that is not the one its lowest layer was opened from.
     """
     target_fd, trusted = _open_target(o)
     own_fd = None
     try:
-        own_fd, own = _own_layer(o, target_fd, trusted)
+        own_fd, own = _own_layer(o, target_fd, trusted, hold_own)
         up = _mount_one(o, keep, target_fd, lowerdir(o, own))
     except BaseException:
         if own_fd is not None:
@@ -307,24 +314,35 @@ def _mount_one(o: Overlay, keep: list[str] | None, target_fd: int, lowers: str) 
     root = None
     try:
         for p in back:
-            fds[p] = _open_kept(o, p)
-        try:
-            mountsys.overlay(safepath.fd_path(target_fd), mount_options(o, lowers))
-        except OSError as exc:
-            extra = " (with metacopy=on)" if uses_metacopy(o) else ""
-            raise OverlayError(f"overlay at {o.target} failed{extra}: {exc.strerror}") from None
+            fds[p] = open_kept(o, p)
+        mount_overlay(o, safepath.fd_path(target_fd), lowers)
         root = _overlay_root(o, target_fd)
-        if os.fstatvfs(root).f_flag & os.ST_RDONLY:  # the kernel could not use the work directory
-            mountsys.umount(safepath.fd_path(root), lazy=True)
-            raise OverlayError(f"overlay at {o.target} came up read-only: the kernel cannot use its work "
-                               f"directory {o.work} (immutable, read-only or full? see dmesg)")
-        if uses_metacopy(o):
-            Path(_metacopy_marker(o)).touch()
-        _bind_back(o, root, fds)
+        check_writable(o, root)
+        bind_back(o, root, fds)
     finally:
         for fd in list(fds.values()) + ([root] if root is not None else []):
             os.close(fd)
     return replace(o, binds=tuple(back))
+
+
+def mount_overlay(o: Overlay, at: str, lowers: str) -> None:
+    """mount(2) of ``o`` with the lower layers ``lowers`` on ``at`` (its target's descriptor, or where
+    finalize puts it together); OverlayError naming the target if the kernel refuses."""
+    try:
+        mountsys.overlay(at, mount_options(o, lowers))
+    except OSError as exc:
+        extra = " (with metacopy=on)" if uses_metacopy(o) else ""
+        raise OverlayError(f"overlay at {o.target} failed{extra}: {exc.strerror}") from None
+
+
+def check_writable(o: Overlay, root: int) -> None:
+    """The overlay just mounted (its root open as ``root``) is writable, else detached and OverlayError."""
+    if os.fstatvfs(root).f_flag & os.ST_RDONLY:  # the kernel could not use the work directory
+        mountsys.umount(safepath.fd_path(root), lazy=True)
+        raise OverlayError(f"overlay at {o.target} came up read-only: the kernel cannot use its work "
+                           f"directory {o.work} (immutable, read-only or full? see dmesg)")
+    if uses_metacopy(o):
+        Path(_metacopy_marker(o)).touch()
 
 
 def _overlay_root(o: Overlay, target_fd: int) -> int:
@@ -348,7 +366,7 @@ def _overlay_root(o: Overlay, target_fd: int) -> int:
     raise Refused(f"{o.target} not overlaid: it was moved away while the overlay went up")
 
 
-def _open_kept(o: Overlay, path: str) -> int:
+def open_kept(o: Overlay, path: str) -> int:
     """A descriptor of ``path`` (a directory to keep visible inside ``o``), opened before ``o`` covers it."""
     try:
         return safepath.open_dir(path)[0]
@@ -358,7 +376,7 @@ def _open_kept(o: Overlay, path: str) -> int:
         raise OverlayError(f"overlay at {o.target}: cannot keep {path} visible ({exc.strerror})") from None
 
 
-def _bind_back(o: Overlay, root: int, fds: dict[str, int]) -> None:
+def bind_back(o: Overlay, root: int, fds: dict[str, int]) -> None:
     """Bind each directory of ``fds`` back at its path inside the overlay whose root is open as ``root``.
 
     The place is walked from that root following no symlink at all (what is
@@ -413,7 +431,7 @@ def mount_all(overlays: list[Overlay], state_dir: Path, keep: list[str] | None =
 SHIM_SOURCE = "ogrefs-local"
 
 
-def shim_local_copy(o: Overlay, state_dir: Path) -> None:
+def shim_local_copy(o: Overlay, state_dir: Path, below: str | None = None) -> None:
     """Before ``finalize`` mounts ``o`` over the local copy: give that lower layer a file system of its own.
 
     The local copy lives in the state directory, by default under /var; for
@@ -422,20 +440,46 @@ def shim_local_copy(o: Overlay, state_dir: Path) -> None:
     the copy's directory alone (over an empty directory on a small tmpfs,
     ``<state>/shim``), mounted on that directory itself, is inside nothing:
     same files, same path (overlays.json and snapshots of the box read it
-    unchanged). Only where needed.
+    unchanged). Only where needed, and once (a rerun after a kill finds it).
+
+    ``below``: the state directory as it is below the old overlays (finalize
+    puts the new /var overlay together while the old one still covers it):
+    one more shim there, which an overlay mounted again later by path (an
+    unmount's rollback) finds once the /var overlay, and the state directory
+    bound back on it with the first shim, are gone.
     """
     own = os.path.realpath(o.host_dir or o.target).rstrip("/") + "/"
     if not o.keep_existing or not os.path.realpath(o.lower).startswith(own):
         return
-    shim = state_dir / "shim"
-    if not os.path.ismount(shim):
+    for state in [str(state_dir)] + ([below] if below else []):
+        _shim_at(o, state + o.lower[len(str(state_dir)):], os.path.join(state, "shim"))
+
+
+def _shim_at(o: Overlay, lower: str, shim: str) -> None:
+    if _top_is(lower, "overlay", SHIM_SOURCE):
+        return  # put up by a finalize that was killed before its end
+    if not _top_is(shim, "tmpfs", "ogrefs-shim"):
         os.makedirs(shim, mode=0o700, exist_ok=True)
-        mountsys.mount("ogrefs-shim", str(shim), "tmpfs", 0, "mode=0755,size=1m")
-        os.makedirs(shim / "empty", exist_ok=True)
+        mountsys.mount("ogrefs-shim", shim, "tmpfs", 0, "mode=0755,size=1m")
+        os.makedirs(os.path.join(shim, "empty"), exist_ok=True)
     try:
-        mountsys.mount(SHIM_SOURCE, o.lower, "overlay", mountsys.MS_RDONLY, f"lowerdir={o.lower}:{shim}/empty")
+        mountsys.mount(SHIM_SOURCE, lower, "overlay", mountsys.MS_RDONLY, f"lowerdir={lower}:{shim}/empty")
     except OSError as exc:
         raise OverlayError(f"local copy for {o.target} failed: {exc.strerror}") from None
+
+
+def _top_is(path: str, fstype: str, source: str) -> bool:
+    """Whether ``path`` (``/proc/<pid>/fd/<n>/...`` too) is the root of a mount of that type and source."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        mid = safepath.mount_id_of(fd)
+    finally:
+        os.close(fd)
+    row = next((r for r in mountsys.mount_table() if r.id == mid), None)
+    return row is not None and (row.fstype, row.source) == (fstype, source)
 
 
 def unmount_shims(state_dir: Path) -> None:
@@ -465,7 +509,7 @@ def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
             for p in o.binds:  # put them back: the overlay is still up
                 with contextlib.suppress(OSError, KeyError):
                     mountsys.bind(f"/proc/self/fd/{fds[p]}", p, recursive=True)
-            inside = _mounted_inside(o)
+            inside = mounted_inside(o)
             return f"{o.target}: {err}" + (f" ({inside[0]} was mounted inside it later)" if inside else "")
         return None
     finally:
@@ -473,7 +517,7 @@ def unmount_one(o: Overlay, lazy: bool = False) -> str | None:
             os.close(fd)
 
 
-def _mounted_inside(o: Overlay) -> list[str]:
+def mounted_inside(o: Overlay) -> list[str]:
     """Mounts below ``o``'s target that are not its own binds (nor inside them): made after ``o`` went up."""
     own = [b.rstrip("/") + "/" for b in o.binds]
     return [m for m in mounts_below(o.target) if m not in o.binds and not m.startswith(tuple(own))]
@@ -494,7 +538,7 @@ def unmount_all(overlays: list[Overlay], lazy: bool = False, keep: list[str] | N
         if err:
             errors = [err]
             for again in reversed(down):
-                errors += _mount_again(again, keep)
+                errors += mount_again(again, keep)
             return errors
         down.append(o)
     return []
@@ -510,118 +554,8 @@ def _ours(o: Overlay) -> bool:
     return mountsys.is_ogrefs(mountsys.mount_at(o.target), "overlay")
 
 
-def _work_dir_problem(o: Overlay) -> str | None:
-    """Why the kernel could not use ``o``'s work directory for a new mount (it would mount read-only), or None."""
-    probe = os.path.join(o.work, ".ogrefs-probe")
-    try:
-        os.mkdir(probe, 0o700)
-        os.rmdir(probe)
-    except OSError as exc:
-        return f"{o.target}: its work directory {o.work} is not usable ({exc.strerror})"
-    return None
-
-
-def _finalize_problem(o_new: Overlay) -> str | None:
-    """What would make the swap of ``o_new`` fail, checked before anything is touched."""
-    if not os.path.isdir(o_new.lower):
-        return f"{o_new.target}: its local copy {o_new.lower} is not a directory"
-    return _work_dir_problem(o_new)
-
-
-def swap_lowers(state: Path, old: list[Overlay], keep: list[str],
-                swapped_all: Callable[[list[Overlay]], None] = lambda new: None) -> list[Overlay]:
-    """``finalize``: each overlay again over ``state/tree`` instead of ``state/lower``; all or nothing.
-
-    Same upper and work directories, so no write is lost. What can be checked
-    first is (each local copy a directory, each work directory usable: the
-    old overlay is mounted again from the same one if a later step fails).
-    The old overlays are detached (MNT_DETACH: what the caller's own shell
-    still holds stays served by the daemon), so no swap fails busy; if a new
-    overlay cannot be mounted, the ones already swapped go back to the FUSE
-    lower (:func:`_swap_back`) and ``overlays.json`` says what is mounted.
-    Afterwards the FUSE lower is detached where it is bound back and where it
-    was mounted first (below the new overlay that covers the state
-    directory). Saves what is mounted.
-
-    ``swapped_all(new)`` runs once every new overlay is up and before the
-    FUSE lower is detached: detaching it ends the daemon, and the keeper,
-    seeing the daemon gone, takes down every overlay of a mount that its
-    registration does not call finalized. So the caller records the
-    finalize there, never after this returns.
-    """
-    from ogrefs.box.records import MountError
-
-    lower_root, tree_root = str(state / "lower"), str(state / "tree")
-    news = [replace(o, lower=tree_root + o.lower[len(lower_root):], binds=()) for o in old]
-    problems = [p for o in news if (p := _finalize_problem(o))]
-    if problems:
-        raise MountError(f"cannot finalize: {problems[0]}; nothing was changed")
-    swapped: list[Overlay] = []
-    below: list[int] = []  # the state directory as it is below its overlay (where the FUSE lower was mounted)
-    held: dict[str, dict[str, list[int]]] = {}  # per target: copies of the box's mounts made inside it
-    try:
-        for o_old, o_new in zip(old, news):  # one by one: each target shows the same tree before and after
-            try:
-                held[o_old.target] = _hold_mounted_inside(o_old)
-                _private_binds(o_old)
-                errors = unmount_all([o_old], lazy=True)
-                if errors:
-                    raise OverlayError(errors[0])
-                if str(state).startswith(o_old.target.rstrip("/") + "/"):
-                    below.append(os.open(state, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-                shim_local_copy(o_new, state)
-                swapped.append(_mount_with(o_new, keep, held[o_old.target]))
-            except (OgrefsError, OSError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                raise MountError(f"cannot finalize: {why}; {_swap_back(state, old, swapped, keep, held)}") from None
-        save_overlays(swapped, state)
-        swapped_all(swapped)
-        mountsys.umount(lower_root, lazy=True)
-        for fd in below:
-            mountsys.umount(f"/proc/self/fd/{fd}/lower", lazy=True)
-    finally:
-        for fd in below + [fd for copies in held.values() for fds in copies.values() for fd in fds]:
-            os.close(fd)
-    return swapped
-
-
-def _private_binds(o: Overlay) -> None:
-    """Make ``o``'s bind-backs (and the copies of mounts they brought along) private before ``o`` is detached.
-
-    On a box whose ``/`` is shared (systemd's default) a bind of this box's
-    state directory is a peer of ``/``, and so its copies of the FUSE lower
-    and of the host layers are peers of the originals: detaching the old
-    ``/var`` overlay with its bind-back propagated the unmount to the
-    originals, and ``finalize`` then found neither ``<state>/lower`` nor
-    ``<state>/host`` for the new overlays (nor for the rollback: the box was
-    left on its own files, issue 47). Private, their detachment stays theirs.
-    """
-    for b in o.binds:
-        if mountsys.mount_at(b) is not None:
-            mountsys.mount("none", b, None, mountsys.MS_REC | mountsys.MS_PRIVATE)
-
-
-def _hold_mounted_inside(o: Overlay) -> dict[str, list[int]]:
-    """Two detached copies of each mount this box made inside ``o`` after it went up (a disk under /usr).
-
-    Detaching ``o`` detaches them too (MNT_DETACH takes the whole subtree):
-    a copy goes on the new overlay, the other on the old one if it has to be
-    mounted again. Raises OSError (nothing detached yet) if one cannot be copied.
-    """
-    copies: dict[str, list[int]] = {}
-    try:
-        for p in outermost(_mounted_inside(o)):
-            copies[p] = [mountsys.clone_tree(p)]
-            copies[p].append(mountsys.clone_tree(p))
-    except OSError:
-        for fd in (fd for fds in copies.values() for fd in fds):
-            os.close(fd)
-        raise
-    return copies
-
-
-def _mount_with(o: Overlay, keep: list[str], inside: dict[str, list[int]]) -> Overlay:
-    """:func:`mount_one`, then a copy of each mount held by :func:`_hold_mounted_inside` on top; all or nothing.
+def mount_with(o: Overlay, keep: list[str], inside: dict[str, list[int]]) -> Overlay:
+    """:func:`mount_one`, then a copy of each mount ``inside`` (held by box/swap.py) on top; all or nothing.
 
     They are not added to ``binds``: they are this box's mounts, which a later unmount must not take away
     in silence (it reports them as mounted inside, as before the finalize).
@@ -641,33 +575,10 @@ def _mount_with(o: Overlay, keep: list[str], inside: dict[str, list[int]]) -> Ov
     return up
 
 
-def _swap_back(state: Path, old: list[Overlay], swapped: list[Overlay], keep: list[str],
-               held: dict[str, dict[str, list[int]]]) -> str:
-    """Undo a finalize that failed at ``old[len(swapped)]``: every overlay over the FUSE lower again.
-
-    Returns the end of the one-line reason: "nothing was changed", or which
-    overlays could not be put back (they show this box's own files now).
-    Saves in ``overlays.json`` what is mounted afterwards, whatever happened.
-    """
-    lost: list[str] = []
-    failed = old[len(swapped)]
-    if mounted_fstype(Path(failed.target)) != "overlay":
-        lost += _mount_again(failed, keep, held.get(failed.target, {}))
-    for o_back, o_done in reversed(list(zip(old, swapped))):
-        unmount_one(o_done, lazy=True)  # with our bind of the box's mounts inside: the held originals stay
-        lost += _mount_again(o_back, keep, held.get(o_back.target, {}))
-    unmount_shims(state)
-    save_overlays(still_mounted(old), state)
-    if not lost:
-        return "nothing was changed"
-    return (f"and {'; '.join(lost)}: those show this box's own files now, the others the snapshot's "
-            "as before; `ogrefs unmount` then mount again")
-
-
-def _mount_again(o: Overlay, keep: list[str], inside: dict[str, list[int]] | None = None) -> list[str]:
+def mount_again(o: Overlay, keep: list[str], inside: dict[str, list[int]] | None = None) -> list[str]:
     """Mount ``o`` as it was (with the box's mounts ``inside`` it); [] when done, else why not (one item)."""
     try:
-        _mount_with(o, keep, inside or {})
+        mount_with(o, keep, inside or {})
     except (OgrefsError, OSError) as exc:
         return [f"{o.target} could not be mounted again ({exc})"]
     return []

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -44,10 +45,12 @@ class Overlay:
     mask: str | None = None  # with keep_existing: the layer between snapshot and own that hides the own (exact.py)
     binds: tuple = ()  # the box's directories bound back on top of this overlay (submounts, ogrefs' own)
     host_dir: str | None = None  # with keep_existing: this box's directory below the snapshot (default: target)
-    #: With the box's own directory as the lowest layer: the keeper's O_PATH descriptor of that directory,
-    #: opened just before this overlay was mounted and held for the keeper's life, the directory's
-    #: (st_dev, st_ino), and the overlay's mount id (mountinfo's first field) right after mount(2). A reader
-    #: opens ``/proc/<keeper_pid>/fd/<own_fd>`` to see the own layer the overlay covers (snapshot/mounted.py).
+    #: The keeper's O_PATH descriptor of the box's own directory below this overlay (its lowest layer, or
+    #: without one the directory it covers), opened just before this overlay was mounted and held for the
+    #: keeper's life, the directory's (st_dev, st_ino), and the overlay's mount id (mountinfo's first field)
+    #: right after mount(2). A reader opens ``/proc/<keeper_pid>/fd/<own_fd>`` to see the own layer the
+    #: overlay covers (snapshot/mounted.py; only where the options name it), finalize to reach the FUSE
+    #: lower mounted below it (mount/client.py).
     own_fd: int | None = None
     own_dev: int | None = None
     own_ino: int | None = None
@@ -151,9 +154,10 @@ def writable_state(info: dict[str, Any]) -> dict[str, Any] | None:
     ``finalized``, ``pid`` (daemon), ``keeper_pid``, ``died`` (the daemon was killed; the keeper
     detached the overlays), ``overlays`` (each: ``target``, ``lower``, ``upper``, ``work``,
     ``merged`` — a layer of host files synthesized above the snapshot —, ``binds`` — this box's
-    directories bound back on top —, ``host_dir``, and with the box's own directory as the lowest
-    layer ``own_fd``, ``own_dev``, ``own_ino``, ``mount_id``: the keeper's descriptor of that directory,
-    its identity, and the overlay's mount id as mounted; else None), ``keeper_start`` (the keeper's
+    directories bound back on top —, ``host_dir``, and ``own_fd``, ``own_dev``, ``own_ino``,
+    ``mount_id``: the keeper's descriptor of the box's own directory below (the lowest layer, or the
+    directory covered), its identity, and the overlay's mount id as mounted; None where another process
+    mounted it), ``keeper_start`` (the keeper's
     start time, :func:`process_start`: with ``keeper_pid`` it names one process),
     ``host_owned`` (snapshot paths the FUSE view
     hides, so this box's own file shows at that path: never the snapshot's entry), ``skipped``.
@@ -316,3 +320,30 @@ def snapshot_running(state_dir: Path) -> bool:
         if process_start(pid) == ticks:
             return True
     return False
+
+
+def own_layer_root(ws: dict, o: dict, mount_id: int | None) -> bytes | None:
+    """``/proc/<keeper>/fd/<n>``: the box's own directory below overlay ``o``, or None unless all of this holds.
+
+    The keeper opened that descriptor of the own directory immediately before it mounted the overlay and
+    holds it for its life (overlay.mount_one ``hold_own``), so it is the directory the overlay's lowest layer
+    was resolved to, when: the mount is not finalized (then the lowers are the local copy and the walk
+    through the overlay is cheap); the keeper is the same process (pid and start time); the overlay mounted
+    at the target now is the one it mounted (``mount_id``); and the descriptor is still that directory
+    (``own_dev``/``own_ino``). Anything missing, different or unreadable: None, never a guess.
+    """
+    pid, start, fd = ws.get("keeper_pid"), ws.get("keeper_start"), o.get("own_fd")
+    if ws.get("finalized") or not all(isinstance(v, int) for v in (pid, start, fd, mount_id)):
+        return None
+    if o.get("mount_id") != mount_id or process_start(pid) != start:
+        return None
+    root = f"/proc/{pid}/fd/{fd}"
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (o.get("own_dev"), o.get("own_ino")):
+        return None
+    if process_start(pid) != start:  # the pid was reused while we looked: its descriptor is not the keeper's
+        return None
+    return os.fsencode(root)

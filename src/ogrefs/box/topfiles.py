@@ -72,12 +72,39 @@ def hide(state_dir: Path) -> None:
 
 
 def rebind(state_dir: Path, new_lower: Path) -> None:
-    """``finalize``: bind the files from the local copy instead (the FUSE lower is about to go)."""
+    """``finalize``: bind the files from the local copy instead (the FUSE lower is about to go).
+
+    Each file shows the snapshot's bytes throughout, a kill included: the
+    local copy's file is moved beneath the FUSE lower's (MOVE_MOUNT_BENEATH)
+    before that one is detached; run again, a file rebound already is left,
+    one with the local copy's beneath has the old one detached. Without
+    MOVE_MOUNT_BENEATH (Linux before 6.5): detached, then bound (the empty
+    placeholder shows for that moment).
+    """
+    beneath = mountsys.can_mount_beneath()
     for rec in _load(state_dir):
         if rec["kind"] == "file":
             with contextlib.suppress(OSError):
-                mountsys.umount(rec["path"], lazy=True)
-                mountsys.bind(str(new_lower / rec["name"]), rec["path"], recursive=False, read_only=True)
+                _rebind(rec["path"], str(new_lower / rec["name"]), beneath)
+
+
+def _rebind(path: str, source: str, beneath: bool) -> None:
+    new, now = os.stat(source), os.stat(path)
+    if (new.st_dev, new.st_ino) == (now.st_dev, now.st_ino):
+        return  # rebound by a finalize that was killed later
+    top = mountsys.mount_at(path)
+    if top is None or not beneath:
+        mountsys.umount(path, lazy=True)
+        mountsys.bind(source, path, recursive=False, read_only=True)
+        return
+    if not any(r.id == top.parent and r.point == top.point for r in mountsys.mount_table()):
+        fd = mountsys.clone_tree(source)
+        try:
+            mountsys.read_only_copy(fd)
+            mountsys.move_beneath(fd, path)
+        finally:
+            os.close(fd)
+    mountsys.umount(path, lazy=True)  # the FUSE lower's file: the local copy's shows
 
 
 def _undo(rec: dict[str, str]) -> None:

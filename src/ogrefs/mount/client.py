@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ogrefs.box.records import MountError, Overlay, Registration, load_overlays, pid_alive, save_overlays
+from ogrefs.box.records import (MountError, Overlay, Registration, load_overlays, own_layer_root, pid_alive,
+                                process_start, save_overlays, writable_state)
 from ogrefs.errors import UsageError
 from ogrefs.mount import keeper
-from ogrefs.box import holders, hostpaths, mountsys, overlay, rescue, topfiles
+from ogrefs.box import holders, hostpaths, mountsys, overlay, rescue, safepath, swap, topfiles
 from ogrefs.mount.checks import check_mountpoint, check_target, fuse_problem
 from ogrefs.mount.options import MountOptions
 from ogrefs.mount.status import read_status
@@ -326,25 +327,31 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
     """Swap the FUSE lower of a fully materialized writable mount for the local copy.
 
     Afterwards the tree keeps working with no daemon and no store: each
-    overlay is remounted with ``state/tree`` as its lower layer (same upper
-    and work directories, so no write is lost), then the FUSE mount and its
-    daemon go. Refused while the copy is incomplete or while a process has a
-    file under the mount open for writing. Returns the overlay targets.
+    overlay is mounted again with ``state/tree`` as its lower layer (same upper
+    and work directories, so no write is lost; box/swap.py, which keeps the
+    target showing the box at every step), then the FUSE mount and its daemon
+    go. Refused while the copy is incomplete or while a process has a file
+    under the mount open for writing. Run again after being killed, it goes
+    on from where it was (its last steps too). Returns the overlay targets.
     """
     mp = Path(os.path.abspath(target))
     reg = Registration.for_mountpoint(mp)
     info = reg.read()
     if not info or not info.get("writable"):
         raise UsageError(f"{mp} is not a writable ogrefs mount")
+    state = Path(info["state_dir"])
     if info.get("finalized"):
-        raise UsageError(f"{mp} is already finalized: it runs from local disk with no daemon")
+        if "finalize_daemon" not in info:
+            raise UsageError(f"{mp} is already finalized: it runs from local disk with no daemon")
+        _finish_finalize(state, reg, info, [], None, timeout, notes)  # a finalize killed in its last steps
+        return [o.target for o in load_overlays(state)]
     status = read_status(mp)
     mat = status.get("materialize") or {}
     if not mat.get("complete"):
         done, total = mat.get("bytes_done", 0), mat.get("bytes_total", 0)
         why = mat.get("reason") or f"{done / 2**30:.2f} of {total / 2**30:.2f} GiB are local"
         raise UsageError(f"{mp} is not fully local yet ({why}); wait for `ogrefs status {mp}` to say complete")
-    state = Path(info["state_dir"])
+    _show_state(state, info)
     old = load_overlays(state)
     ours = {p for p in (info.get("pid"), info.get("keeper_pid")) if p}
     writers = holders.writers([o.target for o in old], exclude=ours)  # by mount, not by path
@@ -353,36 +360,162 @@ def finalize(target: Path, timeout: float = 30.0, notes: list[str] | None = None
     callers = holders.callers_or_refuse(f"finalize {mp}", [o.target for o in old], info)
     moved = _set_aside_host_owned(state, [p.removesuffix(" (merged)") for p in info.get("host_kept") or []
                                           if not p.endswith(" (merged)")])
+    if "finalize_below" not in info:  # before anything changes: a rerun finds the FUSE lower below by it
+        info["finalize_below"] = _lower_below(state, info)
+        reg.write(info)
+    pid = status.get("pid")
 
     def record_finalized(_new: list[Overlay]) -> None:
         # before the FUSE lower goes: its daemon then exits, and its keeper tears down a mount not marked finalized
         topfiles.rebind(state, state / "tree")
-        info.update(finalized=True, pid=None, lower=None)
+        info.update(finalized=True, pid=None, lower=None,
+                    finalize_daemon={"pid": pid, "start": process_start(pid) if pid else None})
         reg.write(info)
 
+    below: list[int] = []
     try:
-        new = overlay.swap_lowers(state, old, info.get("own_directories") or [], swapped_all=record_finalized)
+        new = swap.swap_lowers(state, old, info.get("own_directories") or [], stage=_stage_dir(reg),
+                               own_roots=_own_roots(info), below=below, swapped_all=record_finalized)
+        _finish_finalize(state, reg, info, below, callers, timeout, notes)
     except MountError:
-        for src, dest in reversed(moved):  # the local copy as it was: a later finalize sets them aside again
-            os.replace(dest, src)
+        if not info.get("finalized"):
+            for src, dest in reversed(moved):  # the local copy as it was: a later finalize sets them aside again
+                os.replace(dest, src)
         raise
-    pid = status.get("pid")
-    mountsys.umount(str(state / "lower"), lazy=True)
-    if pid and pid_alive(pid) and callers:
-        # The caller's shell still runs programs of the old overlays (detached, on the FUSE lower): the
-        # daemon serves them and exits after the last (the kernel's DESTROY); a SIGTERM would cut them off.
-        try:
-            _wait_exit(pid, min(timeout, LAZY_EXIT_WAIT_S), mp)
-        except MountError:
-            if notes is not None:
-                notes.append(f"the daemon (pid {pid}) goes on serving {', '.join(str(h) for h in callers[:3])} "
-                             "(started before the finalize) and exits when they do")
-    elif pid and pid_alive(pid):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-        _wait_exit(pid, timeout, mp)
-    reg.write(info)  # the daemon removed its registration on the way out; the finalized mount keeps one
+    finally:
+        for fd in below:
+            os.close(fd)
     return [o.target for o in new]
+
+
+def _finish_finalize(state: Path, reg: Registration, info: dict, below: list[int], callers: list | None,
+                     timeout: float, notes: list[str] | None) -> None:
+    """finalize's last steps, once the registration says finalized: the FUSE lower goes, then its daemon.
+
+    ``callers``: the caller's own processes that held the old overlays (None: not known, a rerun). The
+    daemon serves what they still hold and exits after the last; without them it gets SIGTERM. The
+    registration keeps ``finalize_daemon`` until the end, so a rerun after a kill does these again.
+    """
+    mp = Path(info.get("mountpoint") or state)
+    _detach_lower(state, info, below)
+    swap.clear_stage(_stage_dir(reg))
+    with contextlib.suppress(OSError):
+        _stage_dir(reg).rmdir()  # empty now (not there if the swap needed none)
+    daemon = info.get("finalize_daemon") or {}
+    pid = daemon.get("pid")
+    if pid and pid_alive(pid) and process_start(pid) == daemon.get("start"):
+        if callers is None or callers:
+            # The caller's shell still runs programs of the old overlays (detached, on the FUSE lower): the
+            # daemon serves them and exits after the last (the kernel's DESTROY); a SIGTERM would cut them off.
+            try:
+                _wait_exit(pid, min(timeout, LAZY_EXIT_WAIT_S), mp)
+            except MountError:
+                if notes is not None:
+                    held = ", ".join(str(h) for h in (callers or [])[:3]) or "processes"
+                    notes.append(f"the daemon (pid {pid}) goes on serving {held} "
+                                 "(started before the finalize) and exits when they do")
+        else:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+            _wait_exit(pid, timeout, mp)
+    info.pop("finalize_daemon", None)
+    info.pop("finalize_below", None)
+    reg.write(info)  # the daemon removed its registration on the way out; the finalized mount keeps one
+
+
+def _stage_dir(reg: Registration) -> Path:
+    """``<runtime>/stage/<key>``: where finalize puts each new overlay together (box/swap.py)."""
+    return reg.path.parent.parent / "stage" / reg.path.stem
+
+
+def _own_roots(info: dict) -> dict[str, str | None]:
+    """Per overlay target, the keeper's descriptor of the box's own directory below it (records.own_layer_root)."""
+    ws = writable_state(info) or {"overlays": []}
+    roots = {o["target"]: own_layer_root(ws, o, mountsys.mount_id(o["target"])) for o in ws["overlays"]}
+    return {t: os.fsdecode(r) if r else None for t, r in roots.items()}
+
+
+def _lower_below(state: Path, info: dict) -> dict | None:
+    """Where the FUSE lower is mounted first, when an overlay covers the state directory: through the
+    keeper's descriptor of that overlay's own directory, with the state directory's identity; else None."""
+    ws = writable_state(info) or {"overlays": []}
+    for o in ws["overlays"]:
+        own = o.get("host_dir") or o["target"]
+        root = own_layer_root(ws, o, mountsys.mount_id(o["target"]))
+        if root is not None and str(state).startswith(own.rstrip("/") + "/"):
+            path = os.path.join(os.fsdecode(root), os.path.relpath(state, own))
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                return {"path": path, "dev": st.st_dev, "ino": st.st_ino}
+    return None
+
+
+def _show_state(state: Path, info: dict) -> None:
+    """A finalize killed between the old order's mount of the new overlay over the state directory and its
+    bind-back of that directory (box/swap.py "partial") left it hidden where that overlay has no own layer
+    (a directory the snapshot owns wholly, box/exact.py): overlays.json is read where the directory is
+    (``finalize_below``, by its identity) and that overlay taken down, so its path shows it again."""
+    first = info.get("finalize_below")
+    if not first:
+        return
+    with contextlib.suppress(OSError):
+        st = os.stat(state)
+        if (st.st_dev, st.st_ino) == (first["dev"], first["ino"]):
+            return  # shown: no finalize was killed there
+    fd = _open_state_below(first)
+    if fd is None:
+        return  # the keeper is gone: nothing names it
+    try:
+        swap.take_down_partial(state, load_overlays(Path(safepath.fd_path(fd))))
+    finally:
+        os.close(fd)
+
+
+def _open_state_below(first: dict) -> int | None:
+    """An O_PATH descriptor of the state directory where it really is (``finalize_below``: below the overlay
+    that covers it), when that path is still the same directory; else None."""
+    try:
+        fd = os.open(first["path"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (first["dev"], first["ino"]):  # not the state directory (any more)
+        os.close(fd)
+        return None
+    return fd
+
+
+def _detach_lower(state: Path, info: dict, below: list[int]) -> None:
+    """Detach the FUSE lower: where it was mounted first (below an overlay that covers the state directory)
+    and each copy bound back with the state directory; each only when mountinfo says it is ogrefs' FUSE."""
+    places = [os.dup(fd) for fd in below]
+    first = info.get("finalize_below")
+    if first and (fd := _open_state_below(first)) is not None:
+        places.append(fd)
+    for fd in places:
+        try:
+            _umount_fuse(f"/proc/self/fd/{fd}/lower")
+        finally:
+            os.close(fd)
+    for _ in range(4):  # one copy per overlay that bound the state directory back
+        if not mountsys.is_ogrefs(mountsys.mount_at(state / "lower"), "fuse.ogrefs"):
+            break
+        mountsys.umount(str(state / "lower"), lazy=True)
+
+
+def _umount_fuse(path: str) -> None:
+    """Detach what is mounted at ``path`` when it is ogrefs' FUSE mount (by the mount id the kernel gives)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        mid = safepath.mount_id_of(fd)
+        row = next((r for r in mountsys.mount_table() if r.id == mid), None)
+        if mountsys.is_ogrefs(row, "fuse.ogrefs"):
+            mountsys.umount(safepath.fd_path(fd), lazy=True)
+    finally:
+        os.close(fd)
 
 
 def _set_aside_host_owned(state: Path, paths: list[str]) -> list[tuple[Path, Path]]:

@@ -40,7 +40,7 @@ import stat
 from dataclasses import dataclass, field
 
 from ogrefs.box.copyplan import complete_paths_at
-from ogrefs.box.records import process_start, registered_mounts, writable_state
+from ogrefs.box.records import own_layer_root, registered_mounts, writable_state
 from ogrefs.snapshot.walk import mount_table
 
 XATTR_METACOPY = "trusted.overlay.metacopy"
@@ -218,33 +218,6 @@ def classify_lowers(options: str, lower: bytes, merged: bytes | None, own: bytes
     if got == [want + ":" + os.fsdecode(own)] or by_fd:
         return LOWER_OVER_OWN
     return UNKNOWN
-
-
-def own_layer_root(ws: dict, o: dict, mount_id: int | None) -> bytes | None:
-    """``/proc/<keeper>/fd/<n>``: the box's own directory below overlay ``o``, or None unless all of this holds.
-
-    The keeper opened that descriptor of the own directory immediately before it mounted the overlay and
-    holds it for its life (overlay.mount_one ``hold_own``), so it is the directory the overlay's lowest layer
-    was resolved to, when: the mount is not finalized (then the lowers are the local copy and the walk
-    through the overlay is cheap); the keeper is the same process (pid and start time); the overlay mounted
-    at the target now is the one it mounted (``mount_id``); and the descriptor is still that directory
-    (``own_dev``/``own_ino``). Anything missing, different or unreadable: None, never a guess.
-    """
-    pid, start, fd = ws.get("keeper_pid"), ws.get("keeper_start"), o.get("own_fd")
-    if ws.get("finalized") or not all(isinstance(v, int) for v in (pid, start, fd, mount_id)):
-        return None
-    if o.get("mount_id") != mount_id or process_start(pid) != start:
-        return None
-    root = f"/proc/{pid}/fd/{fd}"
-    try:
-        st = os.stat(root)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (o.get("own_dev"), o.get("own_ino")):
-        return None
-    if process_start(pid) != start:  # the pid was reused while we looked: its descriptor is not the keeper's
-        return None
-    return os.fsencode(root)
 
 
 class OwnMounts:

@@ -171,7 +171,7 @@ class UntouchedDirs:
     def _own_is_dir(self, layer: Layer, rel: bytes) -> bool:
         """Whether every component of ``rel`` below the own root is a real directory (never a symlink)."""
         if not rel:
-            return True  # the root itself: the keeper's descriptor of a directory (mounted.own_layer_root)
+            return True  # the root itself: the keeper's descriptor of a directory (records.own_layer_root)
         hit = self._own_dirs.get((layer.target, rel))
         if hit is None:
             hit = self._own_is_dir(layer, os.path.dirname(rel) if os.path.dirname(rel) != b"/" else b"")
