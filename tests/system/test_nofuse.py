@@ -148,6 +148,33 @@ def test_trace_first_need_answers_and_a_mount_point_is_left_alone(lab):
     assert not (vol / "inside").exists()
 
 
+def test_the_source_of_traced_bytecode_comes_with_the_trace(lab):
+    """A trace records reads: ``pkg/__pycache__/mod.cpython-311.pyc``, never ``pkg/mod.py``, which Python only
+    lists and stats but without which it does not use the bytecode.  The source is in place when ``mount``
+    returns."""
+    src = lab["tmp"] / "box" / "proj"
+    for i in range(600):  # three batches of the rest, before the package in catalog order
+        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(2048))
+    pkg = src / "zz" / "pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "mod.py").write_bytes(b"x = 1\n")
+    (pkg / "__pycache__" / "mod.cpython-311.pyc").write_bytes(os.urandom(3000))
+    snap = _snapshot(lab, src)
+    repo = Repository.open(lab["env"]["OGREFS_REPO"], cache_root=lab["tmp"] / "cache-test")
+    store_trace(repo, snap, [(os.fsencode(pkg / "__pycache__" / "mod.cpython-311.pyc"), 0)])
+    out = lab["tmp"] / "out"
+    out.mkdir()
+    probe = f"{sys.executable} -c 'import os,sys; print(*[os.path.exists(p) for p in sys.argv[1:]])'"
+    proc = in_container(lab, script=f"""
+        $OG mount {snap} {out} --no-fuse
+        {probe} {_under(out, pkg / "mod.py")} {_under(out, src / "a5" / "f599")}
+        $OG status {out} --wait --timeout 120 >/dev/null
+    """)
+    assert proc.stdout.splitlines()[-1] == "True False"
+    assert compare_trees(src, _under(out, src)) == []
+
+
 def test_need_answers_when_the_path_is_in_place(lab):
     """The control request the supervisor uses: ``ok`` only once the file is there, whole."""
     src = lab["tmp"] / "box" / "proj"
@@ -320,6 +347,47 @@ def test_a_path_asked_for_goes_first_and_what_the_box_keeps_is_answered_at_once(
     others = [p.stat().st_ctime_ns for p in _under(out, src).glob("a*/f*") if p.name != "f599"]
     assert len(others) == 599 and last.stat().st_ctime_ns < min(others)
     assert compare_trees(src / "a0", _under(out, src) / "a0") == []
+
+
+def test_links_and_empty_files_come_with_the_working_set(tmp_path):
+    """A job started once ``mount`` returns execs ``venv/bin/python`` (a link) and imports packages whose
+    ``__init__.py`` is empty: the hints (and a trace) name only files with bytes, so the links and the empty
+    files on the job's way join the working set, ahead of its files (bench_resume's step failed without)."""
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.inplace.engine import InPlace, Order
+    from ogrefs.repo.catalog import Catalog
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+
+    src = tmp_path / "src"
+    for i in range(600):  # the rest: three batches, all before the venv in catalog order
+        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(1024))
+    (src / "venv" / "bin").mkdir(parents=True)
+    (src / "venv" / "lib" / "pkg").mkdir(parents=True)
+    (src / "venv" / "lib" / "pkg" / "mod.py").write_bytes(b"x = 1\n")
+    (src / "venv" / "lib" / "pkg" / "__init__.py").write_bytes(b"")
+    (src / "venv" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (src / "venv" / "lib64").symlink_to("lib")
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    cat = Catalog(repo.catalog_path(m["id"]))
+    hinted = cat.resolve(os.fsencode(src / "venv" / "lib" / "pkg" / "mod.py")).ino
+    out = tmp_path / "out"
+    out.mkdir()
+    engine = InPlace(cat, repo.read_pack_range, os.fsencode(out), Plan(tmp_path / "plan.sqlite"),
+                     snapshot_id=m["id"], skip=lambda *_a: False)
+    engine.prepare(Order(hints=(hinted,)))
+    venv = _under(out, src) / "venv"
+    seen: dict[str, bool] = {}
+
+    def working_set_in_place() -> None:
+        seen.update({rel: os.path.lexists(venv / rel) for rel in
+                     ("lib/pkg/mod.py", "lib/pkg/__init__.py", "bin/python", "lib64", "../a5/f599")})
+
+    engine.run(on_working_set=working_set_in_place)
+    assert seen == {"lib/pkg/mod.py": True, "lib/pkg/__init__.py": True, "bin/python": True, "lib64": True,
+                    "../a5/f599": False}
+    assert compare_trees(src, _under(out, src)) == []
 
 
 def test_at_root_the_container_files_and_mount_points_are_the_boxs(tmp_path):

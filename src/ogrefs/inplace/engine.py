@@ -15,7 +15,10 @@ words:
    temporary files a killed run left are removed first (``restore``'s pattern).
 2. **Batches, in priority order.** The files of the recorded trace, then the
    hints' (venv, CUDA libraries, the newest coherent checkpoint), then the rest
-   in catalog order, at most :data:`BATCH_FILES` files or
+   in catalog order; the entries without bytes (links, empty files, device
+   nodes) join the working set ahead of its files (a job execs ``venv/bin/python``,
+   a link, and imports packages whose ``__init__.py`` is empty; the trace and the
+   hints name only files with bytes); at most :data:`BATCH_FILES` files or
    :data:`BATCH_BYTES` bytes at a time; a path asked for (:meth:`InPlace.need`)
    goes into the next batch, ahead of everything.  In a batch, what the box
    already has is kept (``kept.py``: the same bytes by chunk id, never by
@@ -69,6 +72,9 @@ log = logging.getLogger(__name__)
 BATCH_FILES = 256
 #: ... or this many bytes: at 1 Gbit/s about half a second, the longest a path asked for waits behind a batch.
 BATCH_BYTES = 64 * MiB
+#: ... or this many entries, counting those without bytes (links, empty files, device nodes): nothing to fetch, a
+#: rename each, so a batch of them is not held to :data:`BATCH_FILES` (a root box has ~20,000 links).
+BATCH_ENTRIES = 4096
 #: Symlinks followed while resolving a path asked for (the kernel's own limit).
 _MAX_LINKS = 40
 
@@ -244,6 +250,18 @@ class InPlace:
                     self._queues[cls].append(ino)
         first = order.trace or order.hints
         self._working = {ino for ino in first if ino in self._size and ino not in complete}
+        if self._working:
+            self._bytesless_first(0 if order.trace else 1, walk_order, complete)
+
+    def _bytesless_first(self, cls: int, walk_order: list[int], complete: frozenset[int]) -> None:
+        """The entries without bytes go into the working set's class ``cls``, ahead of its files: the links and
+        empty files on a job's way are in place when ``mount`` returns (a trace records reads, hints name files
+        with bytes), and they cost no fetch."""
+        bytesless = [ino for ino in walk_order if self._size[ino] <= 0 and ino not in complete]
+        for ino in bytesless:
+            self._class_of[ino] = cls
+        self._queues[cls].extendleft(reversed(bytesless))
+        self._working.update(bytesless)
 
     # -- 2. batches -----------------------------------------------------------------------------------
     def run(self, on_working_set: Callable[[], None] = lambda: None) -> None:
@@ -270,15 +288,18 @@ class InPlace:
         """The next files: asked-for ones first, then the queues in class order; one class a batch (a batch
         finishes its files in pack order, so a trace file sharing one with the rest could come after it)."""
         out: list[int] = []
-        size = 0
+        taken: set[int] = set()
+        size = files = 0
         with self._lock:
             for queue in (self._urgent, *self._queues):
-                while queue and len(out) < BATCH_FILES and size < BATCH_BYTES:
+                while queue and files < BATCH_FILES and len(out) < BATCH_ENTRIES and size < BATCH_BYTES:
                     ino = queue.popleft()
-                    if ino in self._settled or ino in out:
+                    if ino in self._settled or ino in taken:
                         continue
                     out.append(ino)
+                    taken.add(ino)
                     size += max(self._size[ino], 0)
+                    files += self._size[ino] > 0
                 if out:
                     return out
         return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -71,6 +72,9 @@ PLAN_NAME = "inplace.sqlite"
 #: The status file is rewritten this often.
 STATUS_INTERVAL = 0.5
 _CAP_SYS_ADMIN = 21
+#: ``pkg/__pycache__/mod.cpython-311.pyc`` (or ``.opt-1.pyc``): what Python reads for ``pkg/mod.py``, which it
+#: only finds in the listing of ``pkg`` and stats.
+_BYTECODE = re.compile(rb"^(.*)/__pycache__/([^/.]+)\.[^/]+\.pyc$")
 
 
 def why_no_fuse() -> str | None:
@@ -160,7 +164,21 @@ def _order(repo: Repository, manifest: dict, catalog: Catalog, notes: list[str])
     for r in resolve_entries(catalog, entries or []):
         if not trace or trace[-1] != r.ino:
             trace.append(r.ino)
+    trace.extend(_bytecode_sources(catalog, entries or []))
     return Order(trace=tuple(dict.fromkeys(trace)), hints=_hints(catalog))
+
+
+def _bytecode_sources(catalog: Catalog, entries: list[tuple[bytes, int]]) -> list[int]:
+    """The source of each cached bytecode file the trace read: Python imports ``mod`` from
+    ``__pycache__/mod.*.pyc`` only while ``mod.py`` is listed beside it, and a trace records reads, not the
+    listing or the ``stat`` (bench_resume's step failed on ``torch._utils`` without them)."""
+    out = []
+    for path in dict.fromkeys(path for path, _off in entries):
+        m = _BYTECODE.match(path)
+        node = catalog.resolve(m.group(1) + b"/" + m.group(2) + b".py") if m else None
+        if node is not None and not node.is_dir:
+            out.append(node.ino)
+    return out
 
 
 def _hints(catalog: Catalog) -> tuple[int, ...]:
