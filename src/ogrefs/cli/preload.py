@@ -56,7 +56,7 @@ MODULES = (
     "reprlib", "secrets", "selectors", "shlex", "shutil", "signal", "socket", "ssl", "string", "stringprep",
     "struct", "subprocess", "tempfile", "textwrap", "threading", "token", "tokenize", "traceback", "types",
     "typing", "uuid", "warnings", "weakref", "xml", "zipfile", "ntpath", "encodings.idna", "grp", "mmap",
-    "pickletools", "resource", "typing_extensions",
+    "pickletools", "resource", "glob", "typing_extensions",
     "_bisect", "_blake2", "_bz2", "_contextvars", "_csv", "_ctypes", "_datetime", "_decimal", "_elementtree",
     "_hashlib", "_heapq", "_json", "_lzma", "_opcode", "_pickle", "_posixsubprocess", "_queue", "_random",
     "_sha512", "_socket", "_sqlite3", "_ssl", "_struct", "_typing", "_uuid", "array", "binascii", "fcntl",
