@@ -484,26 +484,22 @@ def _regular_id(pfd: int, name: bytes) -> FileId | None:
     return FileId.of(st) if stat.S_ISREG(st.st_mode) else None
 
 
-def _clear_dir(pfd: int, name: bytes) -> None:
-    """An empty directory ``name`` in ``pfd`` goes, a non-empty one is a :class:`PathConflict`; anything else stays."""
+def _clear_dir(pfd: int, name: bytes, files: bool = False) -> None:
+    """An empty directory ``name`` in ``pfd`` goes, a non-empty one is a :class:`PathConflict`; anything else
+    stays (``files``: goes too)."""
     try:
         st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
         _rmdir_empty(pfd, name)
+    elif files:
+        os.unlink(name, dir_fd=pfd)
 
 
 def _unlink_nondir(pfd: int, name: bytes) -> None:
     """Remove a non-directory ``name`` in ``pfd``; a directory there is a :class:`PathConflict` unless empty."""
-    try:
-        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        _rmdir_empty(pfd, name)
-    else:
-        os.unlink(name, dir_fd=pfd)
+    _clear_dir(pfd, name, files=True)
 
 
 def _rmdir_empty(pfd: int, name: bytes) -> None:
