@@ -94,15 +94,23 @@ def test_a_users_symlink_where_the_snapshot_has_a_directory_is_never_overlaid(ho
 
 
 def test_a_users_own_directory_is_overlaid_through_its_descriptor(home):
-    """Not refused: a real directory of the user's. Its own content stays visible below the snapshot's."""
+    """Not refused: a real directory of the user's. The snapshot's data path is exact by default (issue 47):
+    the user's own file is hidden while mounted; with --merge it stays visible below the snapshot's."""
     box, tmp = home["box"], home["tmp"]
     (box / "home/u/proj/mine.txt").write_text("the user's\n")
     in_namespace(home, f"""
         {OGREFS} mount {home['snap']} /
-        cat {box}/home/u/proj/zz-evil.sh {box}/home/u/proj/mine.txt > {tmp}/seen.txt
+        cat {box}/home/u/proj/zz-evil.sh > {tmp}/exact.txt
+        ls -a {box}/home/u/proj > {tmp}/exact-listing.txt
+        {OGREFS} unmount /
+        {OGREFS} mount --merge {home['snap']} /
+        cat {box}/home/u/proj/zz-evil.sh {box}/home/u/proj/mine.txt > {tmp}/merged.txt
         {OGREFS} unmount /
     """)
-    assert (tmp / "seen.txt").read_text() == "echo pwned\nthe user's\n"
+    assert (tmp / "exact.txt").read_text() == "echo pwned\n"
+    assert "mine.txt" not in (tmp / "exact-listing.txt").read_text().split()
+    assert (tmp / "merged.txt").read_text() == "echo pwned\nthe user's\n"
+    assert (box / "home/u/proj/mine.txt").read_text() == "the user's\n"  # the user's own file, back afterwards
 
 
 @pytest.mark.parametrize("planted", ["symlink to a root-only file", "fifo", "1 GiB file"])
