@@ -7,9 +7,11 @@ with the reason; with CI=true they fail instead, since CI must run it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,3 +130,29 @@ def prepared_box(cached: Path, dest: Path) -> Path:
     root = roots.copy_box(cached, dest)
     roots.install_ogrefs(root)
     return root
+
+
+class SnapshotsOfA:
+    """Box A's whole-box snapshot, made once per cached root and variant for a module's tests.
+
+    Copying box A and snapshotting it from inside takes 10-20 s, the same for
+    every test that only boots B against it. Each test gets its own copy of
+    the repository (``cp -a``, under a second): a mount writes into it (its
+    trace, its lock), and no test may see another's. A's copy is removed once
+    snapshotted; the repository is all a test needs of it.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._made: dict[tuple[str, bool], SnapshotA] = {}
+
+    def copy(self, cached: Path, dest: Path, python_not_b: bool = False) -> SnapshotA:
+        key = (str(cached), python_not_b)
+        if key not in self._made:
+            n = len(self._made)
+            root = prepared_box(cached, self._workdir / f"a{n}")
+            self._made[key] = snapshot_box_a(root, self._workdir / f"srv{n}", python_not_b)
+            shutil.rmtree(root)
+        made = self._made[key]
+        subprocess.run(["cp", "-a", str(made.repo_dir), str(dest)], check=True, timeout=300)
+        return dataclasses.replace(made, repo_dir=dest)

@@ -32,6 +32,11 @@ def lab():
     return fixtures.lab_roots()
 
 
+@pytest.fixture(scope="module")
+def snaps(tmp_path_factory):
+    return fixtures.SnapshotsOfA(tmp_path_factory.mktemp("lab-a"))
+
+
 def install_unit(root, box_name: str) -> None:
     unit = root / "etc/systemd/system/ogrefs-resume.service"
     shutil.copy(roots.REPO / "contrib/ogrefs-resume.service", unit)
@@ -45,9 +50,10 @@ def install_unit(root, box_name: str) -> None:
 
 
 @contextmanager
-def boot_b(lab, tmp_path, python_not_b: bool = False):
-    """Box A snapshots itself; box B, with the unit enabled, boots; yields (NspawnBox, SnapshotA)."""
-    snap = fixtures.snapshot_box_a(fixtures.prepared_box(lab["a"], tmp_path / "a"), tmp_path / "srv", python_not_b)
+def boot_b(lab, snaps, tmp_path, python_not_b: bool = False):
+    """Box A's snapshot (made once for the module, a copy of its repository for this test); box B, with the
+    unit enabled, boots; yields (NspawnBox, SnapshotA)."""
+    snap = snaps.copy(lab["a"], tmp_path / "srv", python_not_b)
     root = fixtures.prepared_box(lab["b"], tmp_path / "b")
     install_unit(root, A.box)  # the user names box A on B: its name as `ogrefs snapshots` lists it
     box = box_b(root, snap.repo_dir, tmp_path, B)
@@ -58,8 +64,8 @@ def boot_b(lab, tmp_path, python_not_b: bool = False):
         box.close()
 
 
-def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
-    with boot_b(lab, tmp_path) as (box, snap):
+def test_b_boots_with_the_shipped_unit_and_powers_off(lab, snaps, tmp_path):
+    with boot_b(lab, snaps, tmp_path) as (box, snap):
         unit = box.sh("systemctl is-active ogrefs-resume.service", check=False).stdout.strip()
         journal = box.out("journalctl -b -u ogrefs-resume.service --no-pager | tail -n 30", check=False)
         assert unit == "active", f"unit {unit}, boot {box.state}:\n{journal}"
@@ -73,9 +79,9 @@ def test_b_boots_with_the_shipped_unit_and_powers_off(lab, tmp_path):
         box.poweroff()
 
 
-def test_booted_b_stops_and_restarts_the_unit(lab, tmp_path):
+def test_booted_b_stops_and_restarts_the_unit(lab, snaps, tmp_path):
     """In the booted box: stopping the unit detaches everything (B is pure B, no crash), starting mounts again."""
-    with boot_b(lab, tmp_path) as (box, snap):
+    with boot_b(lab, snaps, tmp_path) as (box, snap):
         assert box.out(fixtures.PROJECT_SUMS, timeout=60) == snap.project_sums
         stop = box.sh("systemctl stop ogrefs-resume.service", timeout=120, check=False)
         assert stop.returncode == 0, f"{stop.returncode}: {stop.stderr}"
@@ -88,11 +94,11 @@ def test_booted_b_stops_and_restarts_the_unit(lab, tmp_path):
         box.poweroff()
 
 
-def test_restart_while_a_service_started_on_the_old_tree_runs_is_refused_naming_it(lab, tmp_path):
+def test_restart_while_a_service_started_on_the_old_tree_runs_is_refused_naming_it(lab, snaps, tmp_path):
     """A service started after the mount runs the snapshot's /usr: after `systemctl stop` it keeps the old
     (lazily detached) tree and its daemon alive, so `systemctl start` must fail promptly and cleanly with one
     line naming it (no second writer of the same state); once it is stopped, start mounts again."""
-    with boot_b(lab, tmp_path) as (box, snap):
+    with boot_b(lab, snaps, tmp_path) as (box, snap):
         box.sh("systemd-run --unit=old-tree-user --property=WorkingDirectory=/opt/project sleep 600", timeout=60)
         holder = box.out("systemctl show -p MainPID --value old-tree-user.service").strip()
         stop = box.sh("systemctl stop ogrefs-resume.service", timeout=120, check=False)
@@ -131,10 +137,10 @@ def wait_settled(box: NspawnBox, timeout: float = 150.0) -> str:
     return state
 
 
-def test_restart_of_the_unit_works_with_sshd_running(lab, tmp_path):
+def test_restart_of_the_unit_works_with_sshd_running(lab, snaps, tmp_path):
     """sshd's listener started before the mount (the unit is ordered after it): it runs this box's own sshd and
     holds nothing of the old tree, so `systemctl restart` (from a login that then leaves) mounts again, twice."""
-    with boot_b(lab, tmp_path) as (box, snap):
+    with boot_b(lab, snaps, tmp_path) as (box, snap):
         sshd = box.out("systemctl show -p MainPID --value ssh.service").strip()
         assert box.out(ON_OVERLAY + sshd).split()[0] == "own"
         for _ in range(2):
@@ -147,11 +153,11 @@ def test_restart_of_the_unit_works_with_sshd_running(lab, tmp_path):
         box.poweroff()
 
 
-def test_finalize_of_the_booted_box_once_its_local_copy_is_complete(lab, tmp_path):
+def test_finalize_of_the_booted_box_once_its_local_copy_is_complete(lab, snaps, tmp_path):
     """Issue 47: on a booted box journald writes its journal under /var on B's own disk (opened before the
     mount): no writer on the overlays. Once `status --wait` says the copy is complete, `finalize /` from a
     login of the box works, and the box runs on with no daemon."""
-    with boot_b(lab, tmp_path) as (box, snap):
+    with boot_b(lab, snaps, tmp_path) as (box, snap):
         wait = box.sh("ogrefs status / --wait --timeout 400", timeout=420, check=False)
         assert wait.returncode == 0, wait.stdout[-1000:] + wait.stderr[-1000:]
         fin = box.sh("ogrefs finalize /", timeout=120, check=False)
@@ -162,10 +168,10 @@ def test_finalize_of_the_booted_box_once_its_local_copy_is_complete(lab, tmp_pat
         box.poweroff()
 
 
-def test_the_unit_stops_and_ogrefs_answers_whatever_the_snapshot_python(lab, tmp_path):
+def test_the_unit_stops_and_ogrefs_answers_whatever_the_snapshot_python(lab, snaps, tmp_path):
     """Issue 47: A's python3 (and so the venv interpreter at B's path) is no Python; B's `ogrefs status` and the
     unit's ExecStop still run B's own ogrefs (box/owncli.py), and the stop leaves pure B."""
-    with boot_b(lab, tmp_path, python_not_b=True) as (box, snap):
+    with boot_b(lab, snaps, tmp_path, python_not_b=True) as (box, snap):
         assert box.out("systemctl is-active ogrefs-resume.service", check=False).strip() == "active"
         assert box.sh("/opt/ogrefs/venv/bin/python -c 1", check=False).returncode != 0  # A's python3 now
         assert '"mountpoint": "/"' in box.out("ogrefs status / --json", timeout=60)

@@ -52,6 +52,11 @@ def releases():
     return {suite: fixtures.lab_roots(suite) for suite in VERSION}
 
 
+@pytest.fixture(scope="module")
+def snaps(tmp_path_factory):
+    return fixtures.SnapshotsOfA(tmp_path_factory.mktemp("lab-a"))
+
+
 def driver_elsewhere(root: Path) -> str:
     """Move B's driver libraries where the default host-path rules do not look (as a runfile installer or
     another distribution's packages may put them), named in B's linker configuration; returns the directory."""
@@ -73,8 +78,8 @@ def assert_b_usable(box: NspawnBox, b_suite: str) -> None:
 
 
 @pytest.mark.parametrize("a_suite,b_suite", [("bookworm", "trixie"), ("trixie", "bookworm")])
-def test_another_release_keeps_b_usable_and_resumes_a_in_its_own_root(releases, tmp_path, a_suite, b_suite):
-    snap = fixtures.snapshot_box_a(fixtures.prepared_box(releases[a_suite]["a"], tmp_path / "a"), tmp_path / "srv")
+def test_another_release_keeps_b_usable_and_resumes_a_in_its_own_root(releases, snaps, tmp_path, a_suite, b_suite):
+    snap = snaps.copy(releases[a_suite]["a"], tmp_path / "srv")
     sid = snap.manifest["id"]
     recorded = snap.manifest["environment"]["machine"]
     assert recorded["os"]["version_id"] == VERSION[a_suite] and recorded["glibc"] and recorded["systemd"]
@@ -123,11 +128,11 @@ def test_another_release_keeps_b_usable_and_resumes_a_in_its_own_root(releases, 
 
 
 @pytest.mark.parametrize("suite", list(VERSION))
-def test_the_same_release_mounts_at_root_and_b_keeps_logins_and_tools(releases, tmp_path, suite):
+def test_the_same_release_mounts_at_root_and_b_keeps_logins_and_tools(releases, snaps, tmp_path, suite):
     """The same release (12 on 12, 13 on 13): the unit mounts A at /, A's training resumes there natively,
     and what B runs keeps working on A's /usr: its tools, systemctl, the CLI, and an ssh login through
     B's sshd (which executes the sshd program at its path for each login: the snapshot's now)."""
-    snap = fixtures.snapshot_box_a(fixtures.prepared_box(releases[suite]["a"], tmp_path / "a"), tmp_path / "srv")
+    snap = snaps.copy(releases[suite]["a"], tmp_path / "srv")
     root = fixtures.prepared_box(releases[suite]["b"], tmp_path / "b")
     install_unit(root, A.box)
     box = box_b(root, snap.repo_dir, tmp_path, B)
