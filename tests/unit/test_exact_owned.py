@@ -34,7 +34,21 @@ def test_the_manifests_work_trees_runs_and_environments_are_exact_outermost_only
                                 envs=["/opt/venv", "/opt/project/.venv", "/opt/conda"]), _snapshot(), RULES)
     # /opt/project/ckpts and .venv lie in /opt/project: one directory said, one mask entry
     assert got.exact == ["/home/alice/proj/runs", "/opt/conda", "/opt/project", "/opt/venv", "/workspace"]
-    assert got.left == []
+    assert got.left == [("/opt", "shared with this box's own directories")]  # /opt/venv's "project"
+
+
+def test_an_in_project_environment_makes_its_project_exact_but_not_where_this_boxs_ogrefs_runs_from():
+    """The lab's box A records no git tree and no checkpoint it can read, only /opt/project/.venv: its
+    project is /opt/project. Its /opt/ogrefs/venv is where this box's own ogrefs runs from: left merged."""
+    snap = _Catalog({"opt": {"project": {".venv": {}, "checkpoints": {}}, "ogrefs": {"venv": {}, "src": {}},
+                             "app": {"venv": {}}}})
+    got = exact.owned(_manifest(envs=["/opt/ogrefs/venv", "/opt/project/.venv", "/opt/app/venv", "/usr"]), snap,
+                      RULES, runs_from=["/opt/ogrefs/venv", "/opt/ogrefs/src"])
+    assert got.exact == ["/opt/app", "/opt/project"]
+    assert dict(got.left) == {
+        "/opt/ogrefs": "this box's ogrefs runs from /opt/ogrefs/src",
+        "/opt/ogrefs/venv": "this box's ogrefs runs from /opt/ogrefs/venv",
+        "/usr": "a system directory: this box's own system needs its entries"}
 
 
 def test_a_conventional_data_root_counts_only_where_the_snapshot_has_it():

@@ -133,26 +133,35 @@ class Owned:
     left: list[tuple[str, str]] = field(default_factory=list)  # (path, why it stays merged), for the record
 
 
+#: A Python environment of one of these names lies in its project's directory (uv's and poetry's in-project
+#: ``.venv``, ``python -m venv venv``): that directory is the snapshot's too.
+IN_PROJECT_ENVS = (".venv", "venv")
+
+
 def candidates(environment: dict) -> list[str]:
     """The directories a manifest's environment names as the snapshot's own work: git work trees, checkpoint
-    run directories, Python environments (what inspect/report.py's format_environment lists)."""
+    run directories, Python environments (what inspect/report.py's format_environment lists) and the project
+    directory an in-project environment lies in."""
     env = environment or {}
     runs = [r.get("dir") for r in (env.get("checkpoints") or {}).get("runs") or []]
-    found = [*(g.get("path") for g in env.get("git") or []), *runs,
-             *(e.get("path") for e in env.get("python_envs") or [])]
+    envs = [e.get("path") for e in env.get("python_envs") or []]
+    found = [*(g.get("path") for g in env.get("git") or []), *runs, *envs,
+             *(os.path.dirname(p) for p in envs if isinstance(p, str) and os.path.basename(p) in IN_PROJECT_ENVS)]
     return sorted({overlay.normalized(p) for p in found if isinstance(p, str) and p.startswith("/")})
 
 
 def owned(manifest: dict, catalog: Any, rules: Iterable[Any], homes: Iterable[str] = (),
-          mounts: Iterable[str] = ()) -> Owned:
+          mounts: Iterable[str] = (), runs_from: Iterable[str] = ()) -> Owned:
     """The directories a whole-box snapshot owns at / (exact there), and why each other candidate is not.
 
     ``homes``: this box's users' home directories (their logins, keys and files stay as they are);
-    ``mounts``: this box's mount points (a disk of this box mounted there stays visible).
+    ``mounts``: this box's mount points (a disk of this box mounted there stays visible); ``runs_from``: the
+    directories this box's ogrefs runs from (its environment, its source: never masked under it).
     """
     r = _Rules([_parts(x.pattern) for x in rules], [])
     here = {"homes": {overlay.normalized(h) for h in homes if h and overlay.normalized(h) != "/"},
-            "mounts": {overlay.normalized(m) for m in mounts}}
+            "mounts": {overlay.normalized(m) for m in mounts},
+            "ogrefs": {overlay.normalized(p) for p in runs_from if p and overlay.normalized(p) != "/"}}
     named = candidates(manifest.get("environment") or {})
     out = Owned()
     for path in sorted({*named, *DATA_ROOTS}):  # a directory sorts before what lies in it
@@ -190,6 +199,9 @@ def _not_owned(path: str, r: _Rules, here: dict[str, set[str]]) -> str | None:
         return f"holds this box's home directory {inside[0]}"
     if path in here["mounts"]:  # (one below it is bound back over the overlay as ever: kept_below)
         return "a file system of this box is mounted there"
+    mine = sorted(p for p in here["ogrefs"] if p == path or p.startswith(path + "/") or path.startswith(p + "/"))
+    if mine:
+        return f"this box's ogrefs runs from {mine[0]}"
     if any(r.keeps(comps[:n]) for n in range(1, len(comps) + 1)):
         return "kept from this box by a host-path rule"
     return None

@@ -21,6 +21,7 @@ import fcntl
 import logging
 import os
 import pwd
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -193,7 +194,8 @@ def _mask(opts: MountOptions, manifest: dict, catalog: Catalog, rules: list,
         return exact.plan(catalog, rules, roots), ["/"], []
     if any(overlay.normalized(r) == "/" for r in roots):
         points = [m.point for m in mountsys.mount_table()]
-        own = exact.owned(manifest, catalog, rules, homes=_homes(), mounts=points)
+        own = exact.owned(manifest, catalog, rules, homes=_homes(), mounts=points,
+                          runs_from=[sys.prefix, str(Path(__file__).resolve().parents[2])])  # its venv, src
         return (exact.plan(catalog, rules, own.exact) if own.exact else None), own.exact, own.left
     data = [r for r in roots if not overlay.is_system(r)]
     return (exact.plan(catalog, rules, data) if data else None), [overlay.normalized(r) for r in data], []
