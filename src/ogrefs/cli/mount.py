@@ -46,8 +46,9 @@ def parse_size(text: str) -> int:
 @click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
 @click.option("--merge", "merge", is_flag=True,
-              help="At /: a snapshot of data paths (a project directory) shows this box's files there too, where "
-                   "it has none (without it: the snapshot's directories exactly, docs/mount.md).")
+              help="At /: show this box's files where the snapshot has none in its own directories too (a "
+                   "snapshot of data paths; a whole box's project, runs, venvs). Without it they are exact "
+                   "(docs/mount.md).")
 @click.option("--data-only", "data_only", is_flag=True,
               help="At /: bring back the snapshot's data paths (/home, /root, /opt, /srv, ...) and leave this box's "
                    "system (/usr, /etc, /var, /bin, /lib*, /boot) alone: how a snapshot of another OS release "
