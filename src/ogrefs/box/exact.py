@@ -123,6 +123,9 @@ DATA_ROOTS = ("/workspace",)
 #: Directories that hold more than one owner's things (this box's own disks, tools, users): never one
 #: snapshot's wholly, only the directories it owns inside them.
 SHARED = ("/home", "/opt", "/srv", "/mnt", "/media")
+#: A Python environment of one of these names lies in its project's directory (uv's and poetry's in-project
+#: ``.venv``, ``python -m venv venv``): that directory is the snapshot's too.
+IN_PROJECT_ENVS = (".venv", "venv")
 
 
 @dataclass
@@ -131,11 +134,6 @@ class Owned:
 
     exact: list[str] = field(default_factory=list)  # outermost, each a directory of the snapshot
     left: list[tuple[str, str]] = field(default_factory=list)  # (path, why it stays merged), for the record
-
-
-#: A Python environment of one of these names lies in its project's directory (uv's and poetry's in-project
-#: ``.venv``, ``python -m venv venv``): that directory is the snapshot's too.
-IN_PROJECT_ENVS = (".venv", "venv")
 
 
 def candidates(environment: dict) -> list[str]:
