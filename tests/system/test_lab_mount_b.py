@@ -89,11 +89,18 @@ def assert_pure_b(box: Box, before: dict[str, str]) -> None:
     assert box.out("test -e /opt/project || echo gone").strip() == "gone"
 
 
+#: Box B trained on in a project directory of the same name: its newer checkpoint, the highest-numbered, is
+#: what A's resume loop would take if it showed in A's project (issue 47: a whole box is exact there).
+B_WENT_ON = ("mkdir -p /opt/project/checkpoints && "
+             "printf '{\"step\": 5000, \"loss\": 0.1}' > /opt/project/checkpoints/step-5000.json")
+
+
 @pytest.fixture(scope="module", params=list(PYTHONS))
 def b_mounted(request, lab, snap_a, tmp_path_factory):
     box, ogrefs = start_b(lab, snap_a, request.param, tmp_path_factory.mktemp("lab-b") / "root")
     try:
         before = fixtures.file_sums(box)
+        box.sh(B_WENT_ON)
         mounted = mount(box, ogrefs)
         yield box, ogrefs, before, mounted
         box.sh(f"{ogrefs} unmount /", timeout=MOUNT_TIMEOUT_S, check=False)
@@ -109,6 +116,8 @@ def test_mount_returns_and_the_box_answers(b_mounted, snap_a):
     assert (status["mountpoint"], status["snapshot"]) == ("/", snap_a.manifest["id"])
     said = mounted.stdout + mounted.stderr  # mount says what it kept from the box and what stays visible
     assert "kept from this box: " in said and "/etc/hostname" in said and "/mnt/scratch" in said
+    exact = next(line for line in said.splitlines() if line.startswith("exact: "))
+    assert "/opt/project" in exact.removeprefix("exact: ").split(" (")[0].split(", "), exact  # from its in-project venv (exact.owned)
 
 
 def test_identity_network_disks_config_and_cloud_init_stay_b(b_mounted):

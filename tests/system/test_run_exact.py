@@ -174,3 +174,49 @@ def test_mount_at_root_shows_a_project_snapshot_exactly(tmp_path):
         {OGREFS} unmount /
     """)
     assert (tmp_path / "seen.txt").read_text() == "ckpt_001000.pt\n", out.stderr
+
+
+def test_mount_of_a_whole_box_at_root_shows_the_directories_it_owns_exactly(tmp_path):
+    """A whole-box snapshot (its root is /) mounted at / over a box that went on: the project it recorded as a
+    git work tree is exact (this box's newer checkpoint and data hidden), this box's own directories beside it
+    and its login user's home still show; ``--merge`` shows this box's files in the project again. Before:
+    no mask at all for a whole box, and the resume loop took this box's ``ckpt_005000.pt``.
+
+    A stand-in box in a private namespace: tmpfs on /opt and /home, a snapshot of / that leaves out every
+    other top-level entry (so its root is /, as a whole box's), mounted at / over them.
+    """
+    from tests.system.test_box_mount import OGREFS, PY, in_namespace
+
+    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"),
+               OGREFS_STATE_DIR=str(tmp_path / "state"), OGREFS_RUNTIME_DIR=str(tmp_path / "run"))
+    others = " ".join(f"--exclude /{n}" for n in sorted(os.listdir("/")) if n not in ("opt", "home"))
+    newest = "ls /opt/project/ckpts | sort | tail -n 1; ls /opt/project/data; cat /home/bob/notes.txt; ls /opt"
+    out = in_namespace(env, f"""
+        mount -t tmpfs box-opt /opt && mount -t tmpfs box-home /home
+        mkdir -p /opt/project/ckpts /opt/project/data /home/alice
+        git init -q /opt/project
+        printf 'step 1000\\n' > /opt/project/ckpts/ckpt_001000.pt && printf a > /opt/project/data/a.bin
+        printf "A's profile\\n" > /home/alice/.profile
+        {OGREFS} -q init
+        {OGREFS} -q snapshot --json / {others} > {tmp_path}/snap.json
+        sid=$({PY} -c 'import json, sys; print(json.load(open(sys.argv[1]))["id"])' {tmp_path}/snap.json)
+        # this box went on training, and has its own user and tools beside the project
+        printf 'step 5000 of this box\\n' > /opt/project/ckpts/ckpt_005000.pt && printf b > /opt/project/data/extra3.bin
+        mkdir -p /home/bob /opt/b-tool && printf "bob's notes\\n" > /home/bob/notes.txt
+        {OGREFS} mount "$sid" / --no-materialize > {tmp_path}/mount.txt
+        {{ {newest}; }} > {tmp_path}/exact.txt
+        {OGREFS} status / > {tmp_path}/status.txt
+        {OGREFS} unmount /
+        {OGREFS} mount --merge "$sid" / --no-materialize > {tmp_path}/merge.txt
+        {{ {newest}; }} > {tmp_path}/merged.txt
+        {OGREFS} unmount /
+    """)
+    manifest = __import__("json").loads((tmp_path / "snap.json").read_text())
+    assert manifest["paths"] == ["/"] and [g["path"] for g in manifest["environment"]["git"]] == ["/opt/project"]
+    assert (tmp_path / "exact.txt").read_text().splitlines() == [
+        "ckpt_001000.pt", "a.bin", "bob's notes", "b-tool", "project"], out.stderr
+    assert (tmp_path / "merged.txt").read_text().splitlines() == [
+        "ckpt_005000.pt", "a.bin", "extra3.bin", "bob's notes", "b-tool", "project"]
+    said = "exact: /opt/project (this box's entries hidden; --merge to show them)"
+    assert said in (tmp_path / "mount.txt").read_text() and said in (tmp_path / "status.txt").read_text()
+    assert "exact:" not in (tmp_path / "merge.txt").read_text()

@@ -25,6 +25,15 @@ logins, the GPU driver, kernel modules) and nowhere else below the
 snapshot's roots, while everything above them (``/``, ``/home`` above a
 root ``/home/u/proj``) still merges. ``--merge`` leaves the mask out.
 
+A whole box mounted at ``/`` is masked only in the directories it *owns*
+(:func:`owned`): the ones its manifest names as its own work (git work
+trees, checkpoint run directories, Python environments) and the
+conventional data roots (``/workspace``), never a system directory, a home
+directory itself, ``/home``/``/opt``/``/srv`` whole, nor what a host-path
+rule keeps: this box's own system, logins and disks need their entries
+there, and a newer checkpoint of this box in the snapshot's project is what
+must not show.
+
 :func:`plan` runs in the mount command before the fork (it reads this box's
 tree and the catalog, as hostpaths.plan does); :func:`write` in the keeper,
 on the merged layers' tmpfs, before the overlay is mounted. No state.
@@ -35,10 +44,11 @@ from __future__ import annotations
 import fnmatch
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ogrefs.box import overlay
 from ogrefs.repo.catalog import ROOT_INO
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -106,6 +116,93 @@ def plan(catalog: Any, rules: Iterable[Any], roots: Iterable[str], host_root: st
             done.append(comps)
             _mask_dir(catalog, node, comps, host_root, r, out)
     return out
+
+
+#: Conventional data roots of rented boxes (RunPod's and vast.ai's volume): the snapshot's own where it has one.
+DATA_ROOTS = ("/workspace",)
+#: Directories that hold more than one owner's things (this box's own disks, tools, users): never one
+#: snapshot's wholly, only the directories it owns inside them.
+SHARED = ("/home", "/opt", "/srv", "/mnt", "/media")
+#: A Python environment of one of these names lies in its project's directory (uv's and poetry's in-project
+#: ``.venv``, ``python -m venv venv``): that directory is the snapshot's too.
+IN_PROJECT_ENVS = (".venv", "venv")
+
+
+@dataclass
+class Owned:
+    """What of a whole box mounted at / is exact (:func:`owned`)."""
+
+    exact: list[str] = field(default_factory=list)  # outermost, each a directory of the snapshot
+    left: list[tuple[str, str]] = field(default_factory=list)  # (path, why it stays merged), for the record
+
+
+def candidates(environment: dict) -> list[str]:
+    """The directories a manifest's environment names as the snapshot's own work: git work trees, checkpoint
+    run directories, Python environments (what inspect/report.py's format_environment lists) and the project
+    directory an in-project environment lies in."""
+    env = environment or {}
+    runs = [r.get("dir") for r in (env.get("checkpoints") or {}).get("runs") or []]
+    envs = [e.get("path") for e in env.get("python_envs") or []]
+    found = [*(g.get("path") for g in env.get("git") or []), *runs, *envs,
+             *(os.path.dirname(p) for p in envs if isinstance(p, str) and os.path.basename(p) in IN_PROJECT_ENVS)]
+    return sorted({overlay.normalized(p) for p in found if isinstance(p, str) and p.startswith("/")})
+
+
+def owned(manifest: dict, catalog: Any, rules: Iterable[Any], homes: Iterable[str] = (),
+          mounts: Iterable[str] = (), runs_from: Iterable[str] = ()) -> Owned:
+    """The directories a whole-box snapshot owns at / (exact there), and why each other candidate is not.
+
+    ``homes``: this box's users' home directories (their logins, keys and files stay as they are);
+    ``mounts``: this box's mount points (a disk of this box mounted there stays visible); ``runs_from``: the
+    directories this box's ogrefs runs from (its environment, its source: never masked under it).
+    """
+    r = _Rules([_parts(x.pattern) for x in rules], [])
+    here = {"homes": {overlay.normalized(h) for h in homes if h and overlay.normalized(h) != "/"},
+            "mounts": {overlay.normalized(m) for m in mounts},
+            "ogrefs": {overlay.normalized(p) for p in runs_from if p and overlay.normalized(p) != "/"}}
+    named = candidates(manifest.get("environment") or {})
+    out = Owned()
+    for path in sorted({*named, *DATA_ROOTS}):  # a directory sorts before what lies in it
+        if any(path.startswith(o + "/") for o in out.exact):
+            continue  # inside a directory already exact
+        why = _not_owned(path, r, here)
+        if why is None:
+            node = _node(catalog, _parts(path))
+            if node is None or not node.is_dir:
+                if path not in named:
+                    continue  # a conventional data root the snapshot does not have
+                why = "not a directory in the snapshot"
+        if why is None:
+            out.exact.append(path)
+        else:
+            out.left.append((path, why))
+    return out
+
+
+def _not_owned(path: str, r: _Rules, here: dict[str, set[str]]) -> str | None:
+    """Why ``path`` is not the snapshot's alone at / (kept merged with this box's), or None."""
+    comps = _parts(path)
+    if not comps:
+        return "the whole box"
+    if overlay.is_system(path):
+        return "a system directory: this box's own system needs its entries"
+    if "/" + comps[0] in overlay.NEVER + overlay.PROTECTED:
+        return "never overlaid: this box's own"
+    if path in SHARED:
+        return "shared with this box's own directories"
+    if path == "/root" or path in here["homes"] or (len(comps) == 2 and comps[0] == "home"):
+        return "a home directory: this box's users keep theirs (only the snapshot's directories in it are exact)"
+    inside = sorted(h for h in here["homes"] if h.startswith(path + "/"))
+    if inside:
+        return f"holds this box's home directory {inside[0]}"
+    if path in here["mounts"]:  # (one below it is bound back over the overlay as ever: kept_below)
+        return "a file system of this box is mounted there"
+    mine = sorted(p for p in here["ogrefs"] if p == path or p.startswith(path + "/") or path.startswith(p + "/"))
+    if mine:
+        return f"this box's ogrefs runs from {mine[0]}"
+    if any(r.keeps(comps[:n]) for n in range(1, len(comps) + 1)):
+        return "kept from this box by a host-path rule"
+    return None
 
 
 def _mask_dir(catalog: Any, node: Any, comps: list[str], host_root: str, r: _Rules, out: list[MaskEntry]) -> None:

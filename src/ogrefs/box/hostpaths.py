@@ -171,7 +171,9 @@ class HostPlan:
     hidden: dict[int, frozenset] = field(default_factory=dict)  # parent ino -> names the view omits
     kept: list[str] = field(default_factory=list)  # snapshot paths replaced by this box's (or by nothing)
     merges: list[tuple[str, str]] = field(default_factory=list)  # (kind, path) synthesized from both sides
-    mask: list[Any] | None = None  # exact.MaskEntry list (None: no mask: --merge, a whole box at /)
+    mask: list[Any] | None = None  # exact.MaskEntry list (None: no mask: --merge, nothing the snapshot owns)
+    exact: list[str] = field(default_factory=list)  # the directories shown exactly (said by mount and status)
+    not_exact: list[tuple[str, str]] = field(default_factory=list)  # a whole box's candidates left merged, why
     driver_dirs: list[str] = field(default_factory=list)  # run/shell: where this box's driver libraries lie
 
 
@@ -483,8 +485,9 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
     if host.merges or host.mask is not None or host.driver_dirs:
         _fresh_tmpfs(state_dir / "host")
     for n, o in enumerate(overlays):
-        if host.mask is not None and o.keep_existing:  # the box's own below, masked (exact.py)
-            masked = exact.below(host.mask, o.lower[len(str(state_dir / "lower")):] or "/")
+        shows = o.lower[len(str(state_dir / "lower")):] or "/"  # the snapshot path this overlay shows
+        masked = exact.below(host.mask or [], shows)
+        if masked and o.keep_existing:  # the box's own below, masked (exact.py)
             if exact.whole(masked):
                 o = replace(o, keep_existing=False)  # all of it the snapshot's: no own layer at all
             else:
@@ -492,7 +495,6 @@ def prepare(overlays: list, state_dir: Path, host: HostPlan | None) -> HostLayer
                 o = replace(o, mask=str(state_dir / "host" / f"mask{n}"))
         layer = state_dir / "host" / str(n)
         wrote = False
-        shows = o.lower[len(str(state_dir / "lower")):] or "/"  # the snapshot path this overlay shows
         for kind, path in host.merges:
             if not path.startswith(shows.rstrip("/") + "/"):
                 continue

@@ -46,8 +46,9 @@ def parse_size(text: str) -> int:
 @click.option("--force", is_flag=True, help="Allow covering /proc, /sys, /dev, /run, /boot or / as a whole.")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
 @click.option("--merge", "merge", is_flag=True,
-              help="At /: a snapshot of data paths (a project directory) shows this box's files there too, where "
-                   "it has none (without it: the snapshot's directories exactly, docs/mount.md).")
+              help="At /: show this box's files where the snapshot has none in its own directories too (a "
+                   "snapshot of data paths; a whole box's project, runs, venvs). Without it they are exact "
+                   "(docs/mount.md).")
 @click.option("--data-only", "data_only", is_flag=True,
               help="At /: bring back the snapshot's data paths (/home, /root, /opt, /srv, ...) and leave this box's "
                    "system (/usr, /etc, /var, /bin, /lib*, /boot) alone: how a snapshot of another OS release "
@@ -152,10 +153,11 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
         click.echo(f"mounted {named} at {plan.target} ({mode})")
         if not read_only:
             from ogrefs.mount.keeper import describe
+            from ogrefs.mount.status import exact_line
 
-            kept = describe(info)
-            if kept:
-                click.echo(kept)
+            for line in (describe(info), exact_line(info)):
+                if line:
+                    click.echo(line)
         for note in info.get("trace_notes") or []:
             click.echo(note)
 
@@ -263,6 +265,8 @@ def _progress_line(st: dict) -> None:
 
 
 def _report(st: dict, as_json: bool) -> None:
+    from ogrefs.mount.status import exact_line
+
     if as_json:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return
@@ -287,6 +291,7 @@ def _report(st: dict, as_json: bool) -> None:
     ]
     lines.extend(f"  {note}" for note in st.get("trace_notes") or [])
     lines.extend(f"  {why}" for why in st.get("refused") or [])  # overlays left out: a user's symlink on the way
+    lines.extend(f"  {line}" for line in [exact_line(st)] if line)
     lines.extend(_prefetch_lines(st.get("materialize") or {}, sys.stdout.isatty()))
     y = st.get("snapshot_yield") or {}
     if y.get("yielding"):

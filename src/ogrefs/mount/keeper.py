@@ -132,7 +132,8 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
     return {"overlays": [o.target for o in up], "binds": [b for o in up for b in o.binds],
             "host_kept": host.kept, "ldconfig": ldconfig, "own_directories": keep, "top_files": shown,
             "rescue": f"{way_back.directory}/detach.sh" if way_back else None, "command_around": around,
-            "refused": refused}
+            "refused": refused, "exact": layout.host_paths.exact if layout.host_paths is not None else [],
+            "not_exact": [list(x) for x in layout.host_paths.not_exact] if layout.host_paths is not None else []}
 
 
 def rescue_dir(reg: Registration) -> Path:
@@ -189,6 +190,8 @@ def keep(plan: MountPlan, daemon_pid: int, from_daemon: int, to_daemon: int, rea
     reg.write(info)
     log.info("overlays up: %s; kept from the host: %s; ldconfig: %s", ", ".join(done["overlays"]),
              ", ".join(done["host_kept"]) or "nothing", done["ldconfig"])
+    log.info("exact: %s; left merged: %s", ", ".join(done["exact"]) or "nothing",
+             "; ".join(f"{p} ({why})" for p, why in done["not_exact"]) or "nothing")
     _answer(ready_fd, "ready")
     return _watch(state, reg, daemon_pid, from_daemon, to_daemon)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import pwd
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -170,27 +172,38 @@ def _writable_layout(opts: MountOptions, manifest: dict, catalog: Catalog, targe
             rules, driver_dirs = hostpaths.with_driver(rules)
         host_paths = hostpaths.plan(catalog, rules)
         host_paths.driver_dirs = driver_dirs
-        host_paths.mask = _mask(opts, catalog, rules, roots)
+        host_paths.mask, host_paths.exact, host_paths.not_exact = _mask(opts, manifest, catalog, rules, roots)
     os.chmod(state, 0o700)
     return WritableLayout(target=target, state_dir=state, overlays=plans, skipped=skipped, host_paths=host_paths,
                           top_files=top_files, state_lock=state_lock)
 
 
-def _mask(opts: MountOptions, catalog: Catalog, rules: list, roots: list[str]) -> list | None:
-    """What of this box stays hidden below the snapshot's roots (exact.py), or None for no mask.
+def _mask(opts: MountOptions, manifest: dict, catalog: Catalog, rules: list,
+          roots: list[str]) -> tuple[list | None, list[str], list[tuple[str, str]]]:
+    """What of this box stays hidden below the snapshot's directories (exact.py): the mask (None: none), the
+    directories shown exactly, and the candidates left merged with why.
 
     ``--merge``: none. ``run``/``shell``: everything below the snapshot's roots. At ``/``: the roots of a
-    snapshot of named data paths (its project: this box's system does not need it merged); a whole box's
-    top-level directories and any system directory keep this box's entries (its own system needs them).
+    snapshot of named data paths (its project: this box's system does not need it merged); of a whole box,
+    the directories it owns (exact.owned: its work trees, runs, environments, ``/workspace``), while its
+    top-level directories, homes and system directories keep this box's entries (its own system needs them).
     """
     if opts.merge_host:
-        return None
+        return None, [], []
     if opts.box_root:
-        return exact.plan(catalog, rules, roots)
-    data = [r for r in roots if overlay.normalized(r) != "/" and not overlay.is_system(r)]
-    if any(overlay.normalized(r) == "/" for r in roots) or not data:
-        return None
-    return exact.plan(catalog, rules, data)
+        return exact.plan(catalog, rules, roots), ["/"], []
+    if any(overlay.normalized(r) == "/" for r in roots):
+        points = [m.point for m in mountsys.mount_table()]
+        own = exact.owned(manifest, catalog, rules, homes=_homes(), mounts=points,
+                          runs_from=[sys.prefix, str(Path(__file__).resolve().parents[2])])  # its venv, src
+        return (exact.plan(catalog, rules, own.exact) if own.exact else None), own.exact, own.left
+    data = [r for r in roots if not overlay.is_system(r)]
+    return (exact.plan(catalog, rules, data) if data else None), [overlay.normalized(r) for r in data], []
+
+
+def _homes() -> list[str]:
+    """This box's users' home directories (read before anything covers /etc/passwd)."""
+    return [p.pw_dir for p in pwd.getpwall()]
 
 
 def lock_state_dir(state: Path, reg: Registration, wait_s: float = STATE_LOCK_WAIT_S) -> int:

@@ -24,9 +24,16 @@ STATUS_INTERVAL = 0.5
 STALE_AFTER = 30.0
 #: What the keeper of a writable mount adds to its registration (keeper.bring_up).
 KEEPER_KEYS = ("overlays", "binds", "host_kept", "ldconfig", "own_directories", "keeper_pid", "top_files",
-               "rescue", "command_around", "refused")
+               "rescue", "command_around", "refused", "exact", "not_exact")
 #: Background states after which nothing more will be copied.
 _ENDED = {"done", "stopped", "incomplete", "not materializing", "off"}
+
+
+def exact_line(info: dict[str, Any]) -> str:
+    """One line for ``mount`` and ``status``: the directories shown exactly (box/exact.py), or ""."""
+    dirs = info.get("exact") or []
+    more = f" and {len(dirs) - 8} more" if len(dirs) > 8 else ""
+    return f"exact: {', '.join(dirs[:8])}{more} (this box's entries hidden; --merge to show them)" if dirs else ""
 
 
 def read_status(mountpoint: Path) -> dict[str, Any]:
