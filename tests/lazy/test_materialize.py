@@ -697,6 +697,41 @@ def test_spans_past_their_bound_are_not_read_ahead(box, tmp_path, monkeypatch):
 
 
 @pytest.mark.expect_log(r"local copy ", logger="ogrefs.lazy")
+def test_a_local_copy_found_damaged_is_closed_at_release_not_at_once(box, tmp_path):
+    """A handle whose complete local copy fails its naming reads the store from then on, and the copy's
+    descriptor stays open until the handle is released: another READ of the handle may have a worker thread
+    reading it, and a number closed at once can be reused by the next open (that read would then serve another
+    file's bytes).  Before: closed when the damage was found."""
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    rel = "data/shard0.bin"
+    copy = box.tree_of(state) / rel
+    damaged = bytearray(copy.read_bytes())
+    damaged[3 * MiB + 5] ^= 0x01
+    copy.write_bytes(bytes(damaged))
+    ino = box.catalog.resolve(box.path(rel)).ino
+    fetcher = Fetcher(box.repo.read_pack_range)
+    fs = SnapshotFS(box.catalog, fetcher, local=m)
+    seen: dict[str, object] = {}
+
+    async def read():
+        fh = await fs.open(ino, os.O_RDONLY)
+        got = bytearray()
+        while piece := await fs.read(fh, len(got), 1 << 20):
+            got.extend(piece)
+        fd = fs._files[fh].dropped_fd
+        seen["open until release"] = fd is not None and os.readlink(f"/proc/self/fd/{fd}") == str(copy)
+        fs.release(fh)
+        seen["closed at release"] = not os.path.exists(f"/proc/self/fd/{fd}") or \
+            os.readlink(f"/proc/self/fd/{fd}") != str(copy)
+        seen["bytes"] = bytes(got)
+
+    run_trio(fetcher, read)
+    assert seen["bytes"] == (box.src / rel).read_bytes() and fs.stats.local_corrupt == 1 and fetcher.stats.requests
+    assert seen["open until release"] and seen["closed at release"]
+
+
+@pytest.mark.expect_log(r"local copy ", logger="ogrefs.lazy")
 def test_a_damaged_local_copy_is_not_served(box, tmp_path, caplog):
     state = tmp_path / "state"
     m, _ = materialize(box, state)

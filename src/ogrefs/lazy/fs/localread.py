@@ -73,6 +73,10 @@ class LocalHandle(Protocol):
     ino: int
     size: int
     local_fd: int | None  # the complete local copy; None once it was found damaged
+    # the complete local copy found damaged, closed only at release: another READ's worker thread may still be
+    # reading it, and a number closed at once could be reused by another open meanwhile (that read would then
+    # return another file's bytes)
+    dropped_fd: int | None
     local_pending: bytes | None  # the complete local copy's path until the first read opens it
     extents: list[Extent]
     starts: list[int]
@@ -229,8 +233,7 @@ class LocalReads:
             self.stats.local_corrupt += 1
             log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
                       "reading it from the store", f.ino, offset)
-            os.close(f.local_fd)
-            f.local_fd = None
+            f.dropped_fd, f.local_fd = f.local_fd, None
             f.verified.clear()
             self.drop_span(f)
             return None

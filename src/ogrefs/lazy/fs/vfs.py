@@ -110,7 +110,7 @@ async def _extents_of(catalog: Catalog, ino: int, size: int) -> list[Extent]:
 class _OpenFile:
     __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
                  "partial_fd", "verified", "local_pending", "store_read", "span", "span_start", "span_loading",
-                 "local_next")
+                 "local_next", "dropped_fd")
 
     def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
         self.ino = ino
@@ -121,6 +121,7 @@ class _OpenFile:
         self.window = 0  # read-ahead distance; 0 until reads look sequential
         self.ahead = 0  # index of the first extent not yet requested by read-ahead
         self.local_fd: int | None = None  # the complete local copy, when there is one
+        self.dropped_fd: int | None = None  # the complete local copy found damaged: closed at release
         self.partial_fd: int | None = None  # the incomplete local copy, opened for its done chunks
         # the complete local copy, opened at the first read: a file opened again whose pages the kernel
         # caches (an import run a second time) is never read, so its open costs no query and no fd
@@ -474,7 +475,7 @@ class SnapshotFS:
             self._local_reads.drop_span(f)
             if (left := self._handles.pop(f.ino) - 1) > 0:
                 self._handles[f.ino] = left
-            for fd in (f.local_fd, f.partial_fd):
+            for fd in (f.local_fd, f.partial_fd, f.dropped_fd):
                 if fd is not None and fd >= 0:
                     os.close(fd)
 
