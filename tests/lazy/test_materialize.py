@@ -28,6 +28,7 @@ from ogrefs.lazy.background.materialize.build import prepare
 from ogrefs.lazy.background.materialize.materializer import Materializer
 from ogrefs.lazy.background.materialize.writer import Disk, TreeWriter
 from ogrefs.lazy.background.prefetch import Prefetch
+from ogrefs.lazy.fs import localread
 from ogrefs.lazy.fs.vfs import SnapshotFS
 from ogrefs.box.copyplan import Plan
 from ogrefs.snapshot.mounted import OwnMount
@@ -600,47 +601,134 @@ def test_complete_files_are_served_locally_and_the_store_is_never_contacted(box,
     assert fs.open_files == 0
 
 
-def test_a_complete_local_copy_read_front_to_back_is_exact_and_read_once_per_request(box, tmp_path, monkeypatch):
-    """Issue 49: each chunk is named from the same bytes the read serves (before: read whole to name it, then
-    the range read again), in 1 MiB reads that straddle chunk boundaries as the kernel's do."""
-    state = tmp_path / "state"
+def _read_local_copy(box, state, monkeypatch, rel: str, reads: list[tuple[int, int]], ops: list[str],
+                     concurrent: int = 1):
+    """Read ``rel`` front to back through a vfs over its complete local copy in 1 MiB READs, ``concurrent`` of
+    them in flight at a time as the kernel's read-ahead sends them; every read system call on the copy is
+    appended to ``reads`` as (offset, length), every worker-thread read of it (a span, a plain read) to
+    ``ops``.  The bytes read, and the vfs."""
     m, _ = materialize(box, state)
-    rel = "data/shard0.bin"  # 5 MiB: two chunks or more
-    ino = box.catalog.resolve(box.path(rel)).ino
-    want = (box.src / rel).read_bytes()
-    local_fds: set[int] = set()
-    read_bytes: list[tuple[int, int]] = []
-    real_pread = os.pread
+    node = box.catalog.resolve(box.path(rel))
+    ino, size = node.ino, node.size
+    copy = str(box.tree_of(state) / rel)
+    real_pread, real_preadv = os.pread, os.preadv
 
     def counting_pread(fd, n, off):
         data = real_pread(fd, n, off)
-        read_bytes.append((fd, len(data)))
+        if os.readlink(f"/proc/self/fd/{fd}") == copy:
+            reads.append((off, len(data)))
         return data
 
+    def counting_preadv(fd, bufs, off, *flags):
+        n = real_preadv(fd, bufs, off, *flags)
+        if os.readlink(f"/proc/self/fd/{fd}") == copy:
+            reads.append((off, n))
+        return n
+
     monkeypatch.setattr(os, "pread", counting_pread)
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    real_span, real_plain = localread.read_span, localread.pread
+
+    def counting_span(*args):
+        ops.append("span")
+        return real_span(*args)
+
+    async def counting_plain(*args):
+        ops.append("pread")
+        return await real_plain(*args)
+
+    monkeypatch.setattr(localread, "read_span", counting_span)
+    monkeypatch.setattr(localread, "pread", counting_plain)
     fetcher = Fetcher(box.repo.read_pack_range)
     fs = SnapshotFS(box.catalog, fetcher, local=m)
-    got = bytearray()
-    reads = [0]
+    got: dict[int, bytes] = {}
+
+    async def one(fh: int, off: int) -> None:
+        got[off] = bytes(await fs.read(fh, off, 1 << 20))
 
     async def read():
         fh = await fs.open(ino, os.O_RDONLY)
-        while True:
-            piece = await fs.read(fh, len(got), 1 << 20)
-            local_fds.add(fs._files[fh].local_fd)
-            if not piece:
-                break
-            reads[0] += 1
-            got.extend(piece)
+        offsets = list(range(0, size, 1 << 20))
+        for i in range(0, len(offsets), concurrent):
+            async with trio.open_nursery() as nursery:
+                for off in offsets[i:i + concurrent]:
+                    nursery.start_soon(one, fh, off)
         fs.release(fh)
 
     run_trio(fetcher, read)
-    assert bytes(got) == want and fetcher.stats.requests == 0 and len(box.refs_of(rel)) >= 2
-    # one read of the local copy per request, naming its new chunks from the bytes it serves (before: each new
-    # chunk read whole to name it, then the range read again: two or three reads, every byte twice)
-    local = [n for fd, n in read_bytes if fd in local_fds]
-    assert len(local) == reads[0]
-    assert len(want) <= sum(local) < 2 * len(want)
+    return b"".join(got[off] for off in sorted(got)), fs
+
+
+@pytest.mark.parametrize("concurrent", [1, 3])
+def test_a_complete_local_copy_read_front_to_back_is_exact_and_read_once_in_spans(box, tmp_path, monkeypatch,
+                                                                                  concurrent):
+    """Issue 49: a sequential reader of a complete local copy is served from spans of whole chunks, each read and
+    named once in one worker-thread call, the READs inside a span answered from it (before: one read of the copy
+    per READ, reading its range and each new chunk whole, so most bytes twice).  Also with several READs of the
+    handle in flight at once, as the kernel's read-ahead sends them: they wait for the span being read."""
+    monkeypatch.setattr(localread, "LOCAL_SPAN", 4 * MiB)  # the 5 MiB file: the first READ's chunks, then a span
+    rel = "data/shard0.bin"
+    reads: list[tuple[int, int]] = []
+    ops: list[str] = []
+    data, fs = _read_local_copy(box, tmp_path / "state", monkeypatch, rel, reads, ops, concurrent)
+    want = (box.src / rel).read_bytes()
+    assert data == want and len(box.refs_of(rel)) >= 2
+    requests = -(-len(want) // MiB)
+    # the first READ's chunks, then a span of the rest: fewer reads of the copy than READs (a READ in flight
+    # beside it that lies behind the new span reads its own bytes)
+    assert ops.count("span") >= 1 and len(ops) <= 1 + concurrent < requests
+    # each byte read once, but where a span's last chunk went past the READs it held (read again from the READ on)
+    biggest = max(ref.raw_len for ref in box.refs_of(rel))
+    assert len(want) <= sum(n for _, n in reads) <= len(want) + len(ops) * biggest
+    assert fs.stats.local_reads == requests and fs._local_reads.held_bytes == 0  # released with the handle
+
+
+def test_spans_past_their_bound_are_not_read_ahead(box, tmp_path, monkeypatch):
+    """With no room for spans (``LOCAL_SPANS_MAX``) a sequential reader reads what each READ needs, as before
+    spans: exact, one read of the copy per READ, nothing held."""
+    monkeypatch.setattr(localread, "LOCAL_SPANS_MAX", 0)
+    rel = "data/shard0.bin"
+    reads: list[tuple[int, int]] = []
+    ops: list[str] = []
+    data, fs = _read_local_copy(box, tmp_path / "state", monkeypatch, rel, reads, ops)
+    want = (box.src / rel).read_bytes()
+    assert data == want and len(ops) == -(-len(want) // MiB) and fs._local_reads.held_bytes == 0
+    assert sum(n for _, n in reads) < 2 * len(want)
+
+
+@pytest.mark.expect_log(r"local copy ", logger="ogrefs.lazy")
+def test_a_local_copy_found_damaged_is_closed_at_release_not_at_once(box, tmp_path):
+    """A handle whose complete local copy fails its naming reads the store from then on, and the copy's
+    descriptor stays open until the handle is released: another READ of the handle may have a worker thread
+    reading it, and a number closed at once can be reused by the next open (that read would then serve another
+    file's bytes).  Before: closed when the damage was found."""
+    state = tmp_path / "state"
+    m, _ = materialize(box, state)
+    rel = "data/shard0.bin"
+    copy = box.tree_of(state) / rel
+    damaged = bytearray(copy.read_bytes())
+    damaged[3 * MiB + 5] ^= 0x01
+    copy.write_bytes(bytes(damaged))
+    ino = box.catalog.resolve(box.path(rel)).ino
+    fetcher = Fetcher(box.repo.read_pack_range)
+    fs = SnapshotFS(box.catalog, fetcher, local=m)
+    seen: dict[str, object] = {}
+
+    async def read():
+        fh = await fs.open(ino, os.O_RDONLY)
+        got = bytearray()
+        while piece := await fs.read(fh, len(got), 1 << 20):
+            got.extend(piece)
+        fd = fs._files[fh].dropped_fd
+        seen["open until release"] = fd is not None and os.readlink(f"/proc/self/fd/{fd}") == str(copy)
+        fs.release(fh)
+        seen["closed at release"] = not os.path.exists(f"/proc/self/fd/{fd}") or \
+            os.readlink(f"/proc/self/fd/{fd}") != str(copy)
+        seen["bytes"] = bytes(got)
+
+    run_trio(fetcher, read)
+    assert seen["bytes"] == (box.src / rel).read_bytes() and fs.stats.local_corrupt == 1 and fetcher.stats.requests
+    assert seen["open until release"] and seen["closed at release"]
 
 
 @pytest.mark.expect_log(r"local copy ", logger="ogrefs.lazy")

@@ -10,10 +10,24 @@ files) when the page cache holds it (:func:`pread_if_cached`: cachestat(2),
 then ``RWF_NOWAIT``); a read that would wait for the disk, and every larger
 read, goes to a worker thread (:func:`pread`).
 
+A handle read front to back (the kernel's 1 MiB READs of a checkpoint) is
+served from *spans*: whole chunks of about ``LOCAL_SPAN`` bytes read and named
+in one worker-thread call (:func:`read_span`: each chunk named right after it
+is read, while it is in the CPU's cache), then held by the handle, whose next
+READs are answered from it on the loop with no read, no hash and no thread
+hop.  Before, each 1 MiB READ was one thread hop reading its range together
+with the whole of each new chunk it touched, so every byte was read from the
+copy about twice (docs/benchmarks.md, issue 49).  The bytes a handle holds
+are bounded by ``LOCAL_SPAN`` plus a chunk or two, and all handles' together
+by ``LOCAL_SPANS_MAX`` (past it a span serves the READ that read it and is
+not kept).
+
 Who owns what: a LocalReads belongs to its SnapshotFS and so to the trio
-loop, as do the handles it is given (their fd and the set of chunks found
-right).  Worker threads get an fd, a size and an offset, or bytes to name,
-and return new objects.  ``_cachestat`` (whether the kernel has cachestat)
+loop, as do the handles it is given (their fd, the set of chunks found
+right, the span they hold and the event of the span being read) and the
+count of bytes held.  Worker threads get an fd, a size and an offset, or
+bytes to name, and return new objects; a span is never written after the
+worker that read it returns.  ``_cachestat`` (whether the kernel has cachestat)
 is set once, by whichever caller first finds it missing; every call builds
 its own ctypes buffers.
 """
@@ -32,6 +46,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import trio
 
 from ogrefs.repo.catalog import Catalog, Extent
+from ogrefs.units import MiB
 
 if TYPE_CHECKING:
     from ogrefs.lazy.fs.types import AccessRecorder, VfsStats
@@ -40,6 +55,16 @@ log = logging.getLogger(__name__)
 
 #: Reads of complete local copies up to this size are served inline (see the module docstring).
 LOCAL_INLINE_READ = 128 * 1024
+#: A sequential reader of a complete local copy is served from spans of whole chunks of at least this many bytes
+#: (one thread hop, one read and one naming of each byte per span; see the module docstring).  8 MiB: 8 READs
+#: of the kernel's per hop; each chunk is named straight after its read, so the span's size is not the CPU
+#: cache's concern.
+LOCAL_SPAN = 8 * MiB
+#: The most bytes of spans all handles hold at once (16 sequential readers' worth).
+LOCAL_SPANS_MAX = 128 * MiB
+#: A READ that starts this close to where the handle's previous one ended is sequential: the kernel's
+#: read-ahead sends several READs at once, which may arrive out of order.
+SEQUENTIAL_SLACK = 2 * MiB
 
 
 class LocalHandle(Protocol):
@@ -48,11 +73,19 @@ class LocalHandle(Protocol):
     ino: int
     size: int
     local_fd: int | None  # the complete local copy; None once it was found damaged
+    # the complete local copy found damaged, closed only at release: another READ's worker thread may still be
+    # reading it, and a number closed at once could be reused by another open meanwhile (that read would then
+    # return another file's bytes)
+    dropped_fd: int | None
     local_pending: bytes | None  # the complete local copy's path until the first read opens it
     extents: list[Extent]
     starts: list[int]
     verified: set[int]  # indices of extents whose local bytes were read and found right
     partial_fd: int | None  # the incomplete local copy (done_chunk), -1 when it cannot be opened
+    span: memoryview | None  # bytes of the complete local copy from span_start, every chunk in them verified
+    span_start: int
+    span_loading: trio.Event | None  # set when the span being read is in (and then cleared)
+    local_next: int  # where the handle's previous read of the local copy ended
 
     def set_extents(self, extents: list[Extent]) -> None: ...
 
@@ -66,6 +99,7 @@ class LocalReads:
         self.chunk_id = chunk_id  # the repository's (keyed when encrypted)
         self.stats = stats
         self.recorder = recorder
+        self.held_bytes = 0  # of the spans all handles hold (LOCAL_SPANS_MAX)
 
     def open(self, path: bytes, size: int) -> int | None:
         """An fd of the complete local copy at ``path`` of a file of ``size`` bytes, or None (then the store
@@ -116,32 +150,71 @@ class LocalReads:
         """``[offset, end)`` of the complete local copy, every chunk of it holding the catalog's bytes.
 
         A chunk this handle has not read before is read whole and named
-        (BLAKE3) the first time; afterwards the handle trusts it.  The chunks
-        to name and the range asked for are read together, named, and the
-        range served from the same bytes, all in one worker-thread call (one
-        read of each byte instead of two, one thread hop instead of three:
-        docs/benchmarks.md, issue 49).  None when a chunk does not hold its
-        bytes: a copy damaged on disk since it was written is never served.
+        (BLAKE3) the first time; afterwards the handle trusts it.  A READ the
+        handle's span holds is answered from it; one that needs a chunk not
+        named yet, or that continues a sequential reader, reads a span of
+        whole chunks (:meth:`_read_span`); any other (all its chunks named:
+        a small file read again) is one plain read.  None when a chunk does
+        not hold its bytes: a copy damaged on disk since it was written is
+        never served.
         """
         assert f.local_fd is not None
         if not f.extents and f.size:
             f.set_extents(await trio.to_thread.run_sync(self.catalog.extents, f.ino))
-        k = max(0, bisect_right(f.starts, offset) - 1)
-        unverified: list[int] = []
-        while k < len(f.extents) and f.extents[k].offset < end:
-            if k not in f.verified and f.extents[k].end > offset:
-                unverified.append(k)
-            k += 1
-        if not unverified:
+        while (held := _held(f, offset, end)) is None and f.span_loading is not None:
+            await f.span_loading.wait()  # another READ of this handle is reading the span that may hold this one
+        if f.local_fd is None:
+            return None  # that READ found the copy damaged
+        sequential = f.local_next - SEQUENTIAL_SLACK <= offset <= f.local_next + SEQUENTIAL_SLACK and offset > 0
+        f.local_next = end
+        if held is not None:
+            return held
+        # a span is read ahead only where it can be held (its own span is let go of first), and not for a READ
+        # behind the span held (the kernel's READs out of order): that one reads what it needs
+        sequential = (sequential and (f.span is None or offset >= f.span_start)
+                      and self.held_bytes - len(f.span or b"") + LOCAL_SPAN <= LOCAL_SPANS_MAX)
+        first = max(0, bisect_right(f.starts, offset) - 1)
+        stop = end if not sequential else min(f.size, max(end, offset + LOCAL_SPAN))
+        last = first
+        while last < len(f.extents) and f.extents[last].offset < stop:
+            last += 1
+        if not sequential and all(k in f.verified for k in range(first, last) if f.extents[k].end > offset):
             return await pread(f.local_fd, end - offset, offset)
-        start = min(offset, f.extents[unverified[0]].offset)
-        stop = max(end, f.extents[unverified[-1]].end)
-        chunks = tuple((f.extents[k].offset - start, f.extents[k].length, f.extents[k].chunk) for k in unverified)
-        span = await trio.to_thread.run_sync(read_and_name, f.local_fd, start, stop - start, chunks, self.chunk_id)
+        return await self._read_span(f, offset, end, first, last)
+
+    async def _read_span(self, f: LocalHandle, offset: int, end: int, first: int, last: int) -> memoryview | None:
+        """Chunks ``first`` to ``last`` (and at least ``[offset, end)``) read in one worker-thread call, the ones
+        not named yet named there; the span is then the handle's (within ``LOCAL_SPANS_MAX``) and
+        ``[offset, end)`` of it is served."""
+        assert f.local_fd is not None
+        # a chunk named before need not be read whole: the span starts where the READ does (a sequential
+        # reader's previous span held that chunk's start)
+        start = min(offset, f.extents[first].offset) if first < last and first not in f.verified else offset
+        stop = max(end, f.extents[last - 1].end) if first < last else end
+        chunks = tuple((f.extents[k].offset - start, f.extents[k].length, f.extents[k].chunk)
+                       for k in range(first, last) if k not in f.verified)
+        keep = f.span is None or offset >= f.span_start  # (a READ behind the span leaves it held)
+        if keep:
+            self.drop_span(f)
+        f.span_loading = loading = trio.Event()
+        try:
+            span = await trio.to_thread.run_sync(read_span, f.local_fd, start, stop - start, chunks, self.chunk_id)
+        finally:
+            f.span_loading = None
+            loading.set()
         if span is None:
             return None
-        f.verified.update(unverified)
-        return memoryview(span)[offset - start:end - start]
+        f.verified.update(range(first, last))
+        if keep and f.span is None and self.held_bytes + len(span) <= LOCAL_SPANS_MAX and f.local_fd is not None:
+            f.span, f.span_start = span, start
+            self.held_bytes += len(span)
+        return span[offset - start:end - start]
+
+    def drop_span(self, f: LocalHandle) -> None:
+        """Let go of the handle's span (a new one is read, the handle is released or its copy found damaged)."""
+        if f.span is not None:
+            self.held_bytes -= len(f.span)
+            f.span = None
 
     async def read(self, f: LocalHandle, offset: int, end: int) -> bytes | memoryview | None:
         """A read served from the complete local copy (pread in a worker thread), its chunks verified first.
@@ -155,12 +228,14 @@ class LocalReads:
             log.error("read of the local copy of inode %d at offset %d failed: %s", f.ino, offset, exc.strerror)
             data = None
         if data is None:
+            if f.local_fd is None:
+                return None  # another READ of the handle found the copy damaged, and said so
             self.stats.local_corrupt += 1
             log.error("local copy of inode %d does not hold the snapshot's bytes near offset %d; "
                       "reading it from the store", f.ino, offset)
-            os.close(f.local_fd)
-            f.local_fd = None
+            f.dropped_fd, f.local_fd = f.local_fd, None
             f.verified.clear()
+            self.drop_span(f)
             return None
         if self.recorder is not None and self.recorder.active:
             granule = 1 << 20  # no extent list here: record per 1 MiB (the average chunk)
@@ -272,17 +347,32 @@ def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
     return bytes(buf) if n == size else None
 
 
-def read_and_name(fd: int, offset: int, size: int, chunks: tuple[tuple[int, int, bytes], ...],
-                  chunk_id: Callable[[bytes], bytes]) -> bytes | None:
-    """Worker thread: ``size`` bytes at ``offset``, or None unless every chunk (offset in the range, length,
-    id) in them is whole and names itself.  A read that ends early leaves the chunks past it short: None."""
-    data = os.pread(fd, size, offset)
-    view = memoryview(data)
-    for off, length, cid in chunks:
-        piece = view[off:off + length]
-        if len(piece) != length or chunk_id(piece) != cid:
+def _held(f: LocalHandle, offset: int, end: int) -> memoryview | None:
+    """``[offset, end)`` from the handle's span, if it holds all of it."""
+    if f.span is None or not f.span_start <= offset or end > f.span_start + len(f.span):
+        return None
+    return f.span[offset - f.span_start:end - f.span_start]
+
+
+def read_span(fd: int, offset: int, size: int, chunks: tuple[tuple[int, int, bytes | None], ...],
+              chunk_id: Callable[[bytes | memoryview], bytes]) -> memoryview | None:
+    """Worker thread: ``size`` bytes at ``offset`` (fewer at the end of the file), or None unless every chunk
+    (offset in the range, length, id; in range order) is whole and names itself.
+
+    Read into one buffer a chunk at a time, each named right after its read
+    (its bytes still in the CPU's cache), so a READ anywhere in the span is a
+    view of it, never a join.
+    """
+    view = memoryview(bytearray(size))
+    got = 0
+    for off, length, cid in chunks + ((size, 0, None),):
+        while got < off + length and (n := os.preadv(fd, [view[got:off + length]], offset + got)):
+            got += n
+        if cid is None:
+            break
+        if got < off + length or chunk_id(view[off:off + length]) != cid:
             return None
-    return data
+    return view[:got].toreadonly()
 
 
 async def pread(fd: int, size: int, offset: int) -> bytes:

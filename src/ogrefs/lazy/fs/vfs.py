@@ -109,7 +109,8 @@ async def _extents_of(catalog: Catalog, ino: int, size: int) -> list[Extent]:
 
 class _OpenFile:
     __slots__ = ("ino", "size", "extents", "starts", "refs", "next_offset", "window", "ahead", "local_fd",
-                 "partial_fd", "verified", "local_pending", "store_read")
+                 "partial_fd", "verified", "local_pending", "store_read", "span", "span_start", "span_loading",
+                 "local_next", "dropped_fd")
 
     def __init__(self, ino: int, size: int, extents: list[Extent]) -> None:
         self.ino = ino
@@ -120,11 +121,17 @@ class _OpenFile:
         self.window = 0  # read-ahead distance; 0 until reads look sequential
         self.ahead = 0  # index of the first extent not yet requested by read-ahead
         self.local_fd: int | None = None  # the complete local copy, when there is one
+        self.dropped_fd: int | None = None  # the complete local copy found damaged: closed at release
         self.partial_fd: int | None = None  # the incomplete local copy, opened for its done chunks
         # the complete local copy, opened at the first read: a file opened again whose pages the kernel
         # caches (an import run a second time) is never read, so its open costs no query and no fd
         self.local_pending: bytes | None = None
         self.store_read = False  # the handle has read through the store (its small neighbours were asked for)
+        # a sequential reader of the complete local copy: the verified span it is served from (lazy/fs/localread.py)
+        self.span: memoryview | None = None
+        self.span_start = 0
+        self.span_loading: trio.Event | None = None
+        self.local_next = 0
 
     def set_extents(self, extents: list[Extent]) -> None:
         self.extents = extents
@@ -465,9 +472,10 @@ class SnapshotFS:
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
         if f is not None:
+            self._local_reads.drop_span(f)
             if (left := self._handles.pop(f.ino) - 1) > 0:
                 self._handles[f.ino] = left
-            for fd in (f.local_fd, f.partial_fd):
+            for fd in (f.local_fd, f.partial_fd, f.dropped_fd):
                 if fd is not None and fd >= 0:
                     os.close(fd)
 
