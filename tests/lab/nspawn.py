@@ -4,7 +4,10 @@ Flags found on the project's machines (PID 1 there is not systemd, so
 machined and scopes are unavailable): ``--register=no --keep-unit`` (no
 machined, no transient scope); ``--private-network`` (the box's sshd and
 network config never touch the host's; the repository is file://);
-``--console=pipe`` (no tty needed); ``--bind=/dev/fuse`` (nspawn's /dev has
+``--console=read-only`` (the container's /dev/console is a pty whose output
+nspawn forwards to the console log, no tty needed here: the box's console
+getty runs on it, as a cloud VM's serial getty does, and ordering tests see
+a real agetty); ``--bind=/dev/fuse`` (nspawn's /dev has
 no fuse node).  The box's second disk, the repository disk and the "loaded
 kernel module" version file are bind mounts like in the chroot lab.
 Commands run with ``nsenter --all`` into the container's PID 1, each under a
@@ -45,7 +48,7 @@ class NspawnBox:
 
     def boot(self) -> NspawnBox:
         args = ["systemd-nspawn", "-q", "-D", str(self.root), "--boot", "--register=no", "--keep-unit",
-                "--private-network", "--console=pipe", "--bind=/dev/fuse",
+                "--private-network", "--console=read-only", "--bind=/dev/fuse",
                 *(f"--bind={host}:{inside}" for host, inside in self.binds.items())]
         self.console = open(self.workdir / "console.log", "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.console, stderr=subprocess.STDOUT)

@@ -143,6 +143,9 @@ def test_restart_of_the_unit_works_with_sshd_running(lab, snaps, tmp_path):
     with boot_b(lab, snaps, tmp_path) as (box, snap):
         sshd = box.out("systemctl show -p MainPID --value ssh.service").strip()
         assert box.out(ON_OVERLAY + sshd).split()[0] == "own"
+        gettys = box.out("pgrep -x agetty || true").split()  # nspawn's console getty (console-getty.service)
+        assert gettys, box.out("systemctl list-units --all --no-pager '*getty*'", check=False)
+        assert [box.out(ON_OVERLAY + pid).split()[0] for pid in gettys] == ["own"] * len(gettys)
         for _ in range(2):
             box.sh("systemctl --no-block restart ogrefs-resume.service", timeout=60)
             state = wait_settled(box)
