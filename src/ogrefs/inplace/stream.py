@@ -21,7 +21,8 @@ plain ``ogrefs restore``.  Here, in plain words:
 4. The placer thread puts complete files in place every :data:`PLACE_EVERY` seconds, and at once when a
    file asked for is complete: one ``syncfs`` (every file of the round durable before any takes its name),
    then each file under its names unless someone on the box changed a name meanwhile (theirs stays), files
-   asked for first.  The files of one round are reported durable (``on_durable``: the plan records them
+   asked for first; symlinks, FIFOs and device nodes are made there too, by the same class rule (nothing to
+   fetch or sync).  The files of one round are reported durable (``on_durable``: the plan records them
    complete) after the next round's ``syncfs``, when their renames are durable too.
 5. :meth:`Stream.close`: no more groups; once every range is fetched, the last round, a last ``syncfs``, and
    the Restorer's end (a file not in place is failed and its temporary file removed).
@@ -30,12 +31,13 @@ Everything else is the Restorer's: temporary names, every blob verified, metadat
 rename.  A kill -9 leaves real names holding what was there before or a verified, durable file.  A chunk two
 groups share is fetched once per group (within a group, once).
 
-Threads: the engine's thread calls :meth:`start`, :meth:`add` and :meth:`close` and alone makes entries and
-temporary files there (as the Restorer's main thread); workers fetch and write (the Restorer's); the placer
+Threads: the engine's thread calls :meth:`start`, :meth:`add` and :meth:`close` and alone makes the
+Restorer's file records there; workers fetch, make temporary files and write (the Restorer's); the placer
 places; any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
-``_queued_of``), ``_urgent_inos``, ``_unsynced`` and ``_sealed``; the Restorer's ``_lock`` guards
-``_ready`` (taken whole by the placer) and what it guarded before.  ``_cond`` is never taken while holding
-``_lock``, nor the reverse.
+``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
+``_sealed``; the Restorer's ``_lock`` guards ``_ready`` and ``_specials_ready`` (taken whole by the placer)
+and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
+queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
 """
 
 from __future__ import annotations
