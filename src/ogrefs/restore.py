@@ -175,7 +175,7 @@ def interruptible_sleep(stop: threading.Event) -> Callable[[float], None]:
 
 
 @dataclass
-class _File:
+class PendingFile:
     """A regular file being restored: its names (the first holds the temporary file) and its missing writes."""
 
     node: Inode
@@ -191,7 +191,7 @@ class _File:
 
 
 @dataclass(frozen=True)
-class _Blob:
+class Blob:
     pack_offset: int
     stored_len: int
     raw_len: int
@@ -200,11 +200,11 @@ class _Blob:
 
 
 @dataclass(frozen=True)
-class _Range:
+class Range:
     pack: str
     offset: int
     length: int
-    blobs: tuple[_Blob, ...]
+    blobs: tuple[Blob, ...]
 
 
 @dataclass
@@ -222,16 +222,16 @@ class RestoreStats:
     started: float = field(default_factory=time.monotonic)
 
 
-def plan_ranges(blobs_by_pack: dict[str, list[_Blob]]) -> list[_Range]:
+def plan_ranges(blobs_by_pack: dict[str, list[Blob]]) -> list[Range]:
     """Coalesce each pack's blobs (sorted by offset) into ranged reads."""
     ranges = []
     for pack, blobs in blobs_by_pack.items():
         blobs.sort(key=lambda b: b.pack_offset)
-        cur: list[_Blob] = []
+        cur: list[Blob] = []
         start = end = 0
         for b in blobs:
             if cur and (b.pack_offset - end > MAX_GAP or b.pack_offset + b.stored_len - start > MAX_RANGE):
-                ranges.append(_Range(pack, start, end - start, tuple(cur)))
+                ranges.append(Range(pack, start, end - start, tuple(cur)))
                 cur = []
             if not cur:
                 start = b.pack_offset
@@ -239,7 +239,7 @@ def plan_ranges(blobs_by_pack: dict[str, list[_Blob]]) -> list[_Range]:
             cur.append(b)
             end = max(end, b.pack_offset + b.stored_len)
         if cur:
-            ranges.append(_Range(pack, start, end - start, tuple(cur)))
+            ranges.append(Range(pack, start, end - start, tuple(cur)))
     return ranges
 
 
@@ -282,7 +282,7 @@ def _tmp_for(rel: bytes, ino: int, token: bytes) -> bytes:
     return parent + b"/" + TMP_PREFIX + token + b"-" + str(ino).encode() + TMP_SUFFIX
 
 
-def _token_for(entries: list[tuple[bytes, Inode]]) -> bytes:
+def token_for(entries: list[tuple[bytes, Inode]]) -> bytes:
     """A random token that occurs in no path of ``entries``: no temporary name can be a name of the tree."""
     while True:
         token = secrets.token_hex(8).encode()
@@ -300,7 +300,7 @@ class Restorer:
         self.cat = catalog
         self.batch = batch
         #: a batch's files waiting for its end, each with its open fd (closed by _place_ready or _finish)
-        self._ready: list[tuple[_File, int, list[MetadataProblem]]] = []
+        self._ready: list[tuple[PendingFile, int, list[MetadataProblem]]] = []
         self.read_range = read_range
         self.decode_blob = decode_blob
         self.target = os.path.abspath(target).rstrip(b"/")
@@ -314,7 +314,7 @@ class Restorer:
         self.failed: dict[bytes, str] = {}  # restored path -> reason it is not there
         self.metadata_problems: dict[bytes, str] = {}  # restored path -> metadata that could not be set
         self.skipped: list[str] = []  # catalog entries not restored because they are unsafe or malformed
-        self._files: dict[int, _File] = {}  # ino -> regular file with data or names to finish
+        self._files: dict[int, PendingFile] = {}  # ino -> regular file with data or names to finish
         self._specials: dict[int, bytes] = {}  # ino -> first name of a hardlinked non-regular entry
         self._dirs: list[tuple[bytes, Inode]] = []
         self._bad_dirs: dict[bytes, bytes] = {}  # a directory not restored (or below one) -> the top one
@@ -322,7 +322,7 @@ class Restorer:
         self._is_root = os.geteuid() == 0
         self._last_tick = 0.0
         self.tree: LocalTree | None = None
-        self._token = b""  # of the temporary names (see _token_for)
+        self._token = b""  # of the temporary names (see token_for)
         # every selected path: a leftover-like name among them is the tree's
         self._paths: set[bytes] | frozenset[bytes] = set()
         self._keep_fds = _fds_to_keep()  # files kept open from creation to completion, at most (under _lock)
@@ -348,7 +348,7 @@ class Restorer:
         self.tree = LocalTree(self.target or b"/")
         try:
             entries = self._select() if self.batch is None else self.batch.entries
-            self._token = _token_for(entries)
+            self._token = token_for(entries)
             self._paths = {path for path, _node in entries} if self.batch is None else self.batch.paths
             ranges, needed = self._plan({n.ino for _p, n in entries if n.is_reg and n.size})
             if self.check_space:
@@ -383,12 +383,18 @@ class Restorer:
                 out.append((path, node))
         return out
 
-    def _plan(self, wanted: set[int]) -> tuple[list[_Range], int]:
+    def _plan(self, wanted: set[int]) -> tuple[list[Range], int]:
         """Ranges to fetch, the writes each file waits for (``_pending``), and the bytes to be written."""
-        by_chunk: dict[bytes, tuple[str, int, int, int, list[tuple[int, int]]]] = {}
         self._pending: dict[int, int] = {}
         # files whose data the catalog lays out or locates wrongly (ino -> why): they fail alone
         self._malformed: dict[int, str] = {}
+        by_pack, needed = self._blobs(wanted)
+        return plan_ranges(by_pack), needed
+
+    def _blobs(self, wanted: set[int]) -> tuple[dict[str, list[Blob]], int]:
+        """The blobs of files ``wanted`` by pack (one per chunk, with every write it feeds), counted into
+        ``_pending`` (and malformed files into ``_malformed``); the bytes to be written."""
+        by_chunk: dict[bytes, tuple[str, int, int, int, list[tuple[int, int]]]] = {}
         needed = 0
         rows = (self.cat.all_extents(on_malformed=self._malformed.setdefault) if self.batch is None
                 else self.batch.extents(wanted, self._malformed.setdefault))
@@ -404,10 +410,10 @@ class Restorer:
             entry[4].append((ino, off))
             self._pending[ino] = self._pending.get(ino, 0) + 1
             needed += length
-        by_pack: dict[str, list[_Blob]] = {}
+        by_pack: dict[str, list[Blob]] = {}
         for chunk, (pack, poff, slen, raw_len, targets) in by_chunk.items():
-            by_pack.setdefault(pack, []).append(_Blob(poff, slen, raw_len, chunk, tuple(targets)))
-        return plan_ranges(by_pack), needed
+            by_pack.setdefault(pack, []).append(Blob(poff, slen, raw_len, chunk, tuple(targets)))
+        return by_pack, needed
 
     def _check_space(self, needed: int) -> None:
         assert self.tree is not None
@@ -472,7 +478,7 @@ class Restorer:
             self.tree.clear_for_file(path)  # a non-empty directory in the way is a conflict of this name only
             f.names.append(path)
             return
-        self._files[node.ino] = _File(node, [path], _tmp_for(path, node.ino, self._token),
+        self._files[node.ino] = PendingFile(node, [path], _tmp_for(path, node.ino, self._token),
                                       self._pending.get(node.ino, 0))
         self.stats.files += 1
         self.stats.total_bytes += node.size
@@ -487,7 +493,7 @@ class Restorer:
                 self._complete(f)  # nothing to fetch: empty, or all holes
             self._tick()
 
-    def _created(self, f: _File) -> bool:
+    def _created(self, f: PendingFile) -> bool:
         """``f``'s temporary file exists (made now if it did not): False when it could not be made (reported)."""
         assert self.tree is not None
         with self._create_locks[f.node.ino % 64]:
@@ -496,7 +502,7 @@ class Restorer:
             try:  # a non-empty directory in the way of its name is a conflict of this name only
                 f.own, fd = self.tree.create_open(f.tmp, f.node.size, clear=split(f.names[0])[1])
             except (OSError, PathConflict) as exc:
-                self._fail({f.node.ino}, f"cannot create ({_reason(exc)})")
+                self._fail({f.node.ino}, f"cannot create ({reason_of(exc)})")
                 return False
             with self._lock:
                 keep = self._keep_fds > 0
@@ -512,7 +518,7 @@ class Restorer:
         remove_stale(self.tree, rel, self._paths)
 
     # -- step 4: the data ------------------------------------------------------------------------
-    def _fetch_all(self, ranges: list[_Range], meanwhile: Callable[[], None]) -> None:
+    def _fetch_all(self, ranges: list[Range], meanwhile: Callable[[], None]) -> None:
         """Every range by the workers, while the main thread runs ``meanwhile``."""
         with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-restore") as pool:
             futures = [pool.submit(self._fetch, r) for r in ranges]
@@ -540,7 +546,7 @@ class Restorer:
                     for name in f.names:
                         self.failed.setdefault(self.display(name), reason)
 
-    def _fetch(self, rng: _Range) -> None:
+    def _fetch(self, rng: Range) -> None:
         if self._stop.is_set():
             return
         try:
@@ -577,7 +583,7 @@ class Restorer:
                 finally:
                     os.close(fd)
         except (OSError, EntryReplaced) as exc:
-            self._fail({ino}, f"write failed: {_reason(exc)}")
+            self._fail({ino}, f"write failed: {reason_of(exc)}")
             return
         with self._lock:
             self.stats.written_bytes += len(plain)
@@ -586,7 +592,7 @@ class Restorer:
         if last:
             self._complete(f)
 
-    def _refetch(self, pack: str, b: _Blob) -> bytes | None:
+    def _refetch(self, pack: str, b: Blob) -> bytes | None:
         """A blob that failed verification, fetched once more on its own; None (and its files failed) if bad again."""
         with self._lock:
             self.stats.refetched += 1
@@ -598,7 +604,7 @@ class Restorer:
                        else f"pack {pack[:12]}: {exc}")
             return None
 
-    def _complete(self, f: _File) -> None:
+    def _complete(self, f: PendingFile) -> None:
         """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file).
 
         In a batch the names wait for the batch's end (:meth:`_place_ready`): one ``syncfs`` makes every file
@@ -615,12 +621,12 @@ class Restorer:
                 return
             self._place(f, fd, problems)
         except OSError as exc:
-            self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
+            self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _open_tmp(self, f: _File) -> int | None:
+    def _open_tmp(self, f: PendingFile) -> int | None:
         """``f``'s temporary file, still ours and of its size; None (and ``f`` failed) otherwise."""
         assert self.tree is not None
         fd, f.fd = f.fd, -1  # a kept fd is this thread's to close now
@@ -630,7 +636,7 @@ class Restorer:
             else:
                 fd = self.tree.open_own(f.tmp, os.O_RDONLY, f.own)
         except (OSError, EntryReplaced) as exc:
-            self._fail({f.node.ino}, f"temporary file lost ({_reason(exc)})")
+            self._fail({f.node.ino}, f"temporary file lost ({reason_of(exc)})")
             if fd >= 0:
                 os.close(fd)
             return None
@@ -640,7 +646,7 @@ class Restorer:
             return None
         return fd
 
-    def _place(self, f: _File, fd: int, problems: list[MetadataProblem]) -> None:
+    def _place(self, f: PendingFile, fd: int, problems: list[MetadataProblem]) -> None:
         """Rename ``f`` (open as ``fd``) to its first name, link its others; its metadata problems noted."""
         assert self.tree is not None
         try:
@@ -654,13 +660,13 @@ class Restorer:
                     self.tree.link(fd, name)
                 except (OSError, PathConflict) as exc:
                     with self._lock:
-                        self.failed[self.display(name)] = f"hardlink not made ({_reason(exc)})"
+                        self.failed[self.display(name)] = f"hardlink not made ({reason_of(exc)})"
             for name in f.names:
                 self._note(name, problems)
             if self.batch is not None:
                 self.batch.done(f.node.ino)
         except (OSError, PathConflict) as exc:
-            self._fail({f.node.ino}, f"cannot be put in place ({_reason(exc)})")
+            self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
 
     def _place_ready(self) -> None:
         """A batch's end: its complete files made durable at once (syncfs), then each under its names unless
@@ -670,22 +676,26 @@ class Restorer:
             return
         syncfs_fd(self.tree.root_fd)
         while self._ready:
-            f, fd, problems = self._ready.pop(0)
-            try:
-                why = next((w for w in map(self.batch.may_replace, f.names) if w is not None), None)
-                if why is not None:
-                    self._fail({f.node.ino}, why)
-                    continue
-                self._place(f, fd, problems)
-            finally:
-                os.close(fd)
+            self._place_checked(*self._ready.pop(0))
+
+    def _place_checked(self, f: PendingFile, fd: int, problems: list[MetadataProblem]) -> None:
+        """A durable file of a batch under its names unless someone on the box changed one; ``fd`` closed."""
+        assert self.batch is not None
+        try:
+            why = next((w for w in map(self.batch.may_replace, f.names) if w is not None), None)
+            if why is not None:
+                self._fail({f.node.ino}, why)
+                return
+            self._place(f, fd, problems)
+        finally:
+            os.close(fd)
 
     def _verify_in_place(self) -> None:
         """Every name put in place still holds its file, or the file is reported and not counted: a name
         removed or replaced during the restore is a file this restore did not produce.  Names are looked
         up a directory at a time (one resolution of each directory, then a stat per name)."""
         assert self.tree is not None
-        by_dir: dict[bytes, list[tuple[bytes, _File]]] = {}
+        by_dir: dict[bytes, list[tuple[bytes, PendingFile]]] = {}
         for f in self._files.values():
             if f.done:
                 for name in f.names:
@@ -749,5 +759,5 @@ def _fds_to_keep() -> int:
     return max(0, min(65536, (soft if soft != resource.RLIM_INFINITY else 65536 * 4) // 4))
 
 
-def _reason(exc: BaseException) -> str:
+def reason_of(exc: BaseException) -> str:
     return (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -166,9 +167,11 @@ def test_the_source_of_traced_bytecode_comes_with_the_trace(lab):
     out = lab["tmp"] / "out"
     out.mkdir()
     probe = f"{sys.executable} -c 'import os,sys; print(*[os.path.exists(p) for p in sys.argv[1:]])'"
+    gate = lab["tmp"] / "gate"  # the trace's one read comes, the rest's are held until the probe ran
     proc = in_container(lab, script=f"""
-        $OG mount {snap} {out} --no-fuse
+        OGREFS_TEST_READS_FREE=1 {sys.executable} -m tests.heldpacks {gate} mount {snap} {out} --no-fuse
         {probe} {_under(out, pkg / "mod.py")} {_under(out, src / "a5" / "f599")}
+        touch {gate}
         $OG status {out} --wait --timeout 120 >/dev/null
     """)
     assert proc.stdout.splitlines()[-1] == "True False"
@@ -231,9 +234,10 @@ def test_files_the_box_has_are_kept_not_fetched(lab):
 
 
 KILL_RUN = """
-import os, sys, threading
+import os, sys, threading, time
 from pathlib import Path
 from ogrefs.box.copyplan import Plan
+from ogrefs.inplace import stream
 from ogrefs.inplace.engine import InPlace, Order
 from ogrefs.repo import Repository
 from ogrefs.repo.catalog import Catalog
@@ -241,12 +245,20 @@ repo = Repository.open(sys.argv[1], cache_root=Path(sys.argv[5]))
 snap, out, state = sys.argv[2], os.fsencode(sys.argv[3]), Path(sys.argv[4])
 state.mkdir(parents=True, exist_ok=True)
 plan = Plan(state / "inplace.sqlite")
+stream.MAX_RANGE = 16384  # many reads, one at a time (workers=1)
+cat = Catalog(repo.catalog_path(snap))
+many = {n.ino for p, n in cat.walk() if b"/many/" in p}
+many_blobs = {(e.pack, e.pack_offset) for ino in many for e in cat.extents(ino)}
+read_many = []
 def read_range(pack, offset, length):
-    if plan.complete_inos():  # the first batch is recorded, the second under way: say so, hang until killed
+    if read_many:  # once some of many/ is recorded complete, the others to come: say so, hang until killed
+        while not many & plan.complete_inos():
+            time.sleep(0.02)
         Path(sys.argv[6]).write_text("half")
         threading.Event().wait()
+    read_many.extend(1 for p, o in many_blobs if p == pack and offset <= o < offset + length)
     return repo.read_pack_range(pack, offset, length)
-e = InPlace(Catalog(repo.catalog_path(snap)), read_range, out, plan, snapshot_id=snap, skip=lambda *a: False,
+e = InPlace(cat, read_range, out, plan, snapshot_id=snap, skip=lambda *a: False,
             workers=1)
 e.prepare(Order())
 e.run()
@@ -256,7 +268,7 @@ e.run()
 def test_kill_9_half_way_then_the_same_mount_completes_exactly(lab):
     src = lab["tmp"] / "box" / "proj"
     make_fidelity_tree(src)
-    for i in range(700):  # batches of 256 files: the kill comes in the second
+    for i in range(700):  # reads of 16 KiB: the kill comes once some files are recorded complete
         (src / "many").mkdir(exist_ok=True)
         (src / "many" / f"m{i:03}").write_bytes(os.urandom(1500))
     snap = _snapshot(lab, src)
@@ -374,7 +386,15 @@ def test_links_and_empty_files_come_with_the_working_set(tmp_path):
     hinted = cat.resolve(os.fsencode(src / "venv" / "lib" / "pkg" / "mod.py")).ino
     out = tmp_path / "out"
     out.mkdir()
-    engine = InPlace(cat, repo.read_pack_range, os.fsencode(out), Plan(tmp_path / "plan.sqlite"),
+    last = {(e.pack, e.pack_offset) for e in cat.extents(cat.resolve(os.fsencode(src / "a5" / "f599")).ino)}
+    signalled = threading.Event()
+
+    def read_range(pack, offset, length):  # the rest's last file waits for the working set (at most a minute)
+        if any(p == pack and offset <= o < offset + length for p, o in last):
+            signalled.wait(60)
+        return repo.read_pack_range(pack, offset, length)
+
+    engine = InPlace(cat, read_range, os.fsencode(out), Plan(tmp_path / "plan.sqlite"),
                      snapshot_id=m["id"], skip=lambda *_a: False)
     engine.prepare(Order(hints=(hinted,)))
     venv = _under(out, src) / "venv"
@@ -383,6 +403,7 @@ def test_links_and_empty_files_come_with_the_working_set(tmp_path):
     def working_set_in_place() -> None:
         seen.update({rel: os.path.lexists(venv / rel) for rel in
                      ("lib/pkg/mod.py", "lib/pkg/__init__.py", "bin/python", "lib64", "../a5/f599")})
+        signalled.set()
 
     engine.run(on_working_set=working_set_in_place)
     assert seen == {"lib/pkg/mod.py": True, "lib/pkg/__init__.py": True, "bin/python": True, "lib64": True,

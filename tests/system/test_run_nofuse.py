@@ -17,6 +17,7 @@ import hashlib
 import os
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,9 @@ def test_run_alone_starts_the_copy_and_a_killed_daemon_is_eio_not_a_hang(lab):
     assert compare_trees(old, src) == []
 
 
-def _engine(tmp_path, files: int):
+def _engine(tmp_path, files: int, gate: threading.Event | None = None):
+    """An engine over a snapshot of ``files`` files; with ``gate``, every pack read but those of ``a0/f000``
+    waits for it (at most a minute)."""
     from ogrefs.box.copyplan import Plan
     from ogrefs.inplace.engine import InPlace, Order
     from ogrefs.repo import Repository
@@ -137,7 +140,15 @@ def _engine(tmp_path, files: int):
     m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
     out = tmp_path / "out"
     out.mkdir()
-    engine = InPlace(Catalog(repo.catalog_path(m["id"])), repo.read_pack_range, os.fsencode(out),
+    cat = Catalog(repo.catalog_path(m["id"]))
+    first = {(e.pack, e.pack_offset) for e in cat.extents(cat.resolve(os.fsencode(src / "a0" / "f000")).ino)}
+
+    def read_range(pack, offset, length):
+        if gate is not None and not any(p == pack and offset <= o < offset + length for p, o in first):
+            gate.wait(60)
+        return repo.read_pack_range(pack, offset, length)
+
+    engine = InPlace(cat, read_range, os.fsencode(out),
                      Plan(tmp_path / "plan.sqlite"), snapshot_id=m["id"], skip=lambda *_a: False)
     engine.prepare(Order())
     return engine, out / str(src).lstrip("/")
@@ -160,7 +171,9 @@ def test_the_pending_names_and_the_log_never_drop_a_name_not_in_place(tmp_path):
     from ogrefs.mount.control import Updates
     from ogrefs.mount.pending import PendingPaths
 
-    engine, there = _engine(tmp_path, 300)
+    gate = threading.Event()
+    engine, there = _engine(tmp_path, 300, gate)
+    first_name = os.fsencode(there / "a0" / "f000")
     names, seq, complete = engine.pending()
     assert len(names) == 302 and not complete  # 300 files, step1.pt, the link
     pending = PendingPaths(Path("/nowhere"), Updates(names, seq, complete))
@@ -168,15 +181,20 @@ def test_the_pending_names_and_the_log_never_drop_a_name_not_in_place(tmp_path):
     assert pending.needs(last) and pending.needs(str(there / "a2")) and pending.needs(str(there / "a2/latest/x"))
     assert not pending.needs(str(there / "a2" / "nowhere")) and not pending.needs(str(there))
     first = engine.need(os.fsencode(there / "a0" / "f000"), whole=False)
-    engine._run_batch(engine._next_batch())  # the asked-for file's batch, and only it
-    assert first.event.is_set()
+    runner = threading.Thread(target=engine.run, daemon=True)
+    runner.start()  # every read but the asked-for file's held until the gate opens
+    assert first.event.wait(60)
     done, end, complete = engine.since(seq)
     for name in done:
         pending._drop(os.fsdecode(name))
     in_place = {p for p in map(str, there.rglob("*")) if not os.path.isdir(p)}
-    assert {os.fsdecode(n) for n in done} == in_place and not complete
-    assert all(pending.needs(os.fsdecode(n)) == (os.fsdecode(n) not in in_place) for n, _r in names)
-    engine.run()
+    assert os.fsdecode(first_name) in {os.fsdecode(n) for n in done} and not complete
+    assert {os.fsdecode(n) for n in done} <= in_place
+    assert all(os.fsdecode(n) in in_place for n, _r in names if not pending.needs(os.fsdecode(n)))
+    assert pending.needs(last)
+    gate.set()
+    runner.join(60)
+    assert not runner.is_alive()
     done, _end, complete = engine.since(end)
     for name in done:
         pending._drop(os.fsdecode(name))

@@ -13,20 +13,25 @@ words:
    can ask which files are whole).  Create every directory, parents first,
    with its owner, mode and xattrs (its times come last).  On a rerun,
    temporary files a killed run left are removed first (``restore``'s pattern).
-2. **Batches, in priority order.** The files of the recorded trace, then the
-   hints' (venv, CUDA libraries, the newest coherent checkpoint), then the rest
-   in catalog order; the entries without bytes (links, empty files, device
-   nodes) join the working set ahead of its files (a job execs ``venv/bin/python``,
-   a link, and imports packages whose ``__init__.py`` is empty; the trace and the
-   hints name only files with bytes); at most :data:`BATCH_FILES` files or
-   :data:`BATCH_BYTES` bytes at a time; a path asked for (:meth:`InPlace.need`)
-   goes into the next batch, ahead of everything.  In a batch, what the box
-   already has is kept (``kept.py``: the same bytes by chunk id, never by
-   mtime); the rest is written by a :class:`~ogrefs.restore.Restorer` over the
-   batch: temporary names, every blob verified, metadata on the descriptor,
-   ``fdatasync``, rename.  A name someone on this box changed while the batch
-   ran keeps their file (the snapshot's is not put over it).  After each batch,
-   one ``syncfs`` and then the plan records its files complete.
+2. **Groups, in priority order, into one stream.** The files of the recorded
+   trace, then the hints' (venv, CUDA libraries, the newest coherent checkpoint),
+   then the rest in catalog order; the entries without bytes (links, empty files,
+   device nodes) join the working set ahead of its files (a job execs
+   ``venv/bin/python``, a link, and imports packages whose ``__init__.py`` is
+   empty; the trace and the hints name only files with bytes).  The engine's
+   thread takes them a group at a time (at most :data:`BATCH_FILES` files or
+   :data:`BATCH_BYTES` bytes, one class a group; a path asked for,
+   :meth:`InPlace.need`, goes into the next group, ahead of everything), keeps
+   what the box already has (``kept.py``: the same bytes by chunk id, never by
+   mtime), notes what each other name holds, and hands the group to the
+   :class:`~ogrefs.inplace.stream.Stream`: one Restorer over the whole copy
+   that fetches while the engine goes on, coalesces ranges across groups, and
+   puts files in place in rounds (temporary names, every blob verified,
+   metadata on the descriptor, ``syncfs``, rename; a lower class only once the
+   classes above are placed).  A need of a file already handed over moves its
+   blobs to the stream's asked-for class.  A name someone on this box changed
+   meanwhile keeps their file (the snapshot's is not put over it).  Files are
+   recorded complete in the plan once their renames are durable.
 3. **Finish.** Directory times (and modes again), deepest first; the plan is
    marked finished when nothing failed.
 
@@ -34,16 +39,20 @@ A kill -9 or a full disk at any point leaves names that hold either what was
 there before or the snapshot's verified file with its metadata, plus
 temporary files a rerun removes: never a partial file under a real name.
 
-Threads: the engine's thread (the daemon's) prepares and runs the batches and
-alone writes the plan and the tree's directories; a Restorer's workers write
-a batch's files and call :meth:`InPlace._settle` as each is in place.  Control
-connections call :meth:`InPlace.need` and :meth:`InPlace.status` from their
-own threads, and :meth:`InPlace.pending` / :meth:`InPlace.since` (what
-``ogrefs run``'s supervisor keeps of what is still to come).  ``_lock`` guards
-what those share: ``_settled``, ``_log``, ``_urgent``, ``_waiters``,
-``failed`` and the counters.  The catalog answers any thread
-(one SQLite connection each); ``_names``, ``_size``, ``_class_of`` are
-written by :meth:`InPlace.prepare` before any other thread starts and only read after.
+Threads: the engine's thread (the daemon's) prepares, hands the groups over
+and alone writes the tree's directories and the plan's build and end; the
+stream's placer records files complete in the plan (its own connection) and
+calls :meth:`InPlace._settle` as each is in place, its workers as a file fails
+(see ``stream.py``).  Control connections call :meth:`InPlace.need` and
+:meth:`InPlace.status` from their own threads, and :meth:`InPlace.pending` /
+:meth:`InPlace.since` (what ``ogrefs run``'s supervisor keeps of what is still
+to come).  ``_lock`` guards what those share: ``_settled``, ``_log``,
+``_urgent``, ``_waiters``, ``_working``, ``failed`` and the counters.
+``_before`` is written by the engine's thread before a group is handed over
+and read by the placer after (one item each).  ``metadata_problems`` is one
+dict with the stream's (each write one item).  The catalog answers any thread
+(one SQLite connection each); ``_names``, ``_size``, ``_class_of`` are written
+by :meth:`InPlace.prepare` before any other thread starts and only read after.
 """
 
 from __future__ import annotations
@@ -63,18 +72,23 @@ from ogrefs.inplace import kept
 from ogrefs.localtree import LocalTree, MetadataProblem, split, syncfs_fd
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import ROOT_INO, Catalog, Inode
-from ogrefs.restore import Batch, Interrupted, ReadRange, Restorer, looks_temporary, remove_stale
+from ogrefs.inplace.stream import URGENT, Stream, all_paths
+from ogrefs.restore import Batch, Interrupted, ReadRange, looks_temporary, remove_stale
 from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
 
-#: A batch holds at most this many files ...
+#: A group (what the engine's thread checks against the box and hands to the stream at once) holds at most
+#: this many files ...
 BATCH_FILES = 256
-#: ... or this many bytes: at 1 Gbit/s about half a second, the longest a path asked for waits behind a batch.
+#: ... or this many bytes (a box that has them already hashes them: a path asked for and not yet handed over
+#: waits for the group in hand, well under a second) ...
 BATCH_BYTES = 64 * MiB
 #: ... or this many entries, counting those without bytes (links, empty files, device nodes): nothing to fetch, a
-#: rename each, so a batch of them is not held to :data:`BATCH_FILES` (a root box has ~20,000 links).
+#: rename each, so a group of them is not held to :data:`BATCH_FILES` (a root box has ~20,000 links).
 BATCH_ENTRIES = 4096
+#: While everything is handed over and the working set is not yet in place, the engine's thread looks this often.
+_WAIT = 0.1
 #: Symlinks followed while resolving a path asked for (the kernel's own limit).
 _MAX_LINKS = 40
 
@@ -150,6 +164,14 @@ class InPlace:
         self._tmp_like: frozenset[bytes] = frozenset()  # paths of the tree named like temporary files
         self._prepared = threading.Event()  # set once prepare() ended; need() waits for it
         self._prepare_error: str | None = None
+        self._working_done = threading.Event()  # set once _working is empty (after prepare)
+        self._fed: set[int] = set()  # inos handed to the stream (the engine's thread's)
+        self._before: dict[bytes, Identity] = {}  # what a name to write held when its group was checked
+        self._tree: LocalTree | None = None  # open while run() runs
+        batch = Batch([], self._extents, frozenset(), self._may_replace, lambda ino: self._settle(ino, None))
+        self._stream = Stream(catalog, read_range, self.target or b"/", batch=batch, on_failed=self._settle,
+                              on_durable=self._durable, decode_blob=decode_blob, workers=workers, stop_event=self.stop)
+        self._stream.metadata_problems = self.metadata_problems  # one dict: each write one item
 
     # -- 1. prepare ---------------------------------------------------------------------------------
     def prepare(self, order: Order) -> None:
@@ -265,53 +287,85 @@ class InPlace:
 
     # -- 2. batches -----------------------------------------------------------------------------------
     def run(self, on_working_set: Callable[[], None] = lambda: None) -> None:
-        """Every batch in order, then the directories' metadata; ``on_working_set`` once the trace's files (or
-        the hints', without a trace) are settled.  Raises :class:`~ogrefs.restore.Interrupted` when stopped."""
+        """Every group handed to the stream in order, then the directories' metadata; ``on_working_set`` once the
+        trace's files (or the hints', without a trace) are settled.  Raises :class:`~ogrefs.restore.Interrupted`
+        when stopped."""
         signalled = False
-        while True:
-            if not signalled and not self.working_left():
-                signalled = True
-                on_working_set()
-            if self.stop.is_set():
-                raise Interrupted("stopped")
-            inos = self._next_batch()
-            if not inos:
-                break
-            self._run_batch(inos)
+        with LocalTree(self.target or b"/") as tree:
+            self._tree = tree
+            self._stream.start(all_paths(self._names.values(), (p for p, _n in self._dirs)), self._tmp_like)
+            try:
+                while not self.stop.is_set():
+                    signalled = signalled or self._signal(on_working_set)
+                    cls, inos = self._next_batch()
+                    if not inos:
+                        break
+                    self._feed(tree, cls, inos)
+                self._stream.seal()
+                while not (signalled or self.stop.is_set() or self._stream.drained()):
+                    self._working_done.wait(_WAIT)
+                    signalled = self._signal(on_working_set)
+            finally:
+                self._stream.close()
+                self._tree = None
+        if not signalled and not self.stop.is_set():
+            self._signal(on_working_set)
+        if self.stop.is_set():
+            raise Interrupted("stopped")
         self._finish()
+
+    def _signal(self, on_working_set: Callable[[], None]) -> bool:
+        """Call ``on_working_set`` if the working set is settled; whether it was."""
+        if self.working_left():
+            return False
+        on_working_set()
+        return True
 
     def working_left(self) -> int:
         with self._lock:
             return len(self._working)
 
-    def _next_batch(self) -> list[int]:
-        """The next files: asked-for ones first, then the queues in class order; one class a batch (a batch
-        finishes its files in pack order, so a trace file sharing one with the rest could come after it)."""
+    def _next_batch(self) -> tuple[int, list[int]]:
+        """The next group and its class: asked-for files first, then the queues in class order; one class a
+        group."""
         out: list[int] = []
-        taken: set[int] = set()
         size = files = 0
         with self._lock:
-            for queue in (self._urgent, *self._queues):
+            for cls, queue in enumerate((self._urgent, *self._queues)):
                 while queue and files < BATCH_FILES and len(out) < BATCH_ENTRIES and size < BATCH_BYTES:
                     ino = queue.popleft()
-                    if ino in self._settled or ino in taken:
+                    if ino in self._settled or ino in self._fed:
                         continue
                     out.append(ino)
-                    taken.add(ino)
+                    self._fed.add(ino)
                     size += max(self._size[ino], 0)
                     files += self._size[ino] > 0
                 if out:
-                    return out
-        return out
+                    return cls, out
+        return URGENT, out
 
-    def _run_batch(self, inos: list[int]) -> None:
-        with LocalTree(self.target or b"/") as tree:
-            rest, before = self._keep_what_is_there(tree, inos)
-            if rest:
-                self._write(tree, rest, before)
-            done = [ino for ino in inos if self._size[ino] >= 0 and self._settled.get(ino, "") is None]
-            syncfs_fd(tree.root_fd)
-        self.plan.mark_complete(done)
+    def _feed(self, tree: LocalTree, cls: int, inos: list[int]) -> None:
+        """Keep what the box has of a group; hand the rest to the stream (their names' state noted first)."""
+        rest, before = self._keep_what_is_there(tree, inos)
+        self._before.update(before)
+        kept = set(inos).difference(rest)
+        self._stream.durable_later([ino for ino in inos if ino in kept and self._size[ino] >= 0])
+        nodes = {ino: self.cat.get(ino) for ino in rest}
+        for ino in [ino for ino, node in nodes.items() if node is None]:
+            self._settle(ino, "not written (no longer in the catalog)")
+        self._stream.add([(name, node) for ino, node in nodes.items() if node is not None
+                          for name in self._names[ino]], cls)
+
+    def _may_replace(self, name: bytes) -> str | None:
+        """None when the stream may rename over what ``name`` holds; else why not (the placer's thread)."""
+        now = _identity(self._tree, name) if self._tree is not None else None
+        if now is None or now == self._before.get(name):
+            return None
+        return "changed on this box while it was copied: this box's version is kept"
+
+    def _durable(self, inos: list[int]) -> None:
+        """Files durable under their names: the plan records them complete (the placer's thread)."""
+        self.plan.mark_complete([ino for ino in inos if self._size[ino] >= 0])
 
     def _keep_what_is_there(self, tree: LocalTree, inos: list[int]) -> tuple[list[int], dict[bytes, Identity]]:
         """Keep the batch's entries that are already in place; the others, to write, and what each of their
@@ -332,8 +386,10 @@ class InPlace:
             return self._keep_one(tree, ino, names[0]), ids
 
         there = [ino for ino in inos if any(split(n)[1] in listed[split(n)[0]] for n in self._names[ino])]
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-inplace-keep") as pool:
-            found_there = dict(zip(there, pool.map(check, there)))
+        found_there = {}
+        if there:  # (nothing on most of a fresh pod)
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="ogrefs-inplace-keep") as pool:
+                found_there = dict(zip(there, pool.map(check, there)))
         found = [found_there.get(ino) or (None, {n: None for n in self._names[ino]}) for ino in inos]
         rest, before = [], {}
         for ino, (problems, ids) in zip(inos, found):
@@ -364,38 +420,6 @@ class InPlace:
             return None  # the restorer fails it alone
         return kept.keep_file(tree, name, node, extents, xattrs, self.chunk_id, as_root=self._as_root)
 
-    def _write(self, tree: LocalTree, inos: list[int], before: dict[bytes, Identity]) -> None:
-        """The batch's other entries through a Restorer: verified, durable, renamed into place; a name that no
-        longer holds what it held ``before`` (someone on the box wrote it) keeps theirs."""
-        nodes = {ino: self.cat.get(ino) for ino in inos}
-        entries = [(name, node) for ino, node in nodes.items() if node is not None for name in self._names[ino]]
-
-        def may_replace(name: bytes) -> str | None:
-            now = _identity(tree, name)
-            if now is None or now == before[name]:
-                return None
-            return "changed on this box while it was copied: this box's version is kept"
-
-        batch = Batch(entries, self._extents, self._tmp_like, may_replace, lambda ino: self._settle(ino, None))
-        r = Restorer(self.cat, self.read_range, self.target or b"/", decode_blob=self.decode_blob,
-                     workers=self.workers, check_space=False, stop_event=self.stop, batch=batch)
-        try:
-            r.run()
-        except Interrupted:
-            pass  # the run's loop stops after this batch; what is in place is settled
-        with self._lock:
-            self.counts["fetched_bytes"] += r.stats.fetched_bytes
-            self.counts["written_bytes"] += r.stats.written_bytes
-            self.metadata_problems.update(r.metadata_problems)
-        for ino in inos:
-            if ino in self._settled or self.stop.is_set():
-                continue
-            names = [self._display(n) for n in self._names[ino]]
-            why = next((r.failed[n] for n in names if n in r.failed), None)
-            if why is None and self._size[ino] >= 0:
-                why = "not written"
-            self._settle(ino, why)  # a symlink, FIFO or device node the restorer made: in place
-
     def _extents(self, wanted: set[int], on_malformed: Callable[[int, str], object]
                  ) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
         for ino in sorted(wanted):
@@ -415,6 +439,8 @@ class InPlace:
                 return
             self._settled[ino] = why
             self._working.discard(ino)
+            if not self._working:
+                self._working_done.set()
             if why is None:
                 self._log.append(ino)
                 self.counts["files_done"] += 1
@@ -480,6 +506,7 @@ class InPlace:
             for ino in pending:
                 self._waiters.setdefault(ino, []).append(need)
                 self._urgent.append(ino)
+        self._stream.bump(pending)
         return need
 
     def pending(self) -> tuple[list[tuple[bytes, bool]], int, bool]:
@@ -556,6 +583,8 @@ class InPlace:
     def status(self) -> dict:
         """Counters for the status file (any thread)."""
         with self._lock:
+            self.counts["fetched_bytes"] = self._stream.stats.fetched_bytes
+            self.counts["written_bytes"] = self._stream.stats.written_bytes
             c = {k: (list(v) if isinstance(v, list) else v) for k, v in self.counts.items()}
             failed = len(self.failed)
             first = next(iter(self.failed.items()), None)

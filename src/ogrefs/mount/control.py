@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 MAX_LINE = 3 * 4096 + 16
 #: Longest AF_UNIX path; a longer one is reached through its directory's descriptor.
 _SUN_PATH_MAX = 100
+#: How long a refused connection is tried again while the daemon's pid still lives (ending, or starting).
+_DYING_S = 2.0
 
 
 class NeedFailed(OSError):
@@ -172,7 +175,10 @@ def _at_daemon(mountpoint: Path, finished: T, call: Callable[[Path], T]) -> T:
     """``call`` with the control socket of the no-FUSE mount at ``mountpoint``; ``finished`` once it is complete;
     :class:`Stopped` when its daemon is gone before the end, :class:`NeedFailed` when there is no such mount."""
     reg = Registration.for_mountpoint(mountpoint)
-    for _attempt in range(2):  # the daemon may end between the registration's read and the connection
+    # The daemon may end between the registration's read and the connection, and a killed one refuses
+    # connections before its pid reads as gone (its threads exit one by one): refused, look again, a while.
+    deadline = time.monotonic() + _DYING_S
+    while True:
         info = reg.read()
         if not info or not info.get("in_place"):
             raise NeedFailed(0, f"{mountpoint} is not a no-FUSE ogrefs mount")
@@ -185,7 +191,9 @@ def _at_daemon(mountpoint: Path, finished: T, call: Callable[[Path], T]) -> T:
         except NeedFailed as exc:
             if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ECONNRESET):
                 raise
-    raise NeedFailed(0, f"the daemon of {mountpoint} did not answer")
+        if time.monotonic() > deadline:
+            raise NeedFailed(0, f"the daemon of {mountpoint} did not answer")
+        time.sleep(0.02)
 
 
 class Engine(Protocol):

@@ -1,0 +1,377 @@
+"""The in-place copy's data path: one :class:`~ogrefs.restore.Restorer` over the whole copy, fed a group at a time.
+
+Why not a Restorer per batch (as before): each batch planned, fetched, synced and renamed its files before the
+next one started, so the link idled while a batch wrote its tail and its ``syncfs`` ran, and ranges were
+coalesced only within a batch (more, smaller GETs).  Issue 48's bench measured the whole box at 1.39-2.14x a
+plain ``ogrefs restore``.  Here, in plain words:
+
+1. The engine's thread adds groups of entries (:meth:`Stream.add`) as fast as it checks what the box has.  A
+   group's blobs join pending sets, one per priority class and pack: asked-for (urgent), the trace's, the
+   hints', the rest.  A file's temporary file is made by the worker that writes its first blob (making
+   22,000 of them took this thread 11 s on the bench's VM: the next groups' blobs waited behind it), one with
+   nothing to fetch at once.
+2. A worker cuts a range only when it takes one: the first pack of the highest class that has blobs, from
+   its lowest offset, bridging gaps up to ``MAX_GAP`` and up to ``MAX_RANGE`` bytes (restore's rule).  So the
+   blobs of every group of a class added by then are coalesced together: on a fresh box the engine adds the
+   rest long before the workers reach it, and the rest is one plan, as in ``ogrefs restore``.
+   :data:`URGENT_WORKERS` more workers take only asked-for ranges, so a path a job waits on starts at once
+   even while every other worker is inside a 16 MiB range of the rest.
+3. :meth:`Stream.bump` (a ``need``) moves the blobs not yet taken of the files asked for to the asked-for class;
+   a file asked for later in a group still to come goes there when it is added.
+4. The placer thread puts complete files in place every :data:`PLACE_EVERY` seconds, and at once when a
+   file asked for is complete: one ``syncfs`` (every file of the round durable before any takes its name),
+   then each file under its names unless someone on the box changed a name meanwhile (theirs stays), files
+   asked for first; symlinks, FIFOs and device nodes are made there too, by the same class rule (nothing to
+   fetch or sync).  The files of one round are reported durable (``on_durable``: the plan records them
+   complete) after the next round's ``syncfs``, when their renames are durable too.
+5. :meth:`Stream.close`: no more groups; once every range is fetched, the last round, a last ``syncfs``, and
+   the Restorer's end (a file not in place is failed and its temporary file removed).
+
+Everything else is the Restorer's: temporary names, every blob verified, metadata on the descriptor, the
+rename.  A kill -9 leaves real names holding what was there before or a verified, durable file.  A chunk two
+groups share is fetched once per group (within a group, once).
+
+Threads: the engine's thread calls :meth:`start`, :meth:`add` and :meth:`close` and alone makes the
+Restorer's file records there; workers fetch, make temporary files and write (the Restorer's); the placer
+places; any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
+``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
+``_sealed``; the Restorer's ``_lock`` guards ``_ready`` and ``_specials_ready`` (taken whole by the placer)
+and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
+queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+from ogrefs.localtree import LocalTree, PathConflict, syncfs_fd
+from ogrefs.repo.catalog import Catalog, Inode
+from ogrefs.restore import (MAX_GAP, MAX_RANGE, Batch, Blob, PendingFile, Range, ReadRange, Restorer, reason_of,
+                            token_for)
+
+#: Priority classes, highest first: asked for, the trace's, the hints', the rest.
+URGENT, CLASSES = 0, 4
+#: Complete files are put in place at least this often (one ``syncfs`` each round).
+PLACE_EVERY = 0.2
+#: Workers that take only asked-for ranges, beside the others.
+URGENT_WORKERS = 2
+
+
+class Stream(Restorer):
+    """See the module docstring.  ``batch`` gives ``extents``, ``paths`` (set at :meth:`start`), ``may_replace``
+    and ``done``; ``on_failed(ino, why)`` once a file or entry failed; ``on_durable(inos)`` once placed files
+    (and those :meth:`durable_later` names) are durable under their names."""
+
+    def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, *, batch: Batch,
+                 on_failed: Callable[[int, str], None], on_durable: Callable[[list[int]], None],
+                 decode_blob: Callable[[bytes, int, bytes], bytes], workers: int,
+                 stop_event: threading.Event) -> None:
+        super().__init__(catalog, read_range, target, decode_blob=decode_blob, workers=workers, check_space=False,
+                         stop_event=stop_event, batch=batch)
+        self._on_failed = on_failed
+        self._on_durable = on_durable
+        self._pending: dict[int, int] = {}
+        self._malformed: dict[int, str] = {}
+        self._cond = threading.Condition()
+        self._queue: list[dict[str, set[Blob]]] = [{} for _ in range(CLASSES)]  # class -> pack -> blobs
+        self._where: dict[Blob, tuple[int, str]] = {}  # a pending blob -> (class, pack)
+        self._bytes: dict[tuple[int, str], int] = {}  # (class, pack) -> its pending blobs' stored bytes
+        self._queued_of: dict[int, list[Blob]] = {}  # ino -> blobs that were pending for it (some taken since)
+        self._urgent_inos: set[int] = set()
+        self._unsynced: list[int] = []  # placed or kept since the last syncfs
+        self._inflight = [0] * CLASSES  # ranges being fetched, by class
+        self._cls_of: dict[int, int] = {}  # a file added -> its class
+        self._left = [0] * CLASSES  # files added and not yet placed or failed, by class
+        self._sealed = False  # no more groups
+        self._feeding = URGENT  # the class being added (the engine adds them in order): those above are whole
+        self._specials_ready: list[tuple[int, int, list[tuple[bytes, Inode]]]] = []  # (class, ino, names): _lock
+        self._place_now = threading.Event()
+        self._drained = threading.Event()  # every worker ended: only placement is left
+        self._threads: list[threading.Thread] = []
+        self._placer: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- the engine's thread ------------------------------------------------------------------------
+    def start(self, paths: list[tuple[bytes, None]], tmp_like: frozenset[bytes]) -> None:
+        """Open the tree, pick the temporary names' token (in no path of ``paths``), start the threads."""
+        self.tree = LocalTree(self.target or b"/")
+        self._token = token_for(paths)
+        self._paths = tmp_like
+        for i in range(self.workers + URGENT_WORKERS):
+            urgent_only = i >= self.workers
+            t = threading.Thread(target=self._guard, args=(self._work, urgent_only), daemon=True,
+                                 name=f"ogrefs-inplace-{'urgent' if urgent_only else 'fetch'}-{i}")
+            t.start()
+            self._threads.append(t)
+        self._placer = threading.Thread(target=self._guard, args=(self._place_loop,), daemon=True,
+                                        name="ogrefs-inplace-place")
+        self._placer.start()
+
+    def add(self, entries: list[tuple[bytes, Inode]], cls: int) -> None:
+        """Non-directory entries (their directories exist) into the copy, their blobs pending in class ``cls``
+        (a file asked for: the asked-for class).  Every name of a file comes in the same group."""
+        self._malformed = {}
+        by_pack, _needed = self._blobs({n.ino for _p, n in entries if n.is_reg and n.size})
+        files: list[PendingFile] = []
+        specials: dict[int, list[tuple[bytes, Inode]]] = {}  # made by the placer, in class order like files
+        for path, node in entries:
+            if not node.is_reg:
+                specials.setdefault(node.ino, []).append((path, node))
+                continue
+            new = node.ino not in self._files
+            try:
+                self._make(path, node)
+            except (OSError, PathConflict) as exc:
+                self.failed[self.display(path)] = f"cannot create ({reason_of(exc)})"
+            if new and node.ino in self._files:
+                files.append(self._files[node.ino])
+                self._cls_of[node.ino] = cls
+        with self._cond:
+            self._feeding = max(self._feeding, cls)
+            self._left[cls] += len(files)
+            for pack, blobs in by_pack.items():
+                for b in blobs:
+                    urgent = any(ino in self._urgent_inos for ino, _off in b.targets)
+                    self._enqueue(b, URGENT if urgent else cls, pack)
+            self._cond.notify_all()
+        for ino, why in self._malformed.items():
+            self._fail({ino}, why)
+        with self._lock:
+            self._specials_ready.extend((cls, ino, named) for ino, named in specials.items())
+        for f in files:  # one with nothing to fetch is complete now; the others are made by their first write
+            if self._stop.is_set():
+                return
+            if not self._pending.get(f.node.ino) and self._created(f) and not f.failed:
+                self._complete(f)
+
+    def durable_later(self, inos: list[int]) -> None:
+        """Files kept as they were: reported durable with the next round's."""
+        with self._cond:
+            self._unsynced.extend(inos)
+
+    def seal(self) -> None:
+        """No more groups: the workers end once nothing is pending."""
+        with self._cond:
+            self._sealed = True
+            self._cond.notify_all()
+
+    def drained(self) -> bool:
+        """Every worker ended (sealed and nothing pending, or stopped): only placement is left."""
+        return not any(t.is_alive() for t in self._threads)
+
+    def close(self) -> None:
+        """Wait for every range and the last placement, then the Restorer's end; re-raises a thread's error."""
+        self.seal()
+        for t in self._threads:
+            t.join()
+        self._drained.set()
+        self._place_now.set()
+        if self._placer is not None:
+            self._placer.join()
+        self._finish()
+        if self._error is not None:
+            raise self._error
+
+    # -- any thread -----------------------------------------------------------------------------------
+    def bump(self, inos: Iterable[int]) -> None:
+        """Files asked for: their blobs not yet taken go first; one complete already is placed at once."""
+        inos = set(inos)
+        with self._cond:
+            self._urgent_inos |= inos
+            for ino in inos:
+                for b in self._queued_of.pop(ino, ()):
+                    where = self._where.get(b)
+                    if where is not None and where[0] != URGENT:
+                        self._dequeue(b)
+                        self._enqueue(b, URGENT, where[1])
+            self._cond.notify_all()
+        with self._lock:
+            ready = any(f.node.ino in inos for f, _fd, _p in self._ready)
+            ready = ready or any(ino in inos for _c, ino, _n in self._specials_ready)
+        if ready:
+            self._place_now.set()
+
+    # -- the pending sets (under _cond) ----------------------------------------------------------------
+    def _enqueue(self, b: Blob, cls: int, pack: str) -> None:
+        self._queue[cls].setdefault(pack, set()).add(b)
+        self._where[b] = (cls, pack)
+        self._bytes[cls, pack] = self._bytes.get((cls, pack), 0) + b.stored_len
+        for ino, _off in b.targets:
+            self._queued_of.setdefault(ino, []).append(b)
+
+    def _dequeue(self, b: Blob) -> None:
+        cls, pack = self._where.pop(b)
+        blobs = self._queue[cls][pack]
+        blobs.discard(b)
+        self._bytes[cls, pack] -= b.stored_len
+        if not blobs:
+            del self._queue[cls][pack]
+            del self._bytes[cls, pack]
+
+    def _take(self, urgent_only: bool) -> tuple[int, Range] | None:
+        """The next range and its class, from the highest class with blobs (see :func:`_cut`).  None while a
+        range of a class above that one (the asked-for class apart) is in flight: the working set's last ranges
+        have the link to themselves (a drain at each class's end, two at most, instead of one a batch).  None
+        too while the class is still being added and every pack's blobs so far would make a short range: the
+        next group may extend it (a range is cut whole, or when nothing more can come)."""
+        for cls in range(URGENT + 1 if urgent_only else CLASSES):
+            packs = self._queue[cls]
+            if not packs:
+                continue
+            if any(self._inflight[URGENT + 1:max(cls, URGENT + 1)]):
+                return None
+            growing = cls != URGENT and not self._sealed and cls >= self._feeding
+            for pack in packs:
+                if growing and self._bytes[cls, pack] < MAX_RANGE:
+                    continue  # (a short range at most, so far)
+                blobs, rng = _cut(pack, packs[pack])
+                if not growing or len(blobs) < len(packs[pack]):
+                    for b in blobs:
+                        self._dequeue(b)
+                    self._inflight[cls] += 1
+                    return cls, rng
+            return None
+        return None
+
+    # -- the workers and the placer ---------------------------------------------------------------------
+    def _guard(self, body: Callable[..., None], *args: object) -> None:
+        """A thread's body; an unexpected error is kept for :meth:`close` and ends the copy."""
+        try:
+            body(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by close()
+            self._error = self._error or exc
+            self._stop.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _work(self, urgent_only: bool) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stop.is_set() or (self._sealed and not any(self._queue)):
+                        return
+                    taken = self._take(urgent_only)
+                    if taken is not None:
+                        break
+                    self._cond.wait()
+            try:
+                self._fetch(taken[1])
+            finally:
+                with self._cond:
+                    self._inflight[taken[0]] -= 1
+                    self._cond.notify_all()
+
+    def _complete(self, f: PendingFile) -> None:
+        super()._complete(f)
+        if f.node.ino in self._urgent_inos:
+            self._place_now.set()
+
+    def _fail(self, inos: Iterable[int], reason: str) -> None:
+        inos = set(inos)
+        with self._lock:
+            fresh = [i for i in inos if (f := self._files.get(i)) is not None and not f.failed and not f.done]
+        super()._fail(inos, reason)
+        with self._cond:
+            for ino in fresh:
+                self._left[self._cls_of[ino]] -= 1
+        for ino in fresh:
+            self._on_failed(ino, reason)
+
+    def _place_loop(self) -> None:
+        while True:
+            self._place_now.wait(PLACE_EVERY)
+            self._place_now.clear()
+            last = self._drained.is_set()  # (read before the round: every worker's file is ready by then)
+            self._place_round(last)
+            if last:
+                return
+
+    def _place_round(self, last: bool) -> None:
+        """One round: syncfs, the files placed before it durable, then the files that may take their names.
+        A file waits while a file of a class above its own is not placed (one asked for never waits); the last
+        round goes on, a syncfs between classes, until every file is placed."""
+        assert self.tree is not None
+        with self._lock:
+            group, self._ready = self._ready, []
+            specials, self._specials_ready = self._specials_ready, []
+        while True:
+            with self._cond:
+                unsynced, self._unsynced = self._unsynced, []
+                urgent = set(self._urgent_inos)
+                left = list(self._left)
+            now, held = _placeable(group, lambda f: (f[0].node.ino, self._cls_of[f[0].node.ino]), urgent, left)
+            links, specials = _placeable(specials, lambda item: (item[1], item[0]), urgent, left)
+            if last and not now and not links:  # (stopped: a file above them never came)
+                now, held, links, specials = held, [], specials, []
+            if not now and not unsynced and not links:
+                break
+            self._make_specials(links)
+            if now or unsynced:
+                syncfs_fd(self.tree.root_fd)
+            if unsynced:
+                self._on_durable(unsynced)
+            self._place_all(sorted(now, key=lambda item: (item[0].node.ino not in urgent,
+                                                          self._cls_of[item[0].node.ino])))
+            group = held
+            if not last:
+                break
+        with self._lock:
+            self._ready[:0] = group
+            self._specials_ready[:0] = specials
+
+    def _make_specials(self, items: list[tuple[int, int, list[tuple[bytes, Inode]]]]) -> None:
+        """Symlinks, FIFOs and device nodes under their names (made there at once: nothing to verify)."""
+        for _cls, ino, named in items:
+            for path, node in named:
+                try:
+                    self._make(path, node)
+                except (OSError, PathConflict) as exc:
+                    self.failed[self.display(path)] = f"cannot create ({reason_of(exc)})"
+            why = next((self.failed[n] for n in (self.display(p) for p, _n in named) if n in self.failed), None)
+            if why is not None:
+                self._on_failed(ino, why)
+            else:
+                self.batch.done(ino)
+
+    def _place_all(self, group: list[tuple[PendingFile, int, list]]) -> None:
+        """Each file under its names (or failed); the placed ones wait for the next syncfs to be durable."""
+        placed = []
+        for f, fd, problems in group:
+            self._place_checked(f, fd, problems)
+            if f.done:
+                placed.append(f.node.ino)
+        with self._cond:
+            for ino in placed:
+                self._left[self._cls_of[ino]] -= 1
+            self._unsynced.extend(placed)
+
+
+def _cut(pack: str, pending: set[Blob]) -> tuple[list[Blob], Range]:
+    """The first range of a pack's pending blobs: from the lowest offset, bridging gaps up to ``MAX_GAP``, up to
+    ``MAX_RANGE`` bytes (restore's rule); its blobs."""
+    blobs = sorted(pending, key=lambda b: b.pack_offset)
+    start, end, n = blobs[0].pack_offset, blobs[0].pack_offset + blobs[0].stored_len, 1
+    for b in blobs[1:]:
+        if b.pack_offset - end > MAX_GAP or b.pack_offset + b.stored_len - start > MAX_RANGE:
+            break
+        end, n = max(end, b.pack_offset + b.stored_len), n + 1
+    return blobs[:n], Range(pack, start, end - start, tuple(blobs[:n]))
+
+
+def _placeable(items: list, ino_cls: Callable, urgent: set[int], left: list[int]) -> tuple[list, list]:
+    """``items`` split into those that may take their names now and those held (``ino_cls(item)``: its inode
+    and class): an entry of class ``c`` waits while a file of a class above ``c`` is not placed (``left``), so
+    the trace's files are in place, and durable, a round before the rest's; an entry asked for never waits."""
+    now, held = [], []
+    for item in items:
+        ino, cls = ino_cls(item)
+        free = ino in urgent or cls == URGENT or not any(left[URGENT + 1:cls])
+        (now if free else held).append(item)
+    return now, held
+
+
+def all_paths(names: Iterable[list[bytes]], dirs: Iterable[bytes]) -> list[tuple[bytes, None]]:
+    """Every path of the copy, as :meth:`Stream.start` takes them."""
+    return [(p, None) for ps in names for p in ps] + [(p, None) for p in dirs]
+

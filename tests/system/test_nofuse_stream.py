@@ -1,0 +1,159 @@
+"""The no-FUSE copy's data path (``inplace/stream.py``): one stream over the whole copy, not a restore a batch.
+
+Each test failed on the engine that ran one Restorer per batch of 256 files, each waiting for the one before:
+
+* the rest is fetched in whole ranges across the groups the engine hands over (one read a pack here, where a
+  batch each read its own);
+* files are put in place (the ``syncfs`` before their renames) while the next ranges are fetched;
+* a path asked for while every worker is inside a range of the rest is fetched and placed at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from ogrefs.box.copyplan import Plan
+from ogrefs.inplace.engine import InPlace, Order
+from ogrefs.repo import Repository
+from ogrefs.repo.catalog import Catalog
+from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+from tests.treegen import compare_trees
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root (owners as the snapshot has them)")]
+
+#: Longest a held read or a held syncfs waits in these tests (a test that never releases it fails, not hangs).
+HOLD_S = 20
+
+
+def _box(tmp_path: Path, files: int) -> tuple[Repository, Catalog, Path, Path]:
+    src = tmp_path / "src"
+    for i in range(files):
+        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(2048))
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    out = tmp_path / "out"
+    out.mkdir()
+    return repo, Catalog(repo.catalog_path(m["id"])), src, out
+
+
+def _engine(tmp_path: Path, repo: Repository, cat: Catalog, out: Path, read_range) -> InPlace:
+    engine = InPlace(cat, read_range, os.fsencode(out), Plan(tmp_path / "plan.sqlite"),
+                     snapshot_id=repo.resolve("latest")["id"], skip=lambda *_a: False)
+    engine.prepare(Order())
+    return engine
+
+
+def _data_modules() -> list:
+    """The modules of the copy's data path: restore's, the engine's, and the stream's where there is one."""
+    import ogrefs.inplace.engine
+    import ogrefs.restore
+    modules = [ogrefs.restore, ogrefs.inplace.engine]
+    try:
+        import ogrefs.inplace.stream
+    except ImportError:  # (the engine of one Restorer a batch)
+        return modules
+    return modules + [ogrefs.inplace.stream]
+
+
+def _small_ranges(monkeypatch) -> None:
+    """Ranges of at most 16 KiB: many reads from a small box."""
+    for module in _data_modules():
+        if hasattr(module, "MAX_RANGE"):
+            monkeypatch.setattr(module, "MAX_RANGE", 16384)
+
+
+def test_the_rest_is_read_in_whole_ranges_across_groups(tmp_path):
+    """600 files of the rest (three groups of 256 at most) in one pack: one read, where each batch read its
+    own part (three reads)."""
+    repo, cat, src, out = _box(tmp_path, 600)
+    reads: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def read_range(pack, offset, length):
+        with lock:
+            reads.append((pack, offset, length))
+        return repo.read_pack_range(pack, offset, length)
+
+    engine = _engine(tmp_path, repo, cat, out, read_range)
+    engine.run()
+    packs = {e.pack for _p, n in cat.walk() if n.is_reg for e in cat.extents(n.ino)}
+    assert len(packs) == 1 and len(reads) == 1, reads
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_files_take_their_names_while_the_next_ranges_are_fetched(tmp_path, monkeypatch):
+    """The first ``syncfs`` before renames waits for a read to start meanwhile: the stream's placer runs beside
+    the fetching; a batch's came after its last read (the read never came: False)."""
+    import ogrefs.localtree
+
+    _small_ranges(monkeypatch)
+    repo, cat, src, out = _box(tmp_path, 600)
+    read_during_sync = threading.Event()
+    syncing = threading.Event()
+    reads = [0]
+    lock = threading.Lock()
+    seen: list[bool] = []
+    real_syncfs = ogrefs.localtree.syncfs_fd
+
+    def read_range(pack, offset, length):
+        with lock:
+            reads[0] += 1
+            first = reads[0] <= 3
+        if not first:  # the first files are complete: the rest waits for a placement to begin
+            syncing.wait(HOLD_S)
+        if syncing.is_set():
+            read_during_sync.set()
+        return repo.read_pack_range(pack, offset, length)
+
+    def syncfs(fd):
+        if not seen:
+            syncing.set()
+            seen.append(read_during_sync.wait(HOLD_S))
+        real_syncfs(fd)
+
+    for module in _data_modules():
+        if hasattr(module, "syncfs_fd"):
+            monkeypatch.setattr(module, "syncfs_fd", syncfs)
+    engine = _engine(tmp_path, repo, cat, out, read_range)
+    engine.run()
+    assert seen == [True]
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_a_path_asked_for_while_every_worker_reads_the_rest_comes_at_once(tmp_path, monkeypatch):
+    """Every worker is held inside a range of the rest; a ``need`` of the catalog's last file is answered
+    while they stay held (the asked-for ranges have workers of their own); then everything completes."""
+    _small_ranges(monkeypatch)
+    repo, cat, src, out = _box(tmp_path, 600)
+    last = src / "a5" / "f599"
+    wanted = {(e.pack, e.pack_offset) for e in cat.extents(cat.resolve(os.fsencode(last)).ino)}
+    gate = threading.Event()
+    held = threading.Semaphore(0)
+
+    def read_range(pack, offset, length):
+        if not any(p == pack and offset <= o < offset + length for p, o in wanted):
+            held.release()
+            gate.wait(HOLD_S)
+        return repo.read_pack_range(pack, offset, length)
+
+    engine = _engine(tmp_path, repo, cat, out, read_range)
+    runner = threading.Thread(target=engine.run, daemon=True)
+    runner.start()
+    try:
+        for _ in range(engine.workers):
+            assert held.acquire(timeout=HOLD_S), "the workers never all started a read"
+        need = engine.need(os.fsencode(out / str(last).lstrip("/")))
+        answered = need.event.wait(HOLD_S)
+        still_held = not gate.is_set()
+    finally:
+        gate.set()
+        runner.join(60)
+    assert answered and need.answer == "ok" and still_held
+    assert not runner.is_alive()
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
