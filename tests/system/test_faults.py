@@ -34,6 +34,7 @@ import pytest
 from ogrefs.repo.catalog import Catalog
 from ogrefs.maint.check import check_repository
 from ogrefs.repo import Repository
+from ogrefs.repo.locks import read_locks
 from ogrefs.restore import Restorer
 from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
 from ogrefs.errors import OgrefsError
@@ -695,6 +696,10 @@ def test_cache_disk_full_during_snapshot_is_a_clean_error(tree, tmp_path, small_
     with pytest.raises(OgrefsError) as info:  # one line naming the cache, never a sqlite3 traceback
         _snap(repo, tree)
     assert "local cache" in str(info.value) and "\n" not in str(info.value)
+    # the repository lock is given back (in a long-lived process, the agent, a lock left held would be
+    # refreshed for as long as it lives, and prune would wait on it)
+    assert read_locks(repo.store, repo.meta_codec) == []
+    assert not [t for t in threading.enumerate() if t.name == "ogrefs-lock" and t.is_alive()]
 
 
 @pytest.mark.fuse

@@ -435,22 +435,29 @@ class Snapshotter:
             self._lock.release()
             raise
 
-        tmpdir = tempfile.TemporaryDirectory(prefix="ogrefs-snap-", dir=self.repo.cache_dir)
-        cat_path = Path(tmpdir.name) / "catalog.sqlite"
-        self.cat = CatalogWriter(cat_path)
-        self._trees = UntouchedTrees(self.rules, self._skip_entirely, self.cat, self.stats, self.opts.observers,
-                                     self._mounted.unchanged_paths, lambda packs: packs <= self._live_packs)
-        self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
-                              self.opts.upload_workers, self._unreadable, self._tick, self._index)
-        self._ahead = ReadAhead(lambda: self.stats.bytes, self._not_walked,
-                                lambda: self.stats.files + self.stats.dirs + self.stats.others)
+        # Everything from here on gives the lock back however it ends: a cache disk found full by the
+        # catalog's first write, too (a lock left held would be refreshed for as long as this process
+        # lives — the agent's, for days — and prune would wait on it).
+        tmpdir = None
         try:
-            return self._run(roots, cat_path)
+            tmpdir = tempfile.TemporaryDirectory(prefix="ogrefs-snap-", dir=self.repo.cache_dir)
+            cat_path = Path(tmpdir.name) / "catalog.sqlite"
+            self.cat = CatalogWriter(cat_path)
+            self._trees = UntouchedTrees(self.rules, self._skip_entirely, self.cat, self.stats, self.opts.observers,
+                                         self._mounted.unchanged_paths, lambda packs: packs <= self._live_packs)
+            self._packer = Packer(self.repo, self.cat, self.stats, self._live_packs, self.opts.workers,
+                                  self.opts.upload_workers, self._unreadable, self._tick, self._index)
+            self._ahead = ReadAhead(lambda: self.stats.bytes, self._not_walked,
+                                    lambda: self.stats.files + self.stats.dirs + self.stats.others)
+            try:
+                return self._run(roots, cat_path)
+            finally:
+                self._ahead.close()
+                self._packer.close()
         finally:
-            self._ahead.close()
-            self._packer.close()
             self._index.join()  # nothing of this run writes to the index once its lock is released
-            tmpdir.cleanup()
+            if tmpdir is not None:
+                tmpdir.cleanup()
             self._lock.release()
 
     def _run(self, roots: list[bytes], cat_path: Path) -> dict[str, Any]:
