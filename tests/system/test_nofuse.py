@@ -178,6 +178,43 @@ def test_the_source_of_traced_bytecode_comes_with_the_trace(lab):
     assert compare_trees(src, _under(out, src)) == []
 
 
+def test_the_directories_python_lists_to_import_a_traced_module_come_with_the_trace(lab):
+    """Python's importer lists the directory of each module it imports and, for a package, every directory up to
+    its ``sys.path`` entry; a supervised job's listing waits for every file in the directory (a name appears only
+    once its file is in place).  Their files come with the trace's; the ``__pycache__`` beside them and what lies
+    above the ``sys.path`` entry do not (both failed before: only the traced bytecode's source came)."""
+    src = lab["tmp"] / "box" / "proj"
+    for i in range(600):  # three batches of the rest, before the package in catalog order
+        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(2048))
+    lib = src / "zz" / "lib"  # a sys.path entry: not a package
+    sub = lib / "pkg" / "sub"
+    (sub / "__pycache__").mkdir(parents=True)
+    files = {lib / "top.py": b"t = 1\n", lib / "pkg" / "__init__.py": b"p = 1\n", lib / "pkg" / "data.json": b"{}\n",
+             sub / "__init__.py": b"s = 1\n", sub / "mod.py": b"x = 1\n", sub / "other.py": b"y = 2\n",
+             sub / "__pycache__" / "mod.cpython-311.pyc": os.urandom(3000),
+             sub / "__pycache__" / "other.cpython-311.pyc": os.urandom(3000), src / "zz" / "above.txt": b"no\n"}
+    for path, data in files.items():
+        path.write_bytes(data)
+    snap = _snapshot(lab, src)
+    repo = Repository.open(lab["env"]["OGREFS_REPO"], cache_root=lab["tmp"] / "cache-test")
+    store_trace(repo, snap, [(os.fsencode(sub / "__pycache__" / "mod.cpython-311.pyc"), 0)])
+    out = lab["tmp"] / "out"
+    out.mkdir()
+    expected = {path: not (path.parent.name == "__pycache__" and "other" in path.name or path.name == "above.txt")
+                for path in files}
+    probe = f"{sys.executable} -c 'import os,sys; print(*[os.path.exists(p) for p in sys.argv[1:]])'"
+    gate = lab["tmp"] / "gate"  # the working set's one read comes, the rest's are held until the probe ran
+    proc = in_container(lab, script=f"""
+        OGREFS_TEST_READS_FREE=1 {sys.executable} -m tests.heldpacks {gate} mount {snap} {out} --no-fuse
+        {probe} {" ".join(str(_under(out, p)) for p in expected)}
+        touch {gate}
+        $OG status {out} --wait --timeout 120 >/dev/null
+    """)
+    assert proc.stdout.splitlines()[-1] == " ".join(str(v) for v in expected.values())
+    assert compare_trees(src, _under(out, src)) == []
+
+
 def test_need_answers_when_the_path_is_in_place(lab):
     """The control request the supervisor uses: ``ok`` only once the file is there, whole."""
     src = lab["tmp"] / "box" / "proj"

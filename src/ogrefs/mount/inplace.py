@@ -58,6 +58,7 @@ from ogrefs.mount.plan import default_state_dir, lock_state_dir
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo.traces import find_trace
 from ogrefs.restore import Interrupted, Restorer
+from ogrefs.units import MiB
 
 if TYPE_CHECKING:
     from ogrefs.repo import Repository
@@ -72,9 +73,12 @@ PLAN_NAME = "inplace.sqlite"
 #: The status file is rewritten this often.
 STATUS_INTERVAL = 0.5
 _CAP_SYS_ADMIN = 21
-#: ``pkg/__pycache__/mod.cpython-311.pyc`` (or ``.opt-1.pyc``): what Python reads for ``pkg/mod.py``, which it
-#: only finds in the listing of ``pkg`` and stats.
-_BYTECODE = re.compile(rb"^(.*)/__pycache__/([^/.]+)\.[^/]+\.pyc$")
+#: A file Python imports a module from, in the directory it lists to find it: ``pkg/mod.py``, an extension
+#: ``pkg/mod.cpython-311-x86_64-linux-gnu.so``, or the bytecode ``pkg/__pycache__/mod.cpython-311.pyc`` (which
+#: Python uses only while ``pkg/mod.py`` is listed beside it). Group 1 is the directory listed.
+_IMPORTED = re.compile(rb"^(.*)/(?:__pycache__/[^/]+\.pyc|[^/]+\.(?:py|so|pyd))$")
+#: A file larger than this in such a directory is left to its own class (a listing of the directory waits for it).
+IMPORT_LISTING_FILE_MAX = 64 * MiB
 
 
 def why_no_fuse() -> str | None:
@@ -164,21 +168,32 @@ def _order(repo: Repository, manifest: dict, catalog: Catalog, notes: list[str])
     for r in resolve_entries(catalog, entries or []):
         if not trace or trace[-1] != r.ino:
             trace.append(r.ino)
-    trace.extend(_bytecode_sources(catalog, entries or []))
+    trace.extend(_import_listings(catalog, entries or []))
     return Order(trace=tuple(dict.fromkeys(trace)), hints=_hints(catalog))
 
 
-def _bytecode_sources(catalog: Catalog, entries: list[tuple[bytes, int]]) -> list[int]:
-    """The source of each cached bytecode file the trace read: Python imports ``mod`` from
-    ``__pycache__/mod.*.pyc`` only while ``mod.py`` is listed beside it, and a trace records reads, not the
-    listing or the ``stat`` (bench_resume's step failed on ``torch._utils`` without them)."""
-    out = []
+def _import_listings(catalog: Catalog, entries: list[tuple[bytes, int]]) -> list[int]:
+    """The files of every directory Python lists to import a module the trace read, after the trace's own.
+
+    A trace records reads; Python's importer also *lists* directories (once each, to find ``mod.py``,
+    ``mod.*.so`` or the package directory ``mod/``): the directory of each module it imports, and, for a
+    package, the directory holding it, up to the ``sys.path`` entry (the first that is not a package, without
+    ``__init__.py``). A supervised job's listing of a directory waits for every file in it (a name appears only
+    once its file is in place), and one without supervision would not find ``mod.py`` at all: without its
+    listing Python ignores the ``__pycache__`` bytecode the trace read (bench_resume's step failed on
+    ``torch._utils``). On the pointer box the step lists 238 directories holding 66 MB of files. Files over
+    :data:`IMPORT_LISTING_FILE_MAX` are left out (a data file beside a script)."""
+    listed: dict[int, None] = {}
     for path in dict.fromkeys(path for path, _off in entries):
-        m = _BYTECODE.match(path)
-        node = catalog.resolve(m.group(1) + b"/" + m.group(2) + b".py") if m else None
-        if node is not None and not node.is_dir:
-            out.append(node.ino)
-    return out
+        m = _IMPORTED.match(path)
+        node = catalog.resolve(m.group(1)) if m else None
+        while node is not None and node.is_dir and node.ino not in listed:
+            listed[node.ino] = None
+            if catalog.lookup(node.ino, b"__init__.py") is None:
+                break  # the sys.path entry, or a namespace package's directory
+            node = catalog.get(catalog.parent_of(node.ino))
+    return [child.ino for ino in listed for _name, child in catalog.children(ino)
+            if child.is_reg and 0 < child.size <= IMPORT_LISTING_FILE_MAX]
 
 
 def _hints(catalog: Catalog) -> tuple[int, ...]:
@@ -262,6 +277,7 @@ class InPlaceDaemon:
         try:
             self.engine.prepare(self.plan.order)
             self._merge()
+            self._phase("prepared_s")
             self.state = "copying"
             log.info("no-FUSE mount of %s at %s: %d files, %d in place already", self.plan.snapshot_id[:12],
                      self.plan.target, self.engine.counts["files_total"], self.engine.counts["files_done"])
@@ -308,6 +324,7 @@ class InPlaceDaemon:
         fd, self.ready_fd = self.ready_fd, None
         if fd is None:
             return
+        self._phase("working_set_s")
         self._write_status()  # what `mount` reports once it reads "ready"
         st = self.engine.status()
         if self.state == "stopped" and self.reason:
@@ -321,6 +338,10 @@ class InPlaceDaemon:
         with contextlib.suppress(OSError):
             os.write(fd, line.encode() + b"\n")
             os.close(fd)
+
+    def _phase(self, name: str) -> None:
+        """When a phase ended, in seconds since the daemon started (``status --json``: where the time went)."""
+        self.info[name] = round(time.time() - self.info["started"], 3)
 
     def _write_status(self) -> None:
         m = self.engine.status()
