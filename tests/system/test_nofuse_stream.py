@@ -157,3 +157,40 @@ def test_a_path_asked_for_while_every_worker_reads_the_rest_comes_at_once(tmp_pa
     assert answered and need.answer == "ok" and still_held
     assert not runner.is_alive()
     assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_once_the_working_set_is_in_place_the_rest_is_fetched_niced(tmp_path, monkeypatch):
+    """A job started on the working set (``ogrefs run``) gets the cores before the rest of the copy: every read of
+    the rest that starts after the working set is in place runs in a thread niced by BACKGROUND_NICE; the working
+    set's reads ran at the daemon's own priority.  (Failed before: every read at the daemon's priority.)"""
+    import ogrefs.inplace.stream as stream
+
+    _small_ranges(monkeypatch)
+    repo, cat, src, out = _box(tmp_path, 600)
+    first = [cat.resolve(os.fsencode(src / "a0" / f"f{i:03}")).ino for i in range(50)]
+    working = {(e.pack, e.pack_offset) for ino in first for e in cat.extents(ino)}
+    signalled = threading.Event()
+    reads: list[tuple[bool, bool, int]] = []  # (the working set's, after the signal, the thread's nice)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def read_range(pack, offset, length):
+        mine = any(p == pack and offset <= o < offset + length for p, o in working)
+        after = signalled.is_set()
+        reads.append((mine, after, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        if not mine and not after:
+            signalled.wait(HOLD_S)  # the rest waits for the working set (as a link shared with it would)
+        return repo.read_pack_range(pack, offset, length)
+
+    engine = InPlace(cat, read_range, os.fsencode(out), Plan(tmp_path / "plan.sqlite"),
+                     snapshot_id=repo.resolve("latest")["id"], skip=lambda *_a: False)
+    engine.prepare(Order(trace=tuple(first)))
+    runner = threading.Thread(target=engine.run, args=(signalled.set,), daemon=True)
+    runner.start()
+    runner.join(120)
+    assert not runner.is_alive()
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # (the caller's own thread is never reniced)
+    niced = min(19, base + getattr(stream, "BACKGROUND_NICE", 10))
+    assert {nice for mine, after, nice in reads if mine} == {base}
+    later = [nice for mine, after, nice in reads if not mine and after]
+    assert later and set(later) == {niced}, (len(later), set(later))

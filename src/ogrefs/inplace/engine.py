@@ -318,6 +318,7 @@ class InPlace:
         """Call ``on_working_set`` if the working set is settled; whether it was."""
         if self.working_left():
             return False
+        self._stream.to_background()
         on_working_set()
         return True
 

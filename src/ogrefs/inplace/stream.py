@@ -24,7 +24,10 @@ plain ``ogrefs restore``.  Here, in plain words:
    asked for first; symlinks, FIFOs and device nodes are made there too, by the same class rule (nothing to
    fetch or sync).  The files of one round are reported durable (``on_durable``: the plan records them
    complete) after the next round's ``syncfs``, when their renames are durable too.
-5. :meth:`Stream.close`: no more groups; once every range is fetched, the last round, a last ``syncfs``, and
+5. Once the working set is in place (:meth:`Stream.to_background`), the workers other than the urgent ones lower
+   their own priority for good and leave asked-for ranges to the urgent ones: a job started on the working set
+   gets the cores before the rest of the copy.
+6. :meth:`Stream.close`: no more groups; once every range is fetched, the last round, a last ``syncfs``, and
    the Restorer's end (a file not in place is failed and its temporary file removed).
 
 Everything else is the Restorer's: temporary names, every blob verified, metadata on the descriptor, the
@@ -35,13 +38,16 @@ Threads: the engine's thread calls :meth:`start`, :meth:`add` and :meth:`close` 
 Restorer's file records there; workers fetch, make temporary files and write (the Restorer's); the placer
 places; any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
 ``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
-``_sealed``; the Restorer's ``_lock`` guards ``_ready`` and ``_specials_ready`` (taken whole by the placer)
+``_sealed``; ``_background`` is set once by any thread and only read by the workers, each of which changes only
+its own priority; the Restorer's ``_lock`` guards ``_ready`` and ``_specials_ready`` (taken whole by the placer)
 and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
 queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from typing import Callable, Iterable
 
@@ -50,12 +56,19 @@ from ogrefs.repo.catalog import Catalog, Inode
 from ogrefs.restore import (MAX_GAP, MAX_RANGE, Batch, Blob, PendingFile, Range, ReadRange, Restorer, reason_of,
                             token_for)
 
+log = logging.getLogger(__name__)
+
 #: Priority classes, highest first: asked for, the trace's, the hints', the rest.
 URGENT, CLASSES = 0, 4
 #: Complete files are put in place at least this often (one ``syncfs`` each round).
 PLACE_EVERY = 0.2
 #: Workers that take only asked-for ranges, beside the others.
 URGENT_WORKERS = 2
+#: Once the working set is in place the other workers run this much lower (the lazy mount's background jobs
+#: do the same, lazy/fetch/threadnice.py): at +10 the kernel gives a thread about a tenth of what a nice-0
+#: thread gets while both want a core, so a job started on the working set (``ogrefs run``) gets the cores
+#: before the rest of the copy, which still takes all the time nobody else wants.
+BACKGROUND_NICE = 10
 
 
 class Stream(Restorer):
@@ -91,6 +104,7 @@ class Stream(Restorer):
         self._threads: list[threading.Thread] = []
         self._placer: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._background = False  # the working set is in place: set once, read by the workers
 
     # -- the engine's thread ------------------------------------------------------------------------
     def start(self, paths: list[tuple[bytes, None]], tmp_like: frozenset[bytes]) -> None:
@@ -209,15 +223,16 @@ class Stream(Restorer):
             del self._queue[cls][pack]
             del self._bytes[cls, pack]
 
-    def _take(self, urgent_only: bool) -> tuple[int, Range] | None:
+    def _take(self, urgent_only: bool, skip_urgent: bool = False) -> tuple[int, Range] | None:
         """The next range and its class, from the highest class with blobs (see :func:`_cut`).  None while a
         range of a class above that one (the asked-for class apart) is in flight: the working set's last ranges
         have the link to themselves (a drain at each class's end, two at most, instead of one a batch).  None
         too while the class is still being added and every pack's blobs so far would make a short range: the
-        next group may extend it (a range is cut whole, or when nothing more can come)."""
+        next group may extend it (a range is cut whole, or when nothing more can come).  ``skip_urgent``: a niced
+        worker's, which leaves asked-for ranges to the urgent workers (a job waits on them)."""
         for cls in range(URGENT + 1 if urgent_only else CLASSES):
             packs = self._queue[cls]
-            if not packs:
+            if not packs or (skip_urgent and cls == URGENT):
                 continue
             if any(self._inflight[URGENT + 1:max(cls, URGENT + 1)]):
                 return None
@@ -245,13 +260,23 @@ class Stream(Restorer):
             with self._cond:
                 self._cond.notify_all()
 
+    def to_background(self) -> None:
+        """The working set is in place (any thread): from their next range on, the workers that are not the
+        urgent ones lower their own priority by :data:`BACKGROUND_NICE`, for good (raising it back would need
+        CAP_SYS_NICE), and leave asked-for ranges to the urgent workers, which keep theirs."""
+        self._background = True
+
     def _work(self, urgent_only: bool) -> None:
+        niced = False
         while True:
+            if self._background and not urgent_only and not niced:
+                niced = True
+                _lower_own_priority(BACKGROUND_NICE)
             with self._cond:
                 while True:
                     if self._stop.is_set() or (self._sealed and not any(self._queue)):
                         return
-                    taken = self._take(urgent_only)
+                    taken = self._take(urgent_only, skip_urgent=niced)
                     if taken is not None:
                         break
                     self._cond.wait()
@@ -345,6 +370,15 @@ class Stream(Restorer):
             for ino in placed:
                 self._left[self._cls_of[ino]] -= 1
             self._unsynced.extend(placed)
+
+
+def _lower_own_priority(by: int) -> None:
+    """This thread's nice value raised by ``by`` (Linux gives each thread its own); never fails the copy."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError as exc:  # (a seccomp profile that refuses setpriority: the copy goes on as before)
+        log.debug("the in-place copy's worker %d keeps its priority: %s", tid, exc)
 
 
 def _cut(pack: str, pending: set[Blob]) -> tuple[list[Blob], Range]:
