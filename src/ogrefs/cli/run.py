@@ -117,7 +117,7 @@ def _run_without_fuse(obj, snap: str, command: list[str], filters, forced: bool,
             "box's own tree")
         mount(MountOptions(repo_url=obj.url(), snapshot=manifest["id"], mountpoint=target,
                            s3_endpoint=obj.s3_endpoint, read_only=False, state_dir=state_dir, host_rules=rules,
-                           no_fuse=True), open_repo=lambda: repo)
+                           no_fuse=True, ready_when_prepared=True), open_repo=lambda: repo)
     else:
         target = Path(copy["mountpoint"])
         say(f"{named} is written into place at {target} by its no-FUSE mount (no-FUSE mode); the job runs on this "

@@ -94,7 +94,9 @@ def _exchange(sock_path: Path, request: bytes, timeout: float | None, last: Call
             while not lines or not last(lines[-1]):
                 line = reader.readline(MAX_LINE)
                 if not line.endswith(b"\n"):
-                    raise NeedFailed(0, f"the daemon at {sock_path} closed the connection without an answer")
+                    # (ECONNRESET: a daemon that ends, complete, with a request in flight; the caller looks again)
+                    raise NeedFailed(errno.ECONNRESET,
+                                     f"the daemon at {sock_path} closed the connection without an answer")
                 lines.append(line[:-1])
     except OSError as exc:
         if isinstance(exc, NeedFailed):

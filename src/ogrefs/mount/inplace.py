@@ -279,9 +279,11 @@ class InPlaceDaemon:
             self._merge()
             self._phase("prepared_s")
             self.state = "copying"
+            if self.plan.opts.ready_when_prepared:  # `ogrefs run`'s own copy: its supervisor waits path by path
+                self._ready()
             log.info("no-FUSE mount of %s at %s: %d files, %d in place already", self.plan.snapshot_id[:12],
                      self.plan.target, self.engine.counts["files_total"], self.engine.counts["files_done"])
-            self.engine.run(on_working_set=self._ready)
+            self.engine.run(on_working_set=self._working_set)
             st = self.engine.status()
             self.state = "done" if not (st["failed"] or st["skipped"]) else "incomplete"
             if st["failed"]:
@@ -319,12 +321,15 @@ class InPlaceDaemon:
         self.info["merged"] = done
         self.plan.registration.write(self.info)
 
+    def _working_set(self) -> None:
+        self._phase("working_set_s")
+        self._ready()
+
     def _ready(self) -> None:
         """Tell the waiting ``mount`` (once): ready, or why the working set is not in place."""
         fd, self.ready_fd = self.ready_fd, None
         if fd is None:
             return
-        self._phase("working_set_s")
         self._write_status()  # what `mount` reports once it reads "ready"
         st = self.engine.status()
         if self.state == "stopped" and self.reason:

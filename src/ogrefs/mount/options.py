@@ -42,6 +42,8 @@ class MountOptions:
     host_rules: tuple[Any, ...] | None = None  # writable mounts at /: hostpaths.Rule list (None: the defaults)
     no_fuse: bool = False  # write the snapshot into place instead of mounting it (inplace.py); automatic where
     # FUSE or mounting is not allowed
+    ready_when_prepared: bool = False  # no-FUSE: return once the directories are made, not the working set in place
+    # (`ogrefs run` starting its own copy: its supervised job waits for each path itself)
     data_only: bool = False  # at /: leave the snapshot's system directories (overlay.SYSTEM_DIRS) to this box
     inject_driver: bool = False  # run/shell: this box's running driver through its linker cache (driverlibs.py)
     merge_host: bool = False  # run/shell, data paths at /: this box's entries show where the snapshot has none
