@@ -149,9 +149,9 @@ def test_run_alone_starts_the_job_before_the_working_set_is_in_place(lab):
     assert compare_trees(old, src) == []
 
 
-def _engine(tmp_path, files: int, gate: threading.Event | None = None):
-    """An engine over a snapshot of ``files`` files; with ``gate``, every pack read but those of ``a0/f000``
-    waits for it (at most a minute)."""
+def _engine(tmp_path, files: int, gate: threading.Event | None = None, extra=lambda src: None):
+    """An engine over a snapshot of ``files`` files (and what ``extra(src)`` adds); with ``gate``, every pack read
+    but those of ``a0/f000`` waits for it (at most a minute)."""
     from ogrefs.box.copyplan import Plan
     from ogrefs.inplace.engine import InPlace, Order
     from ogrefs.repo import Repository
@@ -165,6 +165,7 @@ def _engine(tmp_path, files: int, gate: threading.Event | None = None):
     (src / "ckpt").mkdir()
     (src / "ckpt" / "step1.pt").write_bytes(b"one")
     os.symlink("../ckpt", src / f"a{(files - 1) // 100}" / "latest")
+    extra(src)
     repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
     m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
     out = tmp_path / "out"
@@ -275,3 +276,21 @@ def test_an_ask_the_daemon_drops_as_it_ends_complete_is_answered_ok(tmp_path, mo
     t.start()
     assert ask(mountpoint, os.fsencode(mountpoint / "x"), timeout=30, whole=True) == "ok"
     t.join(30)
+
+
+def test_links_that_lead_out_of_the_snapshot_are_waited_for(tmp_path):
+    """A venv's ``bin/python -> python3.11 -> /usr/bin/...``: the exec follows both links of the snapshot to this
+    box's interpreter.  Asked for before they are in place, the need waits for the links (then ``ok``) instead
+    of answering ``absent`` at the box's path (before: ``absent`` at once, and ``ogrefs run`` alone, whose job
+    execs at once, failed with "cannot run .../venv/bin/python: No such file or directory" on the classic box)."""
+    gate = threading.Event()
+    engine, there = _engine(tmp_path, 300, gate, extra=lambda src: (
+        os.symlink("py3", src / "a2" / "py"), os.symlink("/usr/bin/env", src / "a2" / "py3")))
+    need = engine.need(os.fsencode(there / "a2" / "py"))
+    waited = not need.event.is_set()
+    runner = threading.Thread(target=engine.run, daemon=True)
+    runner.start()
+    gate.set()
+    runner.join(60)
+    assert waited and need.event.is_set() and need.answer == "ok"
+    assert os.readlink(there / "a2" / "py") == "py3" and os.path.samefile(there / "a2" / "py", "/usr/bin/env")

@@ -560,9 +560,9 @@ class InPlace:
             child = self.cat.lookup(node.ino, part) if node is not None and node.is_dir else None
             path = here + b"/" + part
             if any(path == s or path.startswith(s + b"/") for s in self._skipped):
-                return "host"
-            if child is None:
-                return "absent"
+                return self._links_or(out, "host")
+            if child is None:  # (after a link: the snapshot's links lead out of it, to this box's own file)
+                return self._links_or(out, "absent")
             if child.is_lnk and links < _MAX_LINKS:
                 links += 1
                 out.append(child.ino)
@@ -579,6 +579,11 @@ class InPlace:
         elif node is not None:
             out.append(node.ino)
         return [ino for ino in out if ino in self._size]
+
+    def _links_or(self, links: list[int], answer: str) -> list[int] | str:
+        """The snapshot's links a path went through, to wait for (``venv/bin/python -> python3.11 ->
+        /usr/bin/python3.11``: the exec needs both links in place, the target is this box's), else ``answer``."""
+        return [ino for ino in links if ino in self._size] or answer
 
     # -- what the status says ---------------------------------------------------------------------------
     def status(self) -> dict:
