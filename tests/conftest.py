@@ -85,6 +85,59 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytes
 # ===========================================================================
 
 
+# ===========================================================================
+# Running in parallel (pytest-xdist: scripts/test runs `-n 2 --dist loadgroup`;
+# docs/development.md, "Tests in parallel")
+#
+#   * Each worker runs in a mount namespace of its own (private propagation):
+#     what one worker's test mounts (a FUSE mount in the test's own process,
+#     a tmpfs of small_fs) is neither seen by the other worker's tests that
+#     judge mountinfo, nor copied into the private namespaces those tests
+#     make, where the copy would hold the FUSE connection open and its
+#     daemon would not exit on unmount.
+#   * Tests that cannot share the box with another, or that build something
+#     expensive once a session, run one after another on one worker, in a
+#     group (tests/xdist_groups.py); the lab's booted boxes go first, on one
+#     worker, while the other runs the quick tiers.
+# ===========================================================================
+
+_CLONE_NEWNS, _MS_REC, _MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+
+
+def _own_mount_namespace() -> str | None:
+    """Move this process to a mount namespace of its own, private; the reason if that failed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:  # needs root, and one thread (a worker has one when it configures)
+        return f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def _configure_worker(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER") or os.geteuid() != 0:
+        return  # one process (no -n), or not root (nothing of the suite mounts then)
+    failed = _own_mount_namespace()
+    if failed:
+        pytest.exit(f"cannot give the xdist worker a mount namespace of its own ({failed}): run without -n",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker, the lab's tests first (its worker starts at once and takes longest); groups' fixtures checked.
+
+    Run in one process, the order stays pyproject's testpaths (quick tiers first, to fail fast).
+    """
+    if config.pluginmanager.hasplugin("xdist"):
+        from tests import xdist_groups
+
+        xdist_groups.check_fixtures(items)
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            xdist_groups.lab_first(items)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the lab's cached Debian roots before the first test runs, outside every test's time limit.
 
@@ -147,6 +200,11 @@ def small_fs(tmp_path):
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "expect_log(pattern, level=WARNING, logger=None): this test provokes "
                             "such a log record (tests/conftest.py)")
+    if config.pluginmanager.hasplugin("xdist"):
+        from tests import xdist_groups
+
+        config.pluginmanager.register(xdist_groups.Plugin(), "ogrefs-xdist-groups")
+    _configure_worker(config)
 
 
 @dataclass

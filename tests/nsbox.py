@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,23 @@ def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.Compl
     if check and proc.returncode != 0:
         raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def none_mounted(below: object, kind: str = "", mountinfo: str = "/proc/self/mountinfo") -> str:
+    """A script line that fails, printing them, if mounts at or below ``below`` whose mountinfo line matches
+    the awk regex ``kind`` (e.g. ``" - overlay "``) are in ``mountinfo``.
+
+    Only the test's own paths are judged: other tests (the other xdist worker) and other users of the box
+    mount meanwhile. Not ``! grep -q ...``: bash's ``set -e`` ignores the status of a negated command (except
+    as a script's last), so such a line in the middle of a script asserted nothing.
+    """
+    prefix = shlex.quote(str(below).rstrip("/") + "/")
+    return (f"awk -v p={prefix} -v k={shlex.quote(kind)} 'index($5 \"/\", p) == 1 && $0 ~ k "
+            f"{{print \"still mounted: \" $0 > \"/dev/stderr\"; bad = 1}} END {{exit bad}}' {mountinfo}")
+
+
+#: mountinfo's text of what ogrefs mounts: its FUSE file system, and overlays whose source is "ogrefs"
+OVERLAY, FUSE, OURS = " - overlay ", " - fuse[.]ogrefs ", " - (fuse[.]ogrefs|overlay ogrefs) "
 
 
 def traced_files(box: dict) -> set[str]:

@@ -23,6 +23,10 @@ from .box import Box
 from .providers import PROVIDERS
 
 PROJECT_SUMS = "cd /opt/project && find . -type f -print0 | sort -z | xargs -0 sha256sum"
+#: Drops the page cache of box A's project in the box (POSIX_FADV_DONTNEED through dd), so that reading it
+#: goes through the mount again. Not /proc/sys/vm/drop_caches: that drops every file's pages on the machine,
+#: under the tests that run beside the lab and judge what the page cache holds (tests/pagecache.py).
+DROP_PROJECT_PAGES = "sync && find /opt/project -type f -exec dd if={} iflag=nocache count=0 status=none ';'"
 # What box B's own files are, read before anything is mounted (one command, compared after the mount).
 IDENTITY_FILES = (
     "/etc/hostname", "/etc/machine-id", "/etc/hosts", "/etc/resolv.conf", "/etc/fstab",

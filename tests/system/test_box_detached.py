@@ -17,6 +17,7 @@ import shutil
 import pytest
 
 from .test_box_mount import OGREFS, _pid, in_namespace, whole  # noqa: F401  (whole is a fixture)
+from tests.nsbox import OVERLAY, none_mounted
 
 pytestmark = [
     pytest.mark.fuse,
@@ -39,7 +40,7 @@ def test_remount_while_the_old_tree_is_in_use_is_refused_naming_its_users(whole)
         kill -0 "$pid"
         ! {OGREFS} mount {snap} / --no-materialize > {tmp}/remount.out 2> {tmp}/remount.err
         echo "$holder" > {tmp}/holder.txt
-        ! grep -q " - overlay " /proc/self/mountinfo       # the refused mount touched nothing
+        {none_mounted(tmp, OVERLAY)}                       # the refused mount touched nothing
         test "$(cat {box}/usr/marker)" = "host"
         kill "$holder"; wait "$holder" || true            # the old tree's last user leaves ...
         {OGREFS} mount {snap} / --no-materialize          # ... and the mount resumes

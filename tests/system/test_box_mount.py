@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.nsbox import FUSE, OVERLAY, none_mounted
+
 pytestmark = [
     pytest.mark.fuse,
     pytest.mark.timeout(240),
@@ -94,7 +96,7 @@ def test_daemon_sees_the_box_as_it_was_while_the_overlays_are_up(whole):
         test "$(cat {box}/usr/marker)" = "snap"                 # the box sees the snapshot
         pid={_pid(tmp)}
         test "$(readlink /proc/$pid/ns/mnt)" != "$(readlink /proc/self/ns/mnt)"
-        ! grep -q " - overlay " /proc/$pid/mountinfo            # no overlay in the daemon's view
+        {none_mounted(tmp, OVERLAY, "/proc/$pid/mountinfo")}   # no overlay in the daemon's view
         test "$(timeout 10 nsenter -t $pid -m cat {box}/usr/marker)" = "host"   # its own files as they were
         timeout 10 nsenter -t $pid -m stat {sys.executable} > /dev/null
         # the local copy and its database live below the overlaid var: the daemon reads and writes
@@ -106,7 +108,7 @@ def test_daemon_sees_the_box_as_it_was_while_the_overlays_are_up(whole):
         ls {box}/var/lib/ogrefs/mounts/*/materialize.sqlite > /dev/null   # ogrefs' state is not covered
         echo written > {box}/var/lib/app/new
         {OGREFS} unmount /
-        ! grep -q " - overlay " /proc/self/mountinfo
+        {none_mounted(tmp, OVERLAY)}
         test "$(cat {box}/usr/marker)" = "host"
         {OGREFS} mount {snap} /                                  # remount resumes
         test "$(cat {box}/var/lib/app/new)" = "written"
@@ -125,7 +127,7 @@ def test_hard_kill_of_the_daemon_leaves_a_box_that_unmounts_and_remounts(whole):
         kill -9 "$pid"
         for i in $(seq 300); do kill -0 "$keeper" 2>/dev/null || break; sleep 0.1; done
         ! kill -0 "$keeper" 2>/dev/null                          # the keeper saw it and cleaned up
-        ! grep -q " - overlay " /proc/self/mountinfo             # no dead overlay left ...
+        {none_mounted(tmp, OVERLAY)}                             # no dead overlay left ...
         test "$(cat {box}/usr/marker)" = "host"                  # ... the box shows its own tree again
         ! {OGREFS} status / 2> {tmp}/status.err
         {PY} -c "
@@ -181,7 +183,7 @@ def test_a_second_mount_of_the_same_state_directory_is_refused_and_the_first_liv
         ! {OGREFS} mount {snap} {other} --state-dir {tmp}/shared-state 2> {tmp}/second.err
         test "$(cat {box}/usr/marker)" = "snap"                  # the first one still serves
         grep -q " {box}/usr " /proc/self/mountinfo
-        ! grep -q " {other} " /proc/self/mountinfo
+        {none_mounted(other)}
         {OGREFS} unmount /
     """)
     err = (tmp / "second.err").read_text()
@@ -347,8 +349,8 @@ def test_sigterm_to_the_whole_unit_takes_the_box_down_cleanly(whole):
         for i in $(seq 300); do kill -0 "$keeper" 2>/dev/null || kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         ! kill -0 "$pid" 2>/dev/null && ! kill -0 "$keeper" 2>/dev/null
         kill "$holder"
-        ! grep -q " - overlay " /proc/self/mountinfo
-        ! grep -q fuse.ogrefs /proc/self/mountinfo
+        {none_mounted(tmp, OVERLAY)}
+        {none_mounted(tmp, FUSE)}
         test "$(cat {box}/usr/marker)" = "host"
         {OGREFS} mount {snap} / --no-materialize
         test "$(cat {box}/var/lib/app/written)" = "kept"
@@ -381,8 +383,8 @@ def test_daemon_stopped_after_its_keeper_was_killed_still_takes_the_box_down(who
         kill -TERM "$pid"
         for i in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         ! kill -0 "$pid" 2>/dev/null
-        ! grep -q " - overlay " /proc/self/mountinfo            # no overlay left on a dead lower
-        ! grep -q fuse.ogrefs /proc/self/mountinfo
+        {none_mounted(tmp, OVERLAY)}                            # no overlay left on a dead lower
+        {none_mounted(tmp, FUSE)}
         test "$(cat {box}/usr/marker)" = "host"
         {OGREFS} mount {snap} / --no-materialize
         {OGREFS} unmount /

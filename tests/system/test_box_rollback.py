@@ -31,6 +31,7 @@ import shutil
 import pytest
 
 from .test_box_mount import OGREFS, PY, in_namespace, whole  # noqa: F401  (whole is a fixture)
+from tests.nsbox import FUSE, OVERLAY, none_mounted
 
 pytestmark = [
     pytest.mark.fuse,
@@ -85,7 +86,7 @@ def test_unmount_busy_half_way_puts_back_what_went_down(whole):
         {OGREFS} status / > {tmp}/status.txt                # the daemon still serves
         umount {box}/usr/disk                               # the fault removed: the retry works
         {OGREFS} unmount /
-        ! grep -q " - overlay " /proc/self/mountinfo
+        {none_mounted(tmp, OVERLAY)}
         test "$(cat {box}/usr/marker)" = "host"
         {OGREFS} mount {snap} / --no-materialize
         test "$(cat {box}/var/lib/app/written)" = "kept"
@@ -121,7 +122,7 @@ def test_finalize_refused_by_the_kernel_half_way_swaps_back_what_it_swapped(whol
         echo still writable > {box}/mnt/after-failure
         umount "$copy" && umount "$copy"                    # the fault removed: the retry works
         {OGREFS} finalize /
-        ! grep -q fuse.ogrefs /proc/self/mountinfo
+        {none_mounted(tmp, FUSE)}
         test "$(cat {box}/mnt/after-failure)" = "still writable"
         test "$(cat {box}/usr/marker)" = "snap"
         test "$(cat {box}/mnt/later/f)" = "on the disk"     # the finalized mnt keeps the disk too
@@ -155,7 +156,7 @@ if o['target'].endswith('/usr')))")
         echo still writable > {box}/usr/after-failure
         chattr -i "$work"                                   # the fault removed: the retry works
         {OGREFS} finalize /
-        ! grep -q fuse.ogrefs /proc/self/mountinfo
+        {none_mounted(tmp, FUSE)}
         ! {OVERLAYS} | grep -v " rw,"                       # every overlay writable, none silently ro
         echo written > {box}/usr/after-finalize
         test "$(cat {box}/usr/after-failure)" = "still writable"

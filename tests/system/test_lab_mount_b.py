@@ -184,7 +184,7 @@ def test_b_disks_and_the_repository_under_srv_stay_visible(b_mounted, snap_a):
     assert sorted(box.out("ls /srv/ogrefs").split()) == sorted(p.name for p in snap_a.repo_dir.iterdir())
     assert snap_a.manifest["id"] in box.out(f"{ogrefs} snapshots --json", timeout=60)
     # A file of the snapshot read through the mount fetches from the repository under /srv.
-    box.sh("sync; echo 3 > /proc/sys/vm/drop_caches")
+    box.sh(fixtures.DROP_PROJECT_PAGES, timeout=60)
     assert box.out("sha256sum /opt/project/checkpoints/step-100.pt", timeout=60) in snap_a.project_sums.replace(
         "./checkpoints", "/opt/project/checkpoints")
 
@@ -215,7 +215,7 @@ def test_b_mounts_a_snapshot_from_s3(lab, seaweed, tmp_path):
         resolv = box.out("cat /etc/resolv.conf")
         mount(box, "ogrefs")
         assert box.out("cat /etc/resolv.conf") == resolv == f"nameserver {B.nameserver}\nsearch {B.search}\n"
-        box.sh("sync; echo 3 > /proc/sys/vm/drop_caches")
+        box.sh(fixtures.DROP_PROJECT_PAGES, timeout=60)
         assert box.out(fixtures.PROJECT_SUMS, timeout=120) == sums
         assert f"Driver Version: {B.driver}" in box.out("nvidia-smi", timeout=30)
     finally:

@@ -143,7 +143,9 @@ def test_trace_first_need_answers_and_a_mount_point_is_left_alone(lab):
     traced_ctimes = [int(x) for x in proc.stdout.splitlines()[-1].split()]
     rest_ctimes = [p.stat().st_ctime_ns for p in _under(out, src).glob("a*/f*")]
     assert len(traced_ctimes) == 5 and len(rest_ctimes) == 600
-    assert max(traced_ctimes) < min(rest_ctimes), "the trace's files were not written first"
+    # A file's ctime comes from the kernel's coarse clock (4 ms ticks here): files written in one tick share
+    # it, so the order within a tick cannot be seen; written first means no later tick than any of the rest
+    assert max(traced_ctimes) <= min(rest_ctimes), "the trace's files were not written first"
     for p in traced:
         assert _under(out, p).read_bytes() == p.read_bytes()
     assert not (vol / "inside").exists()
@@ -394,7 +396,7 @@ def test_a_path_asked_for_goes_first_and_what_the_box_keeps_is_answered_at_once(
     engine.run()
     assert need.event.is_set() and need.answer == "ok"
     others = [p.stat().st_ctime_ns for p in _under(out, src).glob("a*/f*") if p.name != "f599"]
-    assert len(others) == 599 and last.stat().st_ctime_ns < min(others)
+    assert len(others) == 599 and last.stat().st_ctime_ns <= min(others)  # (ctime: coarse ticks, as above)
     assert compare_trees(src / "a0", _under(out, src) / "a0") == []
 
 

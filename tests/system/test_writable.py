@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.treegen import compare_trees
-from tests.nsbox import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
+from tests.nsbox import FUSE, OGREFS, OURS, box, in_namespace, none_mounted  # noqa: F401  (box is a fixture)
 from tests import REPO_ROOT
 
 pytestmark = [
@@ -48,7 +48,7 @@ PY
         rm {proj}/random.bin
         {OGREFS} status / --json > {tmp}/status.json
         {OGREFS} unmount /
-        ! grep -q ogrefs /proc/self/mountinfo
+        {none_mounted(tmp, OURS)}
         {OGREFS} mount {snap} /                    # same state dir: resumes with every write
         test "$(cat {proj}/written-after-restore)" = "new checkpoint"
         tail -n1 {proj}/small.txt | grep -q appended
@@ -162,7 +162,7 @@ def test_materialize_then_finalize_runs_without_daemon_or_store(box):
         timeout 60 {OGREFS} status / --wait > {tmp}/status.txt   # returns once everything is local
         {OGREFS} finalize /
         mv {tmp}/repo {tmp}/repo-gone                 # the store is gone: nothing may need it now
-        ! grep -q fuse.ogrefs /proc/self/mountinfo     # no FUSE layer, no daemon
+        {none_mounted(tmp, FUSE)}     # no FUSE layer, no daemon
         {sys.executable} - <<'PY'
 import sys; sys.path.insert(0, {str(REPO_ROOT)!r})
 from tests.treegen import compare_trees
@@ -173,7 +173,7 @@ PY
         echo more >> {proj}/notes.txt                  # still writable
         {OGREFS} status / | grep -q finalized
         {OGREFS} unmount /
-        ! grep -q " {proj} " /proc/self/mountinfo
+        {none_mounted(proj)}
         mv {tmp}/repo-gone {tmp}/repo
     """)
     text = (tmp / "status.txt").read_text()
