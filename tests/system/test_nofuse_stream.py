@@ -199,7 +199,10 @@ def test_once_the_working_set_is_in_place_the_rest_is_fetched_niced(tmp_path, mo
 def test_a_file_asked_for_takes_its_name_without_waiting_for_a_syncfs(tmp_path, monkeypatch):
     """A ``syncfs`` while the rest is being written waits for every dirty page of the file system (0.1-0.4 s a
     round on the bench's VM): a file a job waits on is made durable by its own ``fdatasync`` and takes its name
-    while every ``syncfs`` is held.  Before, its ``need`` was answered only once a ``syncfs`` returned."""
+    while every ``syncfs`` is held, whether it was complete before it was asked for (then the asker places it,
+    also out of the round the placer is syncing) or after (the worker that completes it).  Before, its ``need``
+    was answered only once a ``syncfs`` returned; with only the worker placing it, in one full-suite run of
+    eight, the file was complete already and waited for the held ``syncfs``."""
     import ogrefs.localtree
 
     _small_ranges(monkeypatch)

@@ -18,11 +18,12 @@ plain ``ogrefs restore``.  Here, in plain words:
    even while every other worker is inside a 16 MiB range of the rest.
 3. :meth:`Stream.bump` (a ``need``) moves the blobs not yet taken of the files asked for to the asked-for class;
    a file asked for later in a group still to come goes there when it is added.
-4. A file asked for takes its name in the worker that completes it, after its own ``fdatasync`` (a
-   ``syncfs`` while the rest is being written waits for every dirty page of the file system: 0.1-0.4 s a round
-   on the bench's VM, paid by every wait of a job).  The placer thread puts the other complete files in place
-   every :data:`PLACE_EVERY` seconds (those asked for after they were complete first, each after its own
-   ``fdatasync``): one ``syncfs`` (every file of the round durable before any takes its name),
+4. A file asked for takes its name after its own ``fdatasync``, in the thread that finds it complete: the
+   worker that completes it, or the asker's (:meth:`Stream.bump`), also while the placer syncs the round that
+   holds it (a ``syncfs`` while the rest is being written waits for every dirty page of the file system:
+   0.1-0.4 s a round on the bench's VM, paid by every wait of a job).  The placer thread puts the other complete
+   files in place every :data:`PLACE_EVERY` seconds: one ``syncfs`` (every file of the round durable before any
+   takes its name),
    then each file under its names unless someone on the box changed a name meanwhile (theirs stays), files
    asked for first; symlinks, FIFOs and device nodes are made there too, by the same class rule (nothing to
    fetch or sync).  The files of one round are reported durable (``on_durable``: the plan records them
@@ -38,11 +39,12 @@ rename.  A kill -9 leaves real names holding what was there before or a verified
 groups share is fetched once per group (within a group, once).
 
 Threads: the engine's thread calls :meth:`start`, :meth:`add` and :meth:`close` and alone makes the
-Restorer's file records there; workers fetch, make temporary files and write (the Restorer's), and place the
-files asked for that they complete; the placer places the others; any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
+Restorer's file records there; workers fetch, make temporary files and write (the Restorer's); the files
+asked for are placed by the worker that completes them or the thread that asks; the placer places the others; any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
 ``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
 ``_sealed``; ``_background`` is set once by any thread and only read by the workers, each of which changes only
-its own priority; the Restorer's ``_lock`` guards ``_ready`` and ``_specials_ready`` (taken whole by the placer)
+its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_placing`` and ``_specials_ready`` (taken whole by
+the placer; a file asked for taken out of ``_ready`` or ``_placing`` by the thread that places it)
 and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
 queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
 """
@@ -102,6 +104,7 @@ class Stream(Restorer):
         self._sealed = False  # no more groups
         self._feeding = URGENT  # the class being added (the engine adds them in order): those above are whole
         self._specials_ready: list[tuple[int, int, list[tuple[bytes, Inode]]]] = []  # (class, ino, names): _lock
+        self._placing: list = []  # the placer's round being synced: _lock (an asker may take its file out)
         self._place_now = threading.Event()
         self._drained = threading.Event()  # every worker ended: only placement is left
         self._threads: list[threading.Thread] = []
@@ -203,9 +206,9 @@ class Stream(Restorer):
                         self._dequeue(b)
                         self._enqueue(b, URGENT, where[1])
             self._cond.notify_all()
+        self._place_asked(inos)
         with self._lock:
-            ready = any(f.node.ino in inos for f, _fd, _p in self._ready)
-            ready = ready or any(ino in inos for _c, ino, _n in self._specials_ready)
+            ready = any(ino in inos for _c, ino, _n in self._specials_ready)
         if ready:
             self._place_now.set()
 
@@ -291,25 +294,45 @@ class Stream(Restorer):
                     self._cond.notify_all()
 
     def _complete(self, f: PendingFile) -> None:
-        with self._cond:
-            asked = f.node.ino in self._urgent_inos
-        if not asked:
-            super()._complete(f)
-            return
-        # A file a job waits on takes its name here, in the worker that completed it: made durable by its own
-        # fdatasync, not by the placer's next syncfs, which waits for every dirty page of the file system (and
-        # the placer may be inside one already: 0.1-0.4 s on the bench's VM, for every wait of the job).
+        """All data of ``f`` written and verified: metadata on its descriptor, then it waits for the placer; one
+        asked for takes its name here (:meth:`_place_asked`)."""
         fd = self._open_tmp(f)
         if fd is None:
             return
         try:
             problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
-            os.fdatasync(fd)
         except OSError as exc:
             os.close(fd)
             self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
             return
-        self._place_all([(f, fd, problems)])
+        with self._lock:
+            self._ready.append((f, fd, problems))
+        with self._cond:
+            asked = f.node.ino in self._urgent_inos
+        if asked:  # (asked for before or while it was completed: bump looks after adding, this after appending)
+            self._place_asked({f.node.ino})
+
+    def _place_asked(self, inos: set[int]) -> None:
+        """The complete files of ``inos`` still waiting for the placer (in ``_ready``, or in the round it is
+        syncing), each made durable by its own ``fdatasync`` and put in place in this thread: a ``syncfs`` while
+        the rest is written waits for every dirty page of the file system (0.1-0.4 s a round on the bench's VM),
+        and every wait of a job would pay one.  Whoever takes a file out of those lists places it."""
+        with self._lock:
+            mine = [item for item in self._ready + self._placing if item[0].node.ino in inos]
+            if not mine:
+                return
+            self._ready = [item for item in self._ready if item[0].node.ino not in inos]
+            self._placing = [item for item in self._placing if item[0].node.ino not in inos]
+        durable = []
+        for f, fd, problems in mine:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                os.close(fd)
+                self._fail({f.node.ino}, f"cannot be made durable ({reason_of(exc)})")
+                continue
+            durable.append((f, fd, problems))
+        self._place_all(durable)
 
     def _fail(self, inos: Iterable[int], reason: str) -> None:
         inos = set(inos)
@@ -351,14 +374,12 @@ class Stream(Restorer):
             if not now and not unsynced and not links:
                 break
             self._make_specials(links)
-            if not last:  # files asked for once complete: their own fdatasync too (see _complete)
-                asked = [item for item in now if item[0].node.ino in urgent]
-                for _f, fd, _problems in asked:
-                    os.fdatasync(fd)
-                self._place_all(asked)
-                now = [item for item in now if item[0].node.ino not in urgent]
+            with self._lock:  # during the syncfs a file asked for can still be taken and placed by its asker
+                self._placing = now
             if now or unsynced:
                 syncfs_fd(self.tree.root_fd)
+            with self._lock:
+                now, self._placing = self._placing, []
             if unsynced:
                 self._on_durable(unsynced)
             self._place_all(sorted(now, key=lambda item: (item[0].node.ino not in urgent,
