@@ -151,33 +151,43 @@ def test_trace_first_need_answers_and_a_mount_point_is_left_alone(lab):
     assert not (vol / "inside").exists()
 
 
+def _rest_then_traced(lab: dict, files: dict[Path, bytes], traced: Path) -> list[bool]:
+    """``files`` after 600 files of the rest (three batches, before them in catalog order), snapshotted with a
+    trace that read ``traced``; mounted without FUSE with every read but the working set's one held: whether each
+    of ``files`` was in place when ``mount`` returned."""
+    src = lab["tmp"] / "box" / "proj"
+    for i in range(600):
+        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
+        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(2048))
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    snap = _snapshot(lab, src)
+    repo = Repository.open(lab["env"]["OGREFS_REPO"], cache_root=lab["tmp"] / "cache-test")
+    store_trace(repo, snap, [(os.fsencode(traced), 0)])
+    out = lab["tmp"] / "out"
+    out.mkdir()
+    probe = f"{sys.executable} -c 'import os,sys; print(*[os.path.exists(p) for p in sys.argv[1:]])'"
+    gate = lab["tmp"] / "gate"  # the working set's one read comes, the rest's are held until the probe ran
+    proc = in_container(lab, script=f"""
+        OGREFS_TEST_READS_FREE=1 {sys.executable} -m tests.heldpacks {gate} mount {snap} {out} --no-fuse
+        {probe} {" ".join(str(_under(out, p)) for p in [*files, src / "a5" / "f599"])}
+        touch {gate}
+        $OG status {out} --wait --timeout 120 >/dev/null
+    """)
+    assert compare_trees(src, _under(out, src)) == []
+    answers = [{"True": True, "False": False}[word] for word in proc.stdout.splitlines()[-1].split()]
+    assert answers[-1] is False  # (the rest's last file: its read was held)
+    return answers[:-1]
+
+
 def test_the_source_of_traced_bytecode_comes_with_the_trace(lab):
     """A trace records reads: ``pkg/__pycache__/mod.cpython-311.pyc``, never ``pkg/mod.py``, which Python only
     lists and stats but without which it does not use the bytecode.  The source is in place when ``mount``
     returns."""
-    src = lab["tmp"] / "box" / "proj"
-    for i in range(600):  # three batches of the rest, before the package in catalog order
-        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
-        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(2048))
-    pkg = src / "zz" / "pkg"
-    (pkg / "__pycache__").mkdir(parents=True)
-    (pkg / "mod.py").write_bytes(b"x = 1\n")
-    (pkg / "__pycache__" / "mod.cpython-311.pyc").write_bytes(os.urandom(3000))
-    snap = _snapshot(lab, src)
-    repo = Repository.open(lab["env"]["OGREFS_REPO"], cache_root=lab["tmp"] / "cache-test")
-    store_trace(repo, snap, [(os.fsencode(pkg / "__pycache__" / "mod.cpython-311.pyc"), 0)])
-    out = lab["tmp"] / "out"
-    out.mkdir()
-    probe = f"{sys.executable} -c 'import os,sys; print(*[os.path.exists(p) for p in sys.argv[1:]])'"
-    gate = lab["tmp"] / "gate"  # the trace's one read comes, the rest's are held until the probe ran
-    proc = in_container(lab, script=f"""
-        OGREFS_TEST_READS_FREE=1 {sys.executable} -m tests.heldpacks {gate} mount {snap} {out} --no-fuse
-        {probe} {_under(out, pkg / "mod.py")} {_under(out, src / "a5" / "f599")}
-        touch {gate}
-        $OG status {out} --wait --timeout 120 >/dev/null
-    """)
-    assert proc.stdout.splitlines()[-1] == "True False"
-    assert compare_trees(src, _under(out, src)) == []
+    pkg = lab["tmp"] / "box" / "proj" / "zz" / "pkg"
+    pyc = pkg / "__pycache__" / "mod.cpython-311.pyc"
+    assert _rest_then_traced(lab, {pkg / "mod.py": b"x = 1\n", pyc: os.urandom(3000)}, pyc) == [True, True]
 
 
 def test_the_directories_python_lists_to_import_a_traced_module_come_with_the_trace(lab):
@@ -186,35 +196,15 @@ def test_the_directories_python_lists_to_import_a_traced_module_come_with_the_tr
     once its file is in place).  Their files come with the trace's; the ``__pycache__`` beside them and what lies
     above the ``sys.path`` entry do not (both failed before: only the traced bytecode's source came)."""
     src = lab["tmp"] / "box" / "proj"
-    for i in range(600):  # three batches of the rest, before the package in catalog order
-        (src / f"a{i // 100}").mkdir(parents=True, exist_ok=True)
-        (src / f"a{i // 100}" / f"f{i:03}").write_bytes(os.urandom(2048))
     lib = src / "zz" / "lib"  # a sys.path entry: not a package
     sub = lib / "pkg" / "sub"
-    (sub / "__pycache__").mkdir(parents=True)
     files = {lib / "top.py": b"t = 1\n", lib / "pkg" / "__init__.py": b"p = 1\n", lib / "pkg" / "data.json": b"{}\n",
              sub / "__init__.py": b"s = 1\n", sub / "mod.py": b"x = 1\n", sub / "other.py": b"y = 2\n",
              sub / "__pycache__" / "mod.cpython-311.pyc": os.urandom(3000),
              sub / "__pycache__" / "other.cpython-311.pyc": os.urandom(3000), src / "zz" / "above.txt": b"no\n"}
-    for path, data in files.items():
-        path.write_bytes(data)
-    snap = _snapshot(lab, src)
-    repo = Repository.open(lab["env"]["OGREFS_REPO"], cache_root=lab["tmp"] / "cache-test")
-    store_trace(repo, snap, [(os.fsencode(sub / "__pycache__" / "mod.cpython-311.pyc"), 0)])
-    out = lab["tmp"] / "out"
-    out.mkdir()
-    expected = {path: not (path.parent.name == "__pycache__" and "other" in path.name or path.name == "above.txt")
-                for path in files}
-    probe = f"{sys.executable} -c 'import os,sys; print(*[os.path.exists(p) for p in sys.argv[1:]])'"
-    gate = lab["tmp"] / "gate"  # the working set's one read comes, the rest's are held until the probe ran
-    proc = in_container(lab, script=f"""
-        OGREFS_TEST_READS_FREE=1 {sys.executable} -m tests.heldpacks {gate} mount {snap} {out} --no-fuse
-        {probe} {" ".join(str(_under(out, p)) for p in expected)}
-        touch {gate}
-        $OG status {out} --wait --timeout 120 >/dev/null
-    """)
-    assert proc.stdout.splitlines()[-1] == " ".join(str(v) for v in expected.values())
-    assert compare_trees(src, _under(out, src)) == []
+    expected = [not (path.parent.name == "__pycache__" and "other" in path.name or path.name == "above.txt")
+                for path in files]
+    assert _rest_then_traced(lab, files, sub / "__pycache__" / "mod.cpython-311.pyc") == expected
 
 
 def test_need_answers_when_the_path_is_in_place(lab):

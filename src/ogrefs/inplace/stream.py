@@ -40,7 +40,8 @@ groups share is fetched once per group (within a group, once).
 
 Threads: the engine's thread calls :meth:`start`, :meth:`add` and :meth:`close` and alone makes the
 Restorer's file records there; workers fetch, make temporary files and write (the Restorer's); the files
-asked for are placed by the worker that completes them or the thread that asks; the placer places the others; any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
+asked for are placed by the worker that completes them or the thread that asks; the placer places the others;
+any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
 ``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
 ``_sealed``; ``_background`` is set once by any thread and only read by the workers, each of which changes only
 its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_placing`` and ``_specials_ready`` (taken whole by
@@ -56,7 +57,7 @@ import os
 import threading
 from typing import Callable, Iterable
 
-from ogrefs.localtree import LocalTree, PathConflict, apply_fd_metadata, syncfs_fd
+from ogrefs.localtree import LocalTree, PathConflict, syncfs_fd
 from ogrefs.repo.catalog import Catalog, Inode
 from ogrefs.restore import (MAX_GAP, MAX_RANGE, Batch, Blob, PendingFile, Range, ReadRange, Restorer, reason_of,
                             token_for)
@@ -294,19 +295,9 @@ class Stream(Restorer):
                     self._cond.notify_all()
 
     def _complete(self, f: PendingFile) -> None:
-        """All data of ``f`` written and verified: metadata on its descriptor, then it waits for the placer; one
-        asked for takes its name here (:meth:`_place_asked`)."""
-        fd = self._open_tmp(f)
-        if fd is None:
-            return
-        try:
-            problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
-        except OSError as exc:
-            os.close(fd)
-            self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
-            return
-        with self._lock:
-            self._ready.append((f, fd, problems))
+        """The Restorer's (metadata on the descriptor, then it waits for the placer in ``_ready``); one asked for
+        takes its name here (:meth:`_place_asked`)."""
+        super()._complete(f)
         with self._cond:
             asked = f.node.ino in self._urgent_inos
         if asked:  # (asked for before or while it was completed: bump looks after adding, this after appending)

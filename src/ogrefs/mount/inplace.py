@@ -184,9 +184,9 @@ def _import_listings(catalog: Catalog, entries: list[tuple[bytes, int]]) -> list
     ``torch._utils``). On the pointer box the step lists 238 directories holding 66 MB of files. Files over
     :data:`IMPORT_LISTING_FILE_MAX` are left out (a data file beside a script)."""
     listed: dict[int, None] = {}
-    for path in dict.fromkeys(path for path, _off in entries):
-        m = _IMPORTED.match(path)
-        node = catalog.resolve(m.group(1)) if m else None
+    dirs = dict.fromkeys(m.group(1) for m in map(_IMPORTED.match, (path for path, _off in entries)) if m)
+    for d in dirs:  # (each directory resolved once: a trace reads thousands of files from a few hundred)
+        node = catalog.resolve(d)
         while node is not None and node.is_dir and node.ino not in listed:
             listed[node.ino] = None
             if catalog.lookup(node.ino, b"__init__.py") is None:
