@@ -18,6 +18,17 @@ from tests.treegen import make_fidelity_tree
 
 OGREFS = f"{sys.executable} -m ogrefs"
 
+#: What every test script starts with: stop at the first failing command, and ``fails CMD ...``, which fails
+#: the script where CMD succeeds. Not ``! CMD``: bash's ``set -e`` ignores a negated command's status (except as
+#: a script's last), so such a line in the middle of a script asserted nothing. The message goes to stdout too,
+#: as the line's stderr may be sent to a file.
+SCRIPT_HEAD = textwrap.dedent("""\
+    set -euo pipefail
+    fails() {
+        if "$@"; then echo "line ${BASH_LINENO[0]}: should have failed, and succeeded: $*" | tee /dev/stderr; exit 1; fi
+    }
+""")
+
 
 @pytest.fixture
 def box(tmp_path):
@@ -34,7 +45,7 @@ def box(tmp_path):
 
 
 def in_namespace(box: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
-    body = "set -euo pipefail\n" + textwrap.dedent(script)
+    body = SCRIPT_HEAD + textwrap.dedent(script)
     proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", body], env=box["env"],
                           capture_output=True, text=True, timeout=150)
     if check and proc.returncode != 0:

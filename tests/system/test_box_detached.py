@@ -38,14 +38,14 @@ def test_remount_while_the_old_tree_is_in_use_is_refused_naming_its_users(whole)
         pid={_pid(tmp)}
         {OGREFS} unmount --lazy / 2> {tmp}/lazy.err       # detached; the daemon goes on serving the holder
         kill -0 "$pid"
-        ! {OGREFS} mount {snap} / --no-materialize > {tmp}/remount.out 2> {tmp}/remount.err
+        fails {OGREFS} mount {snap} / --no-materialize > {tmp}/remount.out 2> {tmp}/remount.err
         echo "$holder" > {tmp}/holder.txt
         {none_mounted(tmp, OVERLAY)}                       # the refused mount touched nothing
         test "$(cat {box}/usr/marker)" = "host"
         kill "$holder"; wait "$holder" || true            # the old tree's last user leaves ...
         {OGREFS} mount {snap} / --no-materialize          # ... and the mount resumes
         test "$(cat {box}/var/lib/app/written)" = "kept"
-        ! kill -0 "$pid" 2>/dev/null                      # the old daemon is gone
+        fails kill -0 "$pid" 2>/dev/null                 # the old daemon is gone
         {OGREFS} unmount /
     """)
     err = (tmp / "remount.err").read_text()

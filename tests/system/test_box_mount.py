@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nsbox import FUSE, OVERLAY, none_mounted
+from tests.nsbox import FUSE, OVERLAY, SCRIPT_HEAD, none_mounted
 
 pytestmark = [
     pytest.mark.fuse,
@@ -76,7 +76,7 @@ def _kill_leftovers(mounts: Path) -> None:
 
 
 def in_namespace(env: dict, script: str, check: bool = True) -> subprocess.CompletedProcess:
-    body = "set -euo pipefail\n" + textwrap.dedent(script)
+    body = SCRIPT_HEAD + textwrap.dedent(script)
     proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", body], env=env,
                           capture_output=True, text=True, timeout=200)
     if check and proc.returncode != 0:
@@ -126,10 +126,10 @@ def test_hard_kill_of_the_daemon_leaves_a_box_that_unmounts_and_remounts(whole):
         keeper={_pid(tmp, 'keeper_pid')}
         kill -9 "$pid"
         for i in $(seq 300); do kill -0 "$keeper" 2>/dev/null || break; sleep 0.1; done
-        ! kill -0 "$keeper" 2>/dev/null                          # the keeper saw it and cleaned up
+        fails kill -0 "$keeper" 2>/dev/null                     # the keeper saw it and cleaned up
         {none_mounted(tmp, OVERLAY)}                             # no dead overlay left ...
         test "$(cat {box}/usr/marker)" = "host"                  # ... the box shows its own tree again
-        ! {OGREFS} status / 2> {tmp}/status.err
+        fails {OGREFS} status / 2> {tmp}/status.err
         {PY} -c "
 import json; from ogrefs.box.records import registered_mounts, writable_state
 print(json.dumps([writable_state(i) for i in registered_mounts()]))" > {tmp}/died.json
@@ -180,7 +180,7 @@ def test_a_second_mount_of_the_same_state_directory_is_refused_and_the_first_liv
     other.mkdir()
     proc = in_namespace(whole["env"], f"""
         {OGREFS} mount {snap} / --state-dir {tmp}/shared-state
-        ! {OGREFS} mount {snap} {other} --state-dir {tmp}/shared-state 2> {tmp}/second.err
+        fails {OGREFS} mount {snap} {other} --state-dir {tmp}/shared-state 2> {tmp}/second.err
         test "$(cat {box}/usr/marker)" = "snap"                  # the first one still serves
         grep -q " {box}/usr " /proc/self/mountinfo
         {none_mounted(other)}
@@ -270,7 +270,7 @@ host {box}/usr/bin/nvidia-smi
             test "$(cat {box}/usr/lib/libcudart.so.12)" = "toolkit from A"   # the toolkit: the snapshot's
             test "$(cat {box}/usr/bin/app)" = "A app"
             grep -qx "debian:x:1000:1000::/home/debian:/bin/bash" {box}/etc/passwd # B's login is added ...
-            ! grep -q "^alice:" {box}/etc/passwd                                   # ... A's of its uid gives way
+            fails grep -q "^alice:" {box}/etc/passwd                              # ... A's of its uid gives way
             grep -qx "root:x:0:0::/root:/bin/bash" {box}/etc/passwd                # system accounts: A's
             grep -qx "sudo:x:27:debian" {box}/etc/group                           # B's user keeps sudo
             grep -qx "ssh-ed25519 KEY-A a@a" {box}/root/.ssh/authorized_keys       # keys: both sides
@@ -341,13 +341,15 @@ def test_sigterm_to_the_whole_unit_takes_the_box_down_cleanly(whole):
         sleep 300 &                                           # (forked here, so its cwd is in the overlay) ...
         holder=$!
         cd /
-        ! {OGREFS} unmount / 2> {tmp}/busy.err                # ... so unmount refuses, all or nothing
-        grep -q " {box}/usr " /proc/self/mountinfo && grep -q " {box}/var " /proc/self/mountinfo
+        fails {OGREFS} unmount / 2> {tmp}/busy.err           # ... so unmount refuses, all or nothing
+        grep -q " {box}/usr " /proc/self/mountinfo
+        grep -q " {box}/var " /proc/self/mountinfo
         pid={_pid(tmp)}
         keeper={_pid(tmp, 'keeper_pid')}
         kill -TERM "$pid" "$keeper"
         for i in $(seq 300); do kill -0 "$keeper" 2>/dev/null || kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        ! kill -0 "$pid" 2>/dev/null && ! kill -0 "$keeper" 2>/dev/null
+        fails kill -0 "$pid" 2>/dev/null
+        fails kill -0 "$keeper" 2>/dev/null
         kill "$holder"
         {none_mounted(tmp, OVERLAY)}
         {none_mounted(tmp, FUSE)}
@@ -382,7 +384,7 @@ def test_daemon_stopped_after_its_keeper_was_killed_still_takes_the_box_down(who
         kill -9 "$keeper"
         kill -TERM "$pid"
         for i in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        ! kill -0 "$pid" 2>/dev/null
+        fails kill -0 "$pid" 2>/dev/null
         {none_mounted(tmp, OVERLAY)}                            # no overlay left on a dead lower
         {none_mounted(tmp, FUSE)}
         test "$(cat {box}/usr/marker)" = "host"

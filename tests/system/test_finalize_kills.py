@@ -85,7 +85,7 @@ def _cycle(whole, killer, k: int, beneath: bool = True, **env_extra: str) -> str
             tail -n 3 {tmp}/steps-{k}.txt >&2; grep " {box}" /proc/self/mountinfo >&2; exit 1; }}
         rc=0; {OGREFS} finalize / > /dev/null 2> {tmp}/rerun.err || rc=$?
         test $rc = 0 || grep -q "already finalized" {tmp}/rerun.err || {{ cat {tmp}/rerun.err >&2; exit 1; }}
-        ! grep "Traceback" {tmp}/rerun.err >&2
+        fails grep "Traceback" {tmp}/rerun.err >&2
         shows rerun
         ! grep -F " {box}/" /proc/self/mountinfo | grep fuse.ogrefs >&2 \
             || {{ echo "step {k}: a FUSE mount is left" >&2; exit 1; }}

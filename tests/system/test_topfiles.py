@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from tests.nsbox import SCRIPT_HEAD
+
 from ..killsteps import KILLER
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -74,18 +76,18 @@ def test_finalize_rebinds_each_file_showing_its_bytes_at_every_kill_point(tmp_pa
         && ! sh -c 'echo x >> {root}/README' 2> /dev/null"""
     def killed_at(k: int) -> list[str]:
         steps = tmp_path / f"steps-{k}.txt"
-        script = f"""set -euo pipefail
+        script = SCRIPT_HEAD + f"""
             {sys.executable} -c {shlex.quote(show)}
             rc=0; KILL_AT={k} KILL_LOG={steps} {sys.executable} {tmp_path}/killer.py -c {shlex.quote(rebind)} || rc=$?
             test $rc = {137 if k else 0}
             {shown} || {{ echo "killed before step {k}: a file does not show the snapshot's bytes" >&2; exit 1; }}
             {sys.executable} -c {shlex.quote(rebind)}
-            {shown}
+            {shown} || {{ echo "rebound: a file does not show the snapshot's bytes, read-only" >&2; exit 1; }}
             test "$(stat -c %d:%i {root}/README)" = "$(stat -c %d:%i {tree}/README)"
             test "$(stat -c %d:%i {root}/notes.txt)" = "$(stat -c %d:%i {tree}/notes.txt)"
             {sys.executable} -c {shlex.quote(call % f"hide(Path({str(state)!r}))")}
             test -z "$(ls -A {root})"
-            ! grep -F " {root}/" /proc/self/mountinfo
+            fails grep -F " {root}/" /proc/self/mountinfo
         """
         proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
                               capture_output=True, text=True, timeout=60)

@@ -114,11 +114,12 @@ def test_unmount_completes_on_a_full_state_disk(box):
         mount -t tmpfs fresh-box {proj.parent}
         {OGREFS} mount {snap} / --no-materialize
         {_pids(tmp)}
-        ! dd if=/dev/zero of={proj}/filler bs=1M 2>/dev/null  # writes land in the upper dir: full to the brim
-        ! touch {tmp}/state/one-more 2>/dev/null
+        fails dd if=/dev/zero of={proj}/filler bs=1M 2>/dev/null  # writes land in the upper dir: full to the brim
+        fails sh -c 'printf x > {tmp}/state/one-more' 2>/dev/null   # not a byte more (an empty file would fit)
+        rm -f {tmp}/state/one-more
         echo $pid > {tmp}/pid
         {OGREFS} unmount / --timeout 30 2> {tmp}/err
-        ! kill -0 "$pid" 2>/dev/null                          # the daemon is gone
+        fails kill -0 "$pid" 2>/dev/null                     # the daemon is gone
         {none_mounted(tmp, OURS)}
         {OGREFS} mounts --json > {tmp}/mounts.json
         test -s {tmp}/state/*/upper/0/filler                  # what was written is kept

@@ -120,7 +120,7 @@ def test_daemon_killed_then_remount_with_same_state_dir(box):
         pid=$({sys.executable} -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" {tmp}/run/mounts/*.status.json)
         kill -9 "$pid"
         sleep 0.5
-        ! cat {proj}/small.txt 2>/dev/null                # the lower is gone ...
+        fails cat {proj}/small.txt 2>/dev/null           # the lower is gone ...
         {OGREFS} mount {snap} /                            # ... and a remount recovers
         test "$(cat {proj}/kept)" = "survives"
         test "$(cat {proj}/small.txt)" = "hello ogrefs"
@@ -137,11 +137,11 @@ def test_lazy_unmount_with_a_file_held_open_then_remount(box):
         echo "local write" > {proj}/kept
         sleep 600 3<{proj}/small.txt &                     # a process that still holds a file of the snapshot
         holder=$!
-        ! {OGREFS} unmount / 2> {tmp}/busy.txt              # plain unmount: refused, naming the holder
+        fails {OGREFS} unmount / 2> {tmp}/busy.txt         # plain unmount: refused, naming the holder
         grep -q "in use by $holder sleep (file {proj}/small.txt); nothing was changed" {tmp}/busy.txt
         test "$(cat {proj}/small.txt)" = "hello ogrefs"
         {OGREFS} unmount --lazy /                          # detached: exit 0 although the daemon still serves
-        ! test -e {proj}/small.txt                         # the box shows its own tree at once
+        fails test -e {proj}/small.txt                    # the box shows its own tree at once
         test "$(cat /proc/$holder/fd/3)" = "hello ogrefs"  # ... and the holder keeps its file
         kill $holder; wait $holder || true
         {OGREFS} mount --no-materialize {snap} /           # the old daemon exits once its last user left
@@ -226,8 +226,8 @@ def _check_other_user(box, proj, tmp, snap):
         alias=$(mktemp -d /tmp/ogrefs-perm.XXXXXX); chmod 755 $alias
         mount --rbind {proj.parent} $alias
         setpriv --reuid=65534 --regid=65534 --clear-groups cat $alias/{proj.name}/small.txt > /dev/null   # 0644: readable
-        ! setpriv --reuid=65534 --regid=65534 --clear-groups cat $alias/{proj.name}/private 2>/dev/null   # 0600 root: not
-        ! setpriv --reuid=65534 --regid=65534 --clear-groups ls {box['env']['OGREFS_STATE_DIR']}/* 2>/dev/null
+        fails setpriv --reuid=65534 --regid=65534 --clear-groups cat $alias/{proj.name}/private 2>/dev/null   # 0600 root: not
+        fails setpriv --reuid=65534 --regid=65534 --clear-groups ls {box['env']['OGREFS_STATE_DIR']}/* 2>/dev/null
         stat -c %a {box['env']['OGREFS_STATE_DIR']}/* > {tmp}/state-mode
         umount -l $alias && rmdir $alias
         {OGREFS} unmount /
