@@ -227,20 +227,26 @@ def plan_ranges(blobs_by_pack: dict[str, list[Blob]]) -> list[Range]:
     ranges = []
     for pack, blobs in blobs_by_pack.items():
         blobs.sort(key=lambda b: b.pack_offset)
-        cur: list[Blob] = []
-        start = end = 0
-        for b in blobs:
-            if cur and (b.pack_offset - end > MAX_GAP or b.pack_offset + b.stored_len - start > MAX_RANGE):
-                ranges.append(Range(pack, start, end - start, tuple(cur)))
-                cur = []
-            if not cur:
-                start = b.pack_offset
-                end = b.pack_offset
-            cur.append(b)
-            end = max(end, b.pack_offset + b.stored_len)
-        if cur:
-            ranges.append(Range(pack, start, end - start, tuple(cur)))
+        i = 0
+        while i < len(blobs):
+            rng = first_range(pack, blobs, i)
+            ranges.append(rng)
+            i += len(rng.blobs)
     return ranges
+
+
+def first_range(pack: str, blobs: list[Blob], i: int = 0) -> Range:
+    """The ranged read of ``blobs[i:]`` (sorted by offset) that starts at ``blobs[i]``: the blobs that follow
+    it with gaps of at most ``MAX_GAP`` bytes (read and dropped), up to ``MAX_RANGE`` bytes in all."""
+    start = end = blobs[i].pack_offset
+    n = i
+    while n < len(blobs):
+        b = blobs[n]
+        if n > i and (b.pack_offset - end > MAX_GAP or b.pack_offset + b.stored_len - start > MAX_RANGE):
+            break
+        end = max(end, b.pack_offset + b.stored_len)
+        n += 1
+    return Range(pack, start, end - start, tuple(blobs[i:n]))
 
 
 def _selected(path: bytes, includes: list[bytes]) -> tuple[bool, bool]:

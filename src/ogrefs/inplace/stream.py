@@ -59,7 +59,7 @@ from typing import Callable, Iterable
 
 from ogrefs.localtree import LocalTree, PathConflict, syncfs_fd
 from ogrefs.repo.catalog import Catalog, Inode
-from ogrefs.restore import (MAX_GAP, MAX_RANGE, Batch, Blob, PendingFile, Range, ReadRange, Restorer, reason_of,
+from ogrefs.restore import (MAX_RANGE, Batch, Blob, PendingFile, Range, ReadRange, Restorer, first_range, reason_of,
                             token_for)
 
 log = logging.getLogger(__name__)
@@ -418,16 +418,10 @@ def _lower_own_priority(by: int) -> None:
         log.debug("the in-place copy's worker %d keeps its priority: %s", tid, exc)
 
 
-def _cut(pack: str, pending: set[Blob]) -> tuple[list[Blob], Range]:
-    """The first range of a pack's pending blobs: from the lowest offset, bridging gaps up to ``MAX_GAP``, up to
-    ``MAX_RANGE`` bytes (restore's rule); its blobs."""
-    blobs = sorted(pending, key=lambda b: b.pack_offset)
-    start, end, n = blobs[0].pack_offset, blobs[0].pack_offset + blobs[0].stored_len, 1
-    for b in blobs[1:]:
-        if b.pack_offset - end > MAX_GAP or b.pack_offset + b.stored_len - start > MAX_RANGE:
-            break
-        end, n = max(end, b.pack_offset + b.stored_len), n + 1
-    return blobs[:n], Range(pack, start, end - start, tuple(blobs[:n]))
+def _cut(pack: str, pending: set[Blob]) -> tuple[tuple[Blob, ...], Range]:
+    """The first range of a pack's pending blobs (restore's rule, from the lowest offset); its blobs."""
+    rng = first_range(pack, sorted(pending, key=lambda b: b.pack_offset))
+    return rng.blobs, rng
 
 
 def _placeable(items: list, ino_cls: Callable, urgent: set[int], left: list[int]) -> tuple[list, list]:
