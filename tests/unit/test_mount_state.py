@@ -6,12 +6,13 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from ogrefs.mount.status import wait_background
+from ogrefs.mount.status import StatusNotReady, read_status, wait_background
 from ogrefs.box.records import MountError, Registration
 
 
@@ -55,6 +56,51 @@ def test_status_wait_fails_when_materialization_was_refused(runtime):
     _register(Path("/m"), {"time": time.time(), "materialize": refused})
     st, problem = wait_background(Path("/m"), poll=0)
     assert problem == "/m will not become fully local: not materializing: needs 3.0 GiB, 1.0 GiB free in /s"
+
+
+def test_a_status_an_earlier_mounts_daemon_wrote_is_not_shown_and_the_wait_takes_the_new_daemons(runtime):
+    """A daemon that outlived its unmount (another namespace held its FUSE mount) rewrote the status of the
+    new mount at the same mountpoint: `ogrefs status` named the old daemon's pid (seen by bench_fastlink)."""
+    done = {"mode": "materialize", "state": "done", "complete": True}
+    reg = _register(Path("/m"), {"time": time.time(), "materialize": done})
+    reg.status.write_text(json.dumps({"pid": 1, "time": time.time(), "materialize": done}))  # the old daemon's
+    with pytest.raises(StatusNotReady, match=f"not its daemon's \\(pid {os.getpid()}\\) yet but pid 1's"):
+        read_status(Path("/m"))
+    polls = []
+
+    def new_daemon_writes(st):  # (progress: called with each status read; the first reads fail)
+        polls.append(st)
+
+    def write_later():
+        time.sleep(0.2)
+        reg.status.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), "materialize": done}))
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    try:
+        st, problem = wait_background(Path("/m"), poll=0.01, progress=new_daemon_writes)
+    finally:
+        writer.join()
+    assert st["pid"] == os.getpid() and problem is None
+    assert polls == [st]
+
+
+def test_a_wait_on_a_status_that_never_becomes_the_daemons_gives_up(runtime):
+    done = {"mode": "materialize", "state": "done", "complete": True}
+    reg = _register(Path("/m"), {"time": time.time(), "materialize": done})
+    reg.status.write_text(json.dumps({"pid": 1, "time": time.time(), "materialize": done}))
+    with pytest.raises(StatusNotReady):
+        wait_background(Path("/m"), poll=0.01, stale_after=0.1)
+
+
+def test_a_daemon_writes_the_status_only_while_the_mountpoint_is_registered_to_it(runtime):
+    reg = _register(Path("/m"), {"time": 1.0})
+    assert reg.write_status({"pid": os.getpid(), "time": 2.0})
+    assert json.loads(reg.status.read_text())["time"] == 2.0
+    assert not reg.write_status({"pid": os.getpid() + 1, "time": 3.0})  # a new mount registered meanwhile
+    assert json.loads(reg.status.read_text())["time"] == 2.0
+    reg.path.unlink()  # no registration (unmounted, its daemon lingering): nothing to take it from
+    assert reg.write_status({"pid": os.getpid() + 1, "time": 4.0})
 
 
 class _Reg:

@@ -113,6 +113,17 @@ class Registration:
     def write(self, info: dict[str, Any]) -> None:
         atomic_json(self.path, info)
 
+    def write_status(self, status: dict[str, Any]) -> bool:
+        """Rewrite the status file, unless the registration names a daemon other than ``status['pid']``: then
+        False, and nothing written. A daemon that outlives its unmount (another mount namespace holds a copy
+        of its FUSE mount, so the kernel never ends its session) would otherwise rewrite, every half second,
+        the status of a new mount at the same mountpoint, and ``ogrefs status`` would name the old daemon."""
+        info = self.read()
+        if info is not None and info.get("pid") != status.get("pid"):
+            return False
+        atomic_json(self.status, status)
+        return True
+
     def remove(self) -> None:
         for p in (self.path, self.status):
             with contextlib.suppress(OSError):

@@ -233,7 +233,7 @@ class Daemon:
     async def _prefetch_then_report(self) -> None:
         await self.prefetch.run()
         # at once, not at the next tick: `ogrefs status --wait` is waiting for this
-        await trio.to_thread.run_sync(atomic_json, self.plan.registration.status, self.status())
+        await trio.to_thread.run_sync(self.plan.registration.write_status, self.status())
 
     async def _save_when_recorded(self) -> None:
         await save_when_recorded(self.plan.repo, self.plan.snapshot_id, self.recorder, self.plan.trace_entries,
@@ -245,9 +245,12 @@ class Daemon:
         return snapshot_started(self.plan.state_dir) if self.plan.state_dir is not None else None
 
     async def _write_status(self) -> None:
-        while True:
-            await trio.to_thread.run_sync(atomic_json, self.plan.registration.status, self.status())
+        """Rewrite the status file every STATUS_INTERVAL while the mountpoint's registration is this daemon's."""
+        reg = self.plan.registration
+        while await trio.to_thread.run_sync(reg.write_status, self.status()):
             await trio.sleep(STATUS_INTERVAL)
+        log.warning("%s is registered to another daemon now (a new mount): this one stops writing its status",
+                    self.plan.target)
 
     async def _on_signals(self) -> None:
         stopping = False

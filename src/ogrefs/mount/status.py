@@ -36,6 +36,10 @@ def exact_line(info: dict[str, Any]) -> str:
     return f"exact: {', '.join(dirs[:8])}{more} (this box's entries hidden; --merge to show them)" if dirs else ""
 
 
+class StatusNotReady(MountError):
+    """The mount's daemon has not written its status file yet (or another daemon's is there): ask again."""
+
+
 def read_status(mountpoint: Path) -> dict[str, Any]:
     """The mount's last status, with its age and what its keeper did; raises when there is none to read."""
     mp = Path(os.path.abspath(mountpoint))
@@ -54,7 +58,10 @@ def read_status(mountpoint: Path) -> dict[str, Any]:
     try:
         status = json.loads(reg.status.read_text())
     except (OSError, ValueError):
-        raise MountError(f"the status of {mp} is not readable yet; try again") from None
+        raise StatusNotReady(f"the status of {mp} is not readable yet; try again") from None
+    if status.get("pid", info.get("pid")) != info.get("pid"):  # an earlier mount's daemon, still exiting, wrote it
+        raise StatusNotReady(f"the status of {mp} is not its daemon's (pid {info.get('pid')}) yet but pid "
+                             f"{status.get('pid')}'s, an earlier mount's daemon that has not exited; try again")
     status["age"] = max(0.0, time.time() - status.get("time", time.time()))
     for key in KEEPER_KEYS:  # what the keeper did (writable mounts): the registration has it
         if key in info:
@@ -75,8 +82,18 @@ def wait_background(mountpoint: Path, *, poll: float = 0.2, timeout: float | Non
     rewrites it every 0.5 s), raises MountError, and so does ``timeout``.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
+    not_ready_since = None
     while True:
-        st = read_status(mountpoint)
+        try:
+            st = read_status(mountpoint)
+        except StatusNotReady:  # a moment after the mount, or an earlier mount's daemon wrote last: its next write
+            not_ready_since = not_ready_since or time.monotonic()
+            if time.monotonic() - not_ready_since > stale_after or (deadline is not None
+                                                                    and time.monotonic() > deadline):
+                raise
+            time.sleep(poll)
+            continue
+        not_ready_since = None
         m = st.get("materialize") or {}
         if progress is not None:
             progress(st)
