@@ -274,7 +274,8 @@ repo = Repository.open(sys.argv[1], cache_root=Path(sys.argv[5]))
 snap, out, state = sys.argv[2], os.fsencode(sys.argv[3]), Path(sys.argv[4])
 state.mkdir(parents=True, exist_ok=True)
 plan = Plan(state / "inplace.sqlite")
-stream.MAX_RANGE = 16384  # many reads, one at a time (workers=1)
+from ogrefs import restore
+restore.MAX_RANGE = stream.MAX_RANGE = 16384  # many reads, one at a time (workers=1); restore's rule cuts them
 cat = Catalog(repo.catalog_path(snap))
 many = {n.ino for p, n in cat.walk() if b"/many/" in p}
 many_blobs = {(e.pack, e.pack_offset) for ino in many for e in cat.extents(ino)}
