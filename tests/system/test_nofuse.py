@@ -266,7 +266,6 @@ KILL_RUN = """
 import os, sys, threading, time
 from pathlib import Path
 from ogrefs.box.copyplan import Plan
-from ogrefs.inplace import stream
 from ogrefs.inplace.engine import InPlace, Order
 from ogrefs.repo import Repository
 from ogrefs.repo.catalog import Catalog
@@ -275,7 +274,7 @@ snap, out, state = sys.argv[2], os.fsencode(sys.argv[3]), Path(sys.argv[4])
 state.mkdir(parents=True, exist_ok=True)
 plan = Plan(state / "inplace.sqlite")
 from ogrefs import restore
-restore.MAX_RANGE = stream.MAX_RANGE = 16384  # many reads, one at a time (workers=1); restore's rule cuts them
+restore.MAX_RANGE = 16384  # many reads, one at a time (workers=1): the stream cuts its ranges by restore's rule
 cat = Catalog(repo.catalog_path(snap))
 many = {n.ino for p, n in cat.walk() if b"/many/" in p}
 many_blobs = {(e.pack, e.pack_offset) for ino in many for e in cat.extents(ino)}

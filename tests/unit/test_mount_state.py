@@ -66,10 +66,7 @@ def test_a_status_an_earlier_mounts_daemon_wrote_is_not_shown_and_the_wait_takes
     reg.status.write_text(json.dumps({"pid": 1, "time": time.time(), "materialize": done}))  # the old daemon's
     with pytest.raises(StatusNotReady, match=f"not its daemon's \\(pid {os.getpid()}\\) yet but pid 1's"):
         read_status(Path("/m"))
-    polls = []
-
-    def new_daemon_writes(st):  # (progress: called with each status read; the first reads fail)
-        polls.append(st)
+    shown = []  # (progress: called with each status read; none while the old daemon's is there)
 
     def write_later():
         time.sleep(0.2)
@@ -78,11 +75,11 @@ def test_a_status_an_earlier_mounts_daemon_wrote_is_not_shown_and_the_wait_takes
     writer = threading.Thread(target=write_later)
     writer.start()
     try:
-        st, problem = wait_background(Path("/m"), poll=0.01, progress=new_daemon_writes)
+        st, problem = wait_background(Path("/m"), poll=0.01, progress=shown.append)
     finally:
         writer.join()
     assert st["pid"] == os.getpid() and problem is None
-    assert polls == [st]
+    assert shown == [st]
 
 
 def test_a_wait_on_a_status_that_never_becomes_the_daemons_gives_up(runtime):

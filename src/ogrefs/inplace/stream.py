@@ -59,8 +59,8 @@ from typing import Callable, Iterable
 
 from ogrefs.localtree import LocalTree, PathConflict, syncfs_fd
 from ogrefs.repo.catalog import Catalog, Inode
-from ogrefs.restore import (MAX_RANGE, Batch, Blob, PendingFile, Range, ReadRange, Restorer, first_range, reason_of,
-                            token_for)
+from ogrefs import restore
+from ogrefs.restore import Batch, Blob, PendingFile, Range, ReadRange, Restorer, first_range, reason_of, token_for
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class Stream(Restorer):
                 return None
             growing = cls != URGENT and not self._sealed and cls >= self._feeding
             for pack in packs:
-                if growing and self._bytes[cls, pack] < MAX_RANGE:
+                if growing and self._bytes[cls, pack] < restore.MAX_RANGE:  # (restore's, looked up: one bound)
                     continue  # (a short range at most, so far)
                 blobs, rng = _cut(pack, packs[pack])
                 if not growing or len(blobs) < len(packs[pack]):
