@@ -124,6 +124,45 @@ def test_listing_gives_a_directory_as_children_xattrs_and_located_extents_do_one
     assert listed[2].xattrs == [(b"user.k", b"v")] and listed[4].xattrs == [(b"user.d", b"dir")]
 
 
+def test_bulk_reads_give_what_one_file_at_a_time_gives(snap, tmp_path, monkeypatch):
+    """get_many and extents_of (the no-FUSE copy's groups) answer as get and all_extents do, across query
+    pages (MANY), for inodes the catalog does not hold too; xattrs of a catalog without any asks nothing."""
+    from ogrefs.repo.catalog import reader
+    monkeypatch.setattr(reader, "MANY", 2)  # several pages from a small catalog
+    cat = Catalog(_copy(snap, tmp_path / "bulk.sqlite"))
+    inos = [ino for ino, in cat.query("SELECT ino FROM inodes")]
+    files = [ino for ino in inos if cat.get(ino).is_reg]
+    assert len(inos) > 4 and len(files) == 3
+    assert cat.get_many(inos + [10**9, inos[0]]) == {ino: cat.get(ino) for ino in inos}
+    assert list(cat.extents_of(reversed(files + [10**9]))) == list(cat.all_extents())
+    assert list(cat.extents_of(files[1:2])) == [r for r in cat.all_extents() if r[0] == files[1]]
+    asked = []
+    monkeypatch.setattr(Catalog, "query", lambda self, *a: asked.append(a) or [])
+    assert cat.xattrs(files[0]) == [] and not asked
+
+
+def test_extents_of_fails_a_malformed_file_alone(snap, tmp_path):
+    """A file whose extent is forged is named to on_malformed and left out; the others' rows stay; without
+    on_malformed it raises CorruptObject. An inode number stored as a float is that file's row."""
+    path = _copy(snap, tmp_path / "forged3.sqlite")
+    src = snap[1]
+    good = Catalog(path)
+    a, b, big = (good.resolve(os.fsencode(src / n)) for n in ("dir/a.txt", "dir/b.txt", "big.bin"))
+    db = sqlite3.connect(path)
+    db.execute("UPDATE extents SET length='many' WHERE ino=?", (a.ino,))
+    db.execute("UPDATE extents SET ino=? WHERE ino=?", (float(b.ino), b.ino))
+    db.commit()
+    db.close()
+    cat = Catalog(path)
+    bad: dict[int, str] = {}
+    rows = list(cat.extents_of([a.ino, b.ino, big.ino], on_malformed=bad.setdefault))
+    assert list(bad) == [a.ino] and "malformed" in bad[a.ino]
+    assert {r[0] for r in rows} == {b.ino, big.ino} and all(type(r[0]) is int for r in rows)
+    assert [r[1:] for r in rows if r[0] == big.ino] == [r[1:] for r in Catalog(snap[0]).all_extents() if r[0] == big.ino]
+    with pytest.raises(CorruptObject):
+        list(cat.extents_of([a.ino]))
+
+
 # -- the one rewrite: repack's and copy's catalogs pass the reader's validation through it ----------------
 def test_repack_and_copy_rewrite_catalogs_through_the_one_validated_rewrite():
     from ogrefs.maint import copy, repack

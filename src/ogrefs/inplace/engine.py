@@ -351,7 +351,8 @@ class InPlace:
         self._before.update(before)
         kept = set(inos).difference(rest)
         self._stream.durable_later([ino for ino in inos if ino in kept and self._size[ino] >= 0])
-        nodes = {ino: self.cat.get(ino) for ino in rest}
+        found = self.cat.get_many(rest)
+        nodes = {ino: found.get(ino) for ino in rest}
         for ino in [ino for ino, node in nodes.items() if node is None]:
             self._settle(ino, "not written (no longer in the catalog)")
         self._stream.add([(name, node) for ino, node in nodes.items() if node is not None
@@ -423,14 +424,9 @@ class InPlace:
 
     def _extents(self, wanted: set[int], on_malformed: Callable[[int, str], object]
                  ) -> Iterator[tuple[int, int, int, bytes, str | None, int, int]]:
-        for ino in sorted(wanted):
-            try:
-                extents = self.cat.extents(ino)
-            except CorruptObject as exc:
-                on_malformed(ino, str(exc))
-                continue
-            for e in extents:
-                yield ino, e.offset, e.length, e.chunk, e.pack, e.pack_offset, e.stored_len
+        """The group's extents in a few queries (one a file cost the engine's thread most of its time, and
+        the copy's workers waited for it on a box of small files)."""
+        return self.cat.extents_of(wanted, on_malformed=on_malformed)
 
     def _settle(self, ino: int, why: str | None) -> None:
         """``ino`` is in place (``why`` None) or failed: counted, and the requests waiting on it answered."""
