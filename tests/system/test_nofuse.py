@@ -390,6 +390,48 @@ def test_a_path_asked_for_goes_first_and_what_the_box_keeps_is_answered_at_once(
     assert compare_trees(src / "a0", _under(out, src) / "a0") == []
 
 
+def test_the_engine_finds_the_hinted_files_as_hint_files_walks_them(tmp_path):
+    """The mount command hands the daemon the hinted files and directories; the engine finds the files below
+    each in its own walk: the same files in the same order as hint_files (first hint first, each in walk order,
+    a file under two hints with the first), less what this box keeps. The mount command walked each hinted
+    tree before the daemon could start (0.25 s on bench_resume's classic box)."""
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.inplace.engine import InPlace
+    from ogrefs.lazy.background.materialize.build import hint_files
+    from ogrefs.repo.catalog import Catalog
+    from ogrefs.snapshot.pipeline import SnapshotOptions, take_snapshot
+
+    src = tmp_path / "src"
+    for d in ("venv/lib/pkg", "venv/lib/kept", "venv/bin", "cuda/lib", "other", "ckpt"):
+        (src / d).mkdir(parents=True)
+    for i, rel in enumerate(("venv/lib/pkg/b.py", "venv/lib/pkg/a.py", "venv/lib/kept/x", "venv/bin/tool",
+                             "cuda/lib/libcudart.so", "other/o", "ckpt/model.pt", "venv/top.txt")):
+        (src / rel).write_bytes(os.urandom(100 + i))
+    os.link(src / "other" / "o", src / "venv" / "lib" / "o-link")
+    (src / "venv" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (src / "venv" / "empty").write_bytes(b"")
+    repo = Repository.init(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    cat = Catalog(repo.catalog_path(m["id"]))
+    ino = lambda rel: cat.resolve(os.fsencode(src / rel)).ino  # noqa: E731
+    kept = os.fsencode(src / "venv" / "lib" / "kept")
+    engine = InPlace(cat, repo.read_pack_range, os.fsencode(tmp_path / "out"), Plan(tmp_path / "plan.sqlite"),
+                     snapshot_id=m["id"], skip=lambda path, _parent, _name: path == kept)
+    walk_order = engine._walk()
+    placed = set(walk_order)
+    for hints in [(ino("ckpt/model.pt"), ino("venv/lib"), ino("cuda"), ino("venv")),
+                  (ino("venv"), ino("venv/lib")), (ino("venv/lib/kept"),), (1,)]:
+        expected = [f for f in dict.fromkeys(f for h in hints for f in hint_files(cat, h)) if f in placed]
+        got = engine._hinted(hints, walk_order)
+        linked = ino("other/o")  # (a hard link comes where the walk first meets it: here under other/)
+        assert sorted(got) == sorted(expected) and [f for f in got if f != linked] == [
+            f for f in expected if f != linked]
+    first = engine._hinted((ino("ckpt/model.pt"), ino("venv/lib"), ino("cuda"), ino("venv")), walk_order)
+    assert first[0] == ino("ckpt/model.pt") and ino("other/o") in first and ino("venv/lib/kept/x") not in first
+    assert first.index(ino("venv/lib/o-link")) < first.index(ino("cuda/lib/libcudart.so")) < first.index(
+        ino("venv/top.txt"))
+
+
 def test_links_and_empty_files_come_with_the_working_set(tmp_path):
     """A job started once ``mount`` returns execs ``venv/bin/python`` (a link) and imports packages whose
     ``__init__.py`` is empty: the hints (and a trace) name only files with bytes, so the links and the empty

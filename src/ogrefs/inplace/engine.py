@@ -104,7 +104,9 @@ class Refused(OgrefsError):
 
 @dataclass(frozen=True)
 class Order:
-    """Which entries go first: the trace's files in trace order, then the hints' (inode numbers)."""
+    """Which entries go first: the trace's files in trace order, then the hints' (inode numbers). A hint is a
+    file or a directory, which names every file below it (the engine finds them in its own walk, in walk
+    order: the mount command walked each hinted tree once more before the daemon could start)."""
 
     trace: tuple[int, ...] = ()
     hints: tuple[int, ...] = ()
@@ -253,9 +255,30 @@ class InPlace:
         if clean:
             remove_stale(tree, b"", self._tmp_like)
 
+    def _hinted(self, hints: tuple[int, ...], walk_order: list[int]) -> list[int]:
+        """The files the hints name, first hint first, each in walk order; a file under several hints comes
+        with the first of them (as :func:`~ogrefs.lazy.background.materialize.build.hint_files` gives them)."""
+        rank: dict[int, int] = {}
+        for i, ino in enumerate(hints):
+            rank.setdefault(ino, i)
+        # each directory's best rank, its own or a parent's (the walk lists parents first)
+        inf = len(hints)
+        dir_rank = {b"": rank.get(ROOT_INO, inf)}
+        for path, node in self._dirs:
+            dir_rank[path] = min(rank.get(node.ino, inf), dir_rank.get(split(path)[0], inf))
+        by_rank: dict[int, list[int]] = {}
+        for ino in walk_order:
+            if self._size[ino] < 0:
+                continue  # (hints name regular files)
+            best = min([rank.get(ino, inf)] + [dir_rank.get(split(name)[0], inf) for name in self._names[ino]])
+            if best < inf:
+                by_rank.setdefault(best, []).append(ino)
+        return [ino for r in sorted(by_rank) for ino in by_rank[r]]
+
     def _queue(self, order: Order, walk_order: list[int], complete: frozenset[int]) -> None:
         seen: set[int] = set()
-        for cls, inos in enumerate((order.trace, order.hints, walk_order)):
+        hinted = self._hinted(order.hints, walk_order) if order.hints else []
+        for cls, inos in enumerate((order.trace, hinted, walk_order)):
             for ino in inos:
                 if ino not in self._size or ino in seen:
                     continue
@@ -270,7 +293,7 @@ class InPlace:
                     self.counts["files_done"] += 1
                 else:
                     self._queues[cls].append(ino)
-        first = order.trace or order.hints
+        first = order.trace or hinted
         self._working = {ino for ino in first if ino in self._size and ino not in complete}
         if self._working:
             self._bytesless_first(0 if order.trace else 1, walk_order, complete)

@@ -47,7 +47,6 @@ from ogrefs.box.overlay import SYSTEM_DIRS
 from ogrefs.box.records import Registration, atomic_json
 from ogrefs.errors import OgrefsError
 from ogrefs.inplace.engine import InPlace, Order
-from ogrefs.lazy.background.materialize.build import hint_files
 from ogrefs.lazy.trace.resolve import entries_to_replay, resolve_entries
 from ogrefs.mount.checks import check_release, check_target, fuse_problem
 from ogrefs.mount.control import ControlServer
@@ -197,7 +196,8 @@ def _import_listings(catalog: Catalog, entries: list[tuple[bytes, int]]) -> list
 
 
 def _hints(catalog: Catalog) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(ino for _k, hint, _r in catalog.hints() for ino in hint_files(catalog, hint)))
+    """The hinted files and directories, in rank order (the daemon finds the files below each in its walk)."""
+    return tuple(dict.fromkeys(hint for _k, hint, _r in catalog.hints()))
 
 
 def _kept_by_box(opts: MountOptions, catalog: Catalog, target: Path, own: list[str] = ()
