@@ -430,7 +430,7 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, f
     """Restore snapshot SNAP below TARGET (paths keep their absolute layout)."""
     from ogrefs.repo.catalog import Catalog
     from ogrefs.inspect.compat import environment_warning
-    from ogrefs.restore import Restorer, interruptible_sleep, stop_on_signals
+    from ogrefs.restore import Restorer, interruptible_sleep, short_gil_turns, stop_on_signals
 
     stop = threading.Event()  # set by SIGINT/SIGTERM: no range is fetched after it, retry waits end
     repo = obj.open(retry_for=retry_for, sleep=interruptible_sleep(stop))
@@ -444,6 +444,7 @@ def restore(obj: Context, snap: str, target: bytes, includes, workers, strict, f
     line = ProgressLine(enabled=not (as_json or obj.quiet))
     r = Restorer(cat, repo.read_pack_range, target, includes=list(includes), workers=workers, progress=line.restore,
                  decode_blob=repo.codec.decode_blob, check_space=not force, stop_event=stop)
+    short_gil_turns()
     try:
         with stop_on_signals(r.stop):
             stats = r.run()

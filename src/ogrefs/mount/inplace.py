@@ -56,7 +56,7 @@ from ogrefs.mount.options import MountOptions
 from ogrefs.mount.plan import default_state_dir, lock_state_dir
 from ogrefs.repo.catalog import Catalog
 from ogrefs.repo.traces import find_trace
-from ogrefs.restore import Interrupted, Restorer
+from ogrefs.restore import Interrupted, Restorer, short_gil_turns
 from ogrefs.units import MiB
 
 if TYPE_CHECKING:
@@ -253,6 +253,7 @@ class InPlaceDaemon:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, lambda _n, _f: self.stop.set())
+        short_gil_turns()  # (this process is the copy)
         self.plan.lock.start_refresher()  # the parent's heartbeat thread did not survive the fork
         server = None
         try:
