@@ -105,8 +105,8 @@ class Refused(OgrefsError):
 @dataclass(frozen=True)
 class Order:
     """Which entries go first: the trace's files in trace order, then the hints' (inode numbers). A hint is a
-    file or a directory, which names every file below it (the engine finds them in its own walk, in walk
-    order: the mount command walked each hinted tree once more before the daemon could start)."""
+    file or a directory, which names every file below it: the engine finds those in the walk it makes anyway
+    (:meth:`InPlace._hinted`), so that the mount command need not walk each hinted tree before the fork."""
 
     trace: tuple[int, ...] = ()
     hints: tuple[int, ...] = ()
