@@ -418,7 +418,8 @@ def show(obj: Context, snap: str, as_json: bool, filters) -> None:
 @click.argument("target", type=click.Path(path_type=bytes))
 @click.option("--include", "includes", multiple=True, type=click.Path(path_type=bytes),
               help="Restore only this path of the snapshot (repeatable).")
-@click.option("--workers", type=click.IntRange(1, 64), default=8, show_default=True, help="Parallel fetches.")
+@click.option("--workers", type=click.IntRange(1, 64),
+              help="Ranges fetched at once (default: two per usable CPU, 4 to 32).")
 @click.option("--strict", is_flag=True, help="Refuse when this box cannot run the snapshot as it ran.")
 @click.option("--force", is_flag=True, help="Restore even when the target seems to lack the free space.")
 @retry_for_option
@@ -461,7 +462,8 @@ def _restore_report(r, stats, snap_id: str, target: bytes, as_json: bool) -> Non
     result = {"id": snap_id, "target": os.fsdecode(target), "files": stats.files, "dirs": stats.dirs,
               "others": stats.others, "bytes": stats.total_bytes, "restored_bytes": stats.restored_bytes,
               "written_bytes": stats.written_bytes,
-              "fetched_bytes": stats.fetched_bytes, "requests": stats.requests, "files_restored": stats.files_done,
+              "fetched_bytes": stats.fetched_bytes, "requests": stats.requests, "workers": r.workers,
+              "files_restored": stats.files_done,
               "failed": failed, "not_restored_below": below, "metadata_problems": meta, "skipped": r.skipped}
     for path, reason in failed.items():
         click.echo(f"error: {path}: {reason} (not restored)", err=True)

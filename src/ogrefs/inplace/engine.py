@@ -73,7 +73,7 @@ from ogrefs.localtree import LocalTree, MetadataProblem, split, syncfs_fd
 from ogrefs.repo import codec
 from ogrefs.repo.catalog import ROOT_INO, Catalog, Inode
 from ogrefs.inplace.stream import URGENT, Stream, all_paths
-from ogrefs.restore import Batch, Interrupted, ReadRange, looks_temporary, remove_stale
+from ogrefs.restore import Batch, Interrupted, ReadRange, default_workers, looks_temporary, remove_stale
 from ogrefs.units import MiB
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class InPlace:
 
     def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, plan: Plan, *, snapshot_id: str,
                  skip: Skip, chunk_id: kept.ChunkId = codec.chunk_id,
-                 decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob, workers: int = 8,
+                 decode_blob: Callable[[bytes, int, bytes], bytes] = codec.decode_blob, workers: int | None = None,
                  stop: threading.Event | None = None) -> None:
         self.cat = catalog
         self.read_range = read_range
@@ -142,7 +142,7 @@ class InPlace:
         self.skip = skip
         self.chunk_id = chunk_id
         self.decode_blob = decode_blob
-        self.workers = workers
+        self.workers = workers or default_workers()
         self.stop = stop or threading.Event()
         self._as_root = os.geteuid() == 0
         self._lock = threading.Lock()
@@ -172,7 +172,8 @@ class InPlace:
         self._tree: LocalTree | None = None  # open while run() runs
         batch = Batch([], self._extents, frozenset(), self._may_replace, lambda ino: self._settle(ino, None))
         self._stream = Stream(catalog, read_range, self.target or b"/", batch=batch, on_failed=self._settle,
-                              on_durable=self._durable, decode_blob=decode_blob, workers=workers, stop_event=self.stop)
+                              on_durable=self._durable, decode_blob=decode_blob, workers=self.workers,
+                              stop_event=self.stop)
         self._stream.metadata_problems = self.metadata_problems  # one dict: each write one item
 
     # -- 1. prepare ---------------------------------------------------------------------------------
@@ -620,7 +621,8 @@ class InPlace:
                 "kept_files": c["kept_files"], "kept_bytes": c["kept_bytes"], "fetched_bytes": c["fetched_bytes"],
                 "written_bytes": c["written_bytes"], "failed": failed, "skipped": self.skipped(),
                 "first_failure": f"{os.fsdecode(first[0])}: {first[1]}" if first else None,
-                "metadata_problems": len(self.metadata_problems), "working_left": self.working_left()}
+                "metadata_problems": len(self.metadata_problems), "working_left": self.working_left(),
+                "workers": self.workers}
 
     def _display(self, rel: bytes) -> bytes:
         return (self.target + rel) if rel else (self.target or b"/")

@@ -6,6 +6,7 @@ nothing is executed.  Missing files give ``None`` fields, never errors.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -13,7 +14,7 @@ import socket
 from ogrefs.inspect.files import open_regular
 from ogrefs.inspect.release import system_versions
 
-__all__ = ["machine_info", "read_os_release"]
+__all__ = ["cpu_quota", "machine_info", "read_os_release", "usable_cpus"]
 
 
 def read_os_release(path: str = "/etc/os-release") -> dict:
@@ -64,20 +65,83 @@ def _memory_bytes(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
+def _read_small(path: str, limit: int = 256) -> str | None:
+    try:
+        with open_regular(path, "r", follow=True, encoding="utf-8", errors="replace") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _quota_in(directory: str, v2: bool) -> float | None:
+    """The CPU limit one cgroup directory sets, in CPUs; None for none (or nothing readable there)."""
+    if v2:
+        text = _read_small(os.path.join(directory, "cpu.max"))  # "max 100000" or "350000 100000"
+        fields = text.split() if text else []
+        quota, period = (fields + ["max", "0"])[:2]
+    else:
+        quota = (_read_small(os.path.join(directory, "cpu.cfs_quota_us")) or "-1").strip()  # -1: none
+        period = (_read_small(os.path.join(directory, "cpu.cfs_period_us")) or "0").strip()
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """How many CPUs this process's cgroups let it use (``docker run --cpus 3.5``, a pod's CPU limit: 3.5), or
+    None where no limit is set.  cgroup v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``); the process's own cgroup and every one above it count, the tightest wins.  In a
+    container without a cgroup namespace the path ``/proc/self/cgroup`` names (``/docker/<id>``) is not
+    below the mount, whose top is the container's own cgroup: the parts that exist are read."""
+    text = _read_small(proc_cgroup, 64 * 1024)
+    if text is None:
+        return None
+    limits = []
+    for line in text.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        v2 = hier == "0" and controllers == ""
+        if v2:
+            base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else os.path.join(root, "unified")
+        elif "cpu" in controllers.split(","):
+            base = os.path.join(root, controllers)
+            if not os.path.isdir(base):
+                base = os.path.join(root, "cpu")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
+        for n in range(len(parts), -1, -1):
+            limit = _quota_in(os.path.join(base, *parts[:n]), v2)
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), no more than its cgroups' CPU limit rounded up: on a
+    container limited to 8 CPUs of a 128-core host, 8 (``os.cpu_count()`` says 128).  At least 1."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        n = min(n, math.ceil(quota))
+    return max(1, n)
+
+
 def machine_info() -> dict:
     """Hostname, OS release (with glibc, systemd's major and OpenSSH: inspect/release.py), kernel, architecture,
     CPU and memory."""
     uname = os.uname()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = None
     return {
         "hostname": socket.gethostname() or uname.nodename,
         "os": read_os_release(),
         **system_versions(),
         "kernel": uname.release,
         "arch": uname.machine,
-        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "usable": usable},
+        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "usable": usable_cpus(), "quota": cpu_quota()},
         "memory_bytes": _memory_bytes(),
     }

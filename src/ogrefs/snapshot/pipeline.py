@@ -56,6 +56,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from ogrefs.inspect.machine import usable_cpus
 from ogrefs.repo.catalog import ROOT_INO, Catalog, CatalogWriter, Inode, Listed
 from ogrefs.box.records import clear_snapshot_running, mark_snapshot_running, mark_snapshot_started
 from ogrefs.snapshot import origin
@@ -95,7 +96,7 @@ class SnapshotOptions:
     box: str | None = None  # None: the box of the snapshot this box runs from, else selection.machine_box
     own_mounts: Any = None  # mounted.OwnMounts; None: look for ogrefs' own writable mounts (detect_mounts)
     detect_mounts: bool = True
-    workers: int = max(2, os.cpu_count() or 2)
+    workers: int = field(default_factory=lambda: max(2, usable_cpus()))  # a container's CPU limit, not the host's
     upload_workers: int = 4
     skip_paths: list[bytes] = field(default_factory=list)
     observers: list[Any] = field(default_factory=list)  # objects with observe_dir(path, names)

@@ -64,7 +64,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
 import sqlite3
 import threading
 from dataclasses import asdict, dataclass
@@ -81,6 +80,7 @@ from ogrefs.lazy.fetch.blobio import (  # noqa: F401 - re-exported: the fetcher'
     ChunkCorrupt, ChunkMissing, DecodeBlob, FetchError, OpenRange, ReadRange, StoreUnavailable)
 from ogrefs.repo.chunkref import ChunkRef
 from ogrefs.errors import CorruptObject
+from ogrefs.inspect.machine import usable_cpus
 from ogrefs.store.base import BytesRange
 from ogrefs.units import MiB
 
@@ -197,7 +197,7 @@ class Fetcher:
         self._fetching = 0  # chunks inside requests in flight
         self._nursery: trio.Nursery | None = None
         self._net_limiter = trio.CapacityLimiter(max_requests)
-        self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, os.cpu_count() or 2))
+        self._cpu_limiter = trio.CapacityLimiter(decode_threads or max(2, usable_cpus()))
         self._cache_limiter = trio.CapacityLimiter(4)  # cache loads: a reader may be waiting
         self._cache_write_limiter = trio.CapacityLimiter(2)  # writes with fsync, bookkeeping: nobody waits
         self._not_yielding = trio.Event()  # set unless a snapshot of the box runs (yield_to_snapshot)
