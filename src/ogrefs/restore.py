@@ -112,12 +112,10 @@ from ogrefs.store.base import StoreError
 
 MAX_RANGE = 16 * 1024 * 1024
 MAX_GAP = 1024 * 1024
-#: Ranges fetched at once (a restore, the no-FUSE copy): two per usable CPU (:func:`default_workers`), within these
-#: bounds.  A worker waits for its GET, then decodes, names and writes what it got, a file at a time: two per core
-#: keep every core busy while half of them wait on the link.  More is slower on a small box: on the 2-core VM the
-#: classic box (22,567 files) restored from a file:// repository in 9.7 s with 8 workers and 8.1 s with 4 (medians
-#: of three, taking turns; docs/benchmarks.md), the extra threads only trading the GIL and the directories' locks.
-#: At least 4, so that one core still overlaps the link's round trips; at most 32 (each holds a 16 MiB range).
+#: Ranges fetched at once (restore, the no-FUSE copy): two per usable CPU (:func:`default_workers`), within these
+#: bounds.  A worker waits for its GET, then decodes, names and writes: two per core keep the cores busy while half
+#: wait on the link; more trade the GIL and the directories' locks (the 2-core VM restored the classic box in 9.7 s
+#: with 8, 8.1 s with 4: docs/benchmarks.md).  At least 4 to overlap round trips; at most 32 (16 MiB each).
 MIN_WORKERS, MAX_WORKERS = 4, 32
 
 ReadRange = Callable[[str, int, int], bytes]
