@@ -7,6 +7,7 @@ process in a real cgroup with a real limit, and under a real affinity.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import pytest
 
 from ogrefs import restore
 from ogrefs.inspect.machine import cpu_quota
+from tests.cli_run import env, run  # noqa: F401  (env is a fixture)
+from tests.treegen import compare_trees
 
 PRINT_CPUS = "from ogrefs.inspect.machine import usable_cpus, cpu_quota; print(usable_cpus(), cpu_quota())"
 
@@ -70,9 +73,9 @@ def test_a_copy_fetches_two_ranges_per_usable_cpu_within_bounds(monkeypatch, cpu
     assert restore.default_workers() == workers
 
 
-def _run_in(cmd: list[str]) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60, env=env).stdout.split()
+def _run_in(cmd: list[str]) -> list[str]:
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60, env=child_env).stdout.split()
 
 
 def test_a_process_pinned_to_one_cpu_counts_one():
@@ -112,14 +115,9 @@ def test_a_process_in_a_cgroup_limited_to_half_a_cpu_counts_one_and_reads_the_li
     assert out == ["1", "0.5"]
 
 
-def test_a_restore_fetches_as_many_ranges_as_the_cpus_it_may_use_allow(tmp_path):
+def test_a_restore_fetches_as_many_ranges_as_the_cpus_it_may_use_allow(tmp_path, env):
     """The real CLI: pinned to one CPU its restore runs 4 workers; --workers still decides; the tree is exact.
     On a box of 3 cores or more, three CPUs give 6 (on two, the affinity cannot give three)."""
-    from tests.cli_run import run
-    from tests.treegen import compare_trees
-
-    env = dict(os.environ, OGREFS_REPO=str(tmp_path / "repo"), OGREFS_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("OGREFS_S3_ENDPOINT", None)
     src = tmp_path / "src"
     src.mkdir()
     for i in range(20):
@@ -128,7 +126,6 @@ def test_a_restore_fetches_as_many_ranges_as_the_cpus_it_may_use_allow(tmp_path)
     run(["snapshot", str(src)], env)
 
     def restore(cpus: str, *extra: str) -> dict:
-        import json
         out = tmp_path / f"out-{cpus}-{len(extra)}"
         proc = subprocess.run(["taskset", "-c", cpus, sys.executable, "-m", "ogrefs", "restore", "--json", *extra,
                                "latest", str(out)], env=env, capture_output=True, text=True, timeout=120, check=True)

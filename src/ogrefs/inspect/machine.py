@@ -122,11 +122,14 @@ def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity), no more than its cgroups' CPU limit rounded up: on a
     container limited to 8 CPUs of a 128-core host, 8 (``os.cpu_count()`` says 128).  At least 1."""
+    return _usable(cpu_quota())
+
+
+def _usable(quota: float | None) -> int:
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    quota = cpu_quota()
     if quota is not None:
         n = min(n, math.ceil(quota))
     return max(1, n)
@@ -136,12 +139,13 @@ def machine_info() -> dict:
     """Hostname, OS release (with glibc, systemd's major and OpenSSH: inspect/release.py), kernel, architecture,
     CPU and memory."""
     uname = os.uname()
+    quota = cpu_quota()
     return {
         "hostname": socket.gethostname() or uname.nodename,
         "os": read_os_release(),
         **system_versions(),
         "kernel": uname.release,
         "arch": uname.machine,
-        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "usable": usable_cpus(), "quota": cpu_quota()},
+        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "usable": _usable(quota), "quota": quota},
         "memory_bytes": _memory_bytes(),
     }
