@@ -132,7 +132,7 @@ _DATA1 = "(SELECT ino FROM dirents WHERE name = x'646174612e62696e' AND parent I
     "UPDATE inodes SET user = x'61' WHERE ino = (SELECT ino FROM dirents WHERE name = x'6c696e6b')",
     f"UPDATE inodes SET size = 10 WHERE ino = {_DATA1}",  # an extent past the end of the file
     f"UPDATE extents SET length = length - 1 WHERE ino = {_DATA1}",  # shorter than its chunk
-    f"UPDATE extents SET offset = 'a' WHERE ino = {_DATA1}",
+    f"UPDATE extents SET offset = 'a' WHERE rowid = (SELECT min(rowid) FROM extents WHERE ino = {_DATA1})",  # one row: (ino, offset) is unique
     f"UPDATE inodes SET size = size * 2 WHERE ino = {_DATA1}; "  # overlapping, both within the file
     f"INSERT INTO extents SELECT ino, 5, length, blob FROM extents WHERE ino = {_DATA1}",
     f"UPDATE blobs SET chunk = x'00' WHERE id IN (SELECT blob FROM extents WHERE ino = {_DATA1})",
