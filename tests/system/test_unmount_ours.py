@@ -149,6 +149,37 @@ def test_a_writable_mount_made_later_does_not_pin_an_earlier_one(box, first):
     assert (tmp / "err").read_text() == ""
 
 
+@pytest.mark.parametrize("mode", ["--read-only", "--no-materialize"])
+def test_unmount_names_the_namespace_that_still_holds_the_mount(box, mode):
+    """A mount namespace cloned while the mount existed (here ``unshare --mount``; a container, or a service with a
+    private /tmp started then) keeps a copy of it: once unmounted here, the kernel keeps the FUSE connection for
+    that copy, so the daemon serves it and does not exit.  Before, ``unmount`` said only "has not exited after
+    N s"; it names the process whose namespace holds it, and where; the daemon exits once that namespace is gone."""
+    tmp, snap = box["tmp"], box["snap"]
+    in_namespace(box, f"""
+        mkdir -p {tmp}/ro
+        {OGREFS} mount {snap} {tmp}/ro {mode}             # read-only, or writable (the FUSE mount is its lower)
+        {_pids(tmp)}
+        unshare --mount --propagation private sleep 120 &
+        holder=$!
+        echo $holder > {tmp}/holder
+        timeout 10 sh -c 'until [ "$(readlink /proc/'$holder'/ns/mnt)" != "$(readlink /proc/$$/ns/mnt)" ]; do sleep 0.05; done'
+        set +e
+        {OGREFS} unmount {tmp}/ro --timeout 2 2> {tmp}/err; echo $? > {tmp}/rc
+        set -e
+        {none_mounted(f"{tmp}/ro")}
+        kill -0 "$pid"                                        # the daemon serves the other namespace's copy
+        kill $holder; wait $holder || true
+        timeout 20 tail --pid="$pid" -f /dev/null             # and exits once that namespace is gone
+    """)
+    holder = (tmp / "holder").read_text().strip()
+    assert (tmp / "rc").read_text().strip() != "0"
+    line = _one_line((tmp / "err").read_text())
+    point = f"{tmp}/ro" if mode == "--read-only" else f"{tmp}/state/"  # (a writable mount's lower: its state's)
+    assert f"the mount namespace of pid {holder} (sleep) still has it, at {point}" in line, line
+    assert f"nsenter -t {holder} -m umount {point}" in line, line
+
+
 def test_a_daemon_keeps_only_the_other_mounts_it_runs_from(tmp_path):
     """mountsys.detach_ogrefs_mounts: every ogrefs overlay goes but one over a path kept; the box's own stay."""
     for d in ("lower", "upper-a", "work-a", "upper-b", "work-b", "a", "b", "disk"):

@@ -182,6 +182,45 @@ def writers(targets: list[str], exclude: set[int] | None = None) -> list[str]:
     return out
 
 
+def other_namespaces(dev: str, fstype: str, exclude: set[int] | None = None) -> list[Holder]:
+    """One process of each other mount namespace that has a ``fstype`` mount of super block ``dev``
+    ("major:minor", :attr:`~ogrefs.box.mountsys.MountRow.dev`); ``what`` is where it is mounted there.
+
+    A namespace cloned while a FUSE mount existed (``unshare --mount``, a container or a service with a private
+    ``/tmp`` started then) holds a copy of it: once it is unmounted here the kernel keeps the connection for that
+    copy, the daemon serves it, and it exits only when the copy goes. ``exclude``: processes whose namespace
+    does not count (the mount's own daemon)."""
+    if not dev:
+        return []
+    seen = {_readlink("/proc/self/ns/mnt")} | {_readlink(f"/proc/{p}/ns/mnt") for p in exclude or ()}
+    out = []
+    for entry in sorted(os.listdir("/proc"), key=lambda e: int(e) if e.isdigit() else 0):
+        if not entry.isdigit():
+            continue
+        ns = _readlink(f"/proc/{entry}/ns/mnt")
+        if ns == "?" or ns in seen:
+            continue
+        seen.add(ns)
+        point = _mounted_in(entry, dev, fstype)
+        if point is not None:
+            out.append(Holder(int(entry), _comm(int(entry)), point))
+    return out
+
+
+def _mounted_in(pid: str, dev: str, fstype: str) -> str | None:
+    """Where process ``pid``'s namespace has a ``fstype`` mount of ``dev``, or None."""
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) > 4 and fields[2] == dev and "-" in fields and \
+                        fields[fields.index("-") + 1] == fstype:
+                    return _unescape_mountinfo(fields[4])
+    except OSError:
+        pass
+    return None
+
+
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()

@@ -225,6 +225,7 @@ class MountRow:
     source: str
     super_options: tuple[str, ...]
     parent: int = 0  # the mount it is mounted on (a mount moved beneath another is that one's parent)
+    dev: str = ""  # the super block's device, "major:minor": the same in every namespace holding the mount
 
     def option(self, name: str) -> str | None:
         """A super block option's value (``lowerdir``, ``upperdir``), as the kernel shows it, or None."""
@@ -243,7 +244,7 @@ def mount_table() -> list[MountRow]:
                 continue
             rows.append(MountRow(int(fields[0]), unescape_mountinfo(fields[4]), after[0] if after else "?",
                                  unescape_mountinfo(after[1]) if len(after) > 1 else "",
-                                 tuple(after[2].split(",")) if len(after) > 2 else (), int(fields[1])))
+                                 tuple(after[2].split(",")) if len(after) > 2 else (), int(fields[1]), fields[2]))
     return rows
 
 

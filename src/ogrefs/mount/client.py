@@ -192,14 +192,15 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> s
         return _stop_in_place(mp, reg, info, timeout)
     if info and (info.get("writable") or info.get("finalized")):
         return _unmount_writable(mp, reg, info, lazy, timeout)
-    if not mountsys.is_ogrefs(mountsys.mount_at(mp), "fuse.ogrefs"):
+    row = mountsys.mount_at(mp)
+    if not mountsys.is_ogrefs(row, "fuse.ogrefs"):
         if pid and pid_alive(pid):
             _wait_exit(pid, timeout, mp)
             return None
         raise NotMounted(_not_ours(mp))
     _unmount_fuse(mp, lazy)
     if pid and pid_alive(pid):
-        _wait_exit(pid, timeout, mp)
+        _wait_exit(pid, timeout, mp, row.dev if row else "")
     return None
 
 
@@ -282,11 +283,12 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
             mountsys.umount(str(state / "lower"), lazy=True)
         reg.remove()
         return None
+    lower = mountsys.mount_at(state / "lower")
     err = mountsys.umount(str(state / "lower"), lazy=lazy) if lower_ours else None
     if err:
         raise MountError(f"cannot unmount {state / 'lower'}: {err} (the overlays are down; use --lazy)")
     if not lazy:
-        _wait_exit(pid, timeout, mp)
+        _wait_exit(pid, timeout, mp, lower.dev if lower_ours and lower else "")
         return None
     # Detached: processes that still hold files of the snapshot (a shell started from the /usr
     # overlay, the unmount command itself) keep them, served by the daemon, which exits when the
@@ -314,10 +316,20 @@ def _record_overlays(overlays: list[Overlay], state: Path) -> None:
         log.warning("could not record the overlays still mounted in %s/overlays.json: %s", state, exc)
 
 
-def _wait_exit(pid: int, timeout: float, mp: Path) -> None:
+def _wait_exit(pid: int, timeout: float, mp: Path, dev: str = "") -> None:
+    """Wait for the daemon ``pid`` to exit; if it does not, say why when another mount namespace still has its FUSE
+    mount (super block ``dev``): the kernel keeps the connection for that copy and the daemon serves it."""
     deadline = time.monotonic() + timeout
     while pid_alive(pid):
         if time.monotonic() > deadline:
+            held = holders.other_namespaces(dev, "fuse.ogrefs", exclude={pid})
+            if held:
+                h = held[0]
+                more = f" and {len(held) - 1} more namespace(s)" if len(held) > 1 else ""
+                raise MountError(
+                    f"{mp} is unmounted here, but the mount namespace of pid {h.pid} ({h.comm}){more} still has "
+                    f"it, at {h.what}: its daemon (pid {pid}) serves that copy and exits once it goes (when that "
+                    f"namespace ends, or `nsenter -t {h.pid} -m umount {h.what}`)")
             raise MountError(f"{mp} is unmounted but its daemon (pid {pid}) has not exited after {timeout:.0f} s")
         time.sleep(0.05)
 
