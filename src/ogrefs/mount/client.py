@@ -194,14 +194,23 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> s
         return _unmount_writable(mp, reg, info, lazy, timeout)
     row = mountsys.mount_at(mp)
     if not mountsys.is_ogrefs(row, "fuse.ogrefs"):
-        if pid and pid_alive(pid):
-            _wait_exit(pid, timeout, mp)
+        if pid and pid_alive(pid):  # (unmounted before, its daemon still serving: fuse_dev says which mount)
+            _wait_exit(pid, timeout, mp, info.get("fuse_dev", "") if info else "")
             return None
         raise NotMounted(_not_ours(mp))
+    _note_fuse_dev(reg, info, row)
     _unmount_fuse(mp, lazy)
     if pid and pid_alive(pid):
         _wait_exit(pid, timeout, mp, row.dev if row else "")
     return None
+
+
+def _note_fuse_dev(reg: Registration, info: dict | None, row: mountsys.MountRow | None) -> None:
+    """Keep the FUSE mount's device in its record before unmounting it: a daemon that outlives the unmount (another
+    namespace holds a copy) is then still named by a later ``unmount``, when the mount is gone from here."""
+    if info and row and row.dev and info.get("fuse_dev") != row.dev:
+        with contextlib.suppress(OSError):
+            reg.write({**info, "fuse_dev": row.dev})
 
 
 def _stop_in_place(mp: Path, reg: Registration, info: dict, timeout: float) -> str:
@@ -283,12 +292,13 @@ def _unmount_writable(mp: Path, reg: Registration, info: dict, lazy: bool, timeo
             mountsys.umount(str(state / "lower"), lazy=True)
         reg.remove()
         return None
-    lower = mountsys.mount_at(state / "lower")
+    lower = mountsys.mount_at(state / "lower") if lower_ours else None
+    _note_fuse_dev(reg, reg.read() or info, lower)
     err = mountsys.umount(str(state / "lower"), lazy=lazy) if lower_ours else None
     if err:
         raise MountError(f"cannot unmount {state / 'lower'}: {err} (the overlays are down; use --lazy)")
     if not lazy:
-        _wait_exit(pid, timeout, mp, lower.dev if lower_ours and lower else "")
+        _wait_exit(pid, timeout, mp, lower.dev if lower else info.get("fuse_dev", ""))
         return None
     # Detached: processes that still hold files of the snapshot (a shell started from the /usr
     # overlay, the unmount command itself) keep them, served by the daemon, which exits when the
