@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogrefs.box import mountsys
 from ogrefs.box.records import unescape_mountinfo as _unescape_mountinfo
 
 
@@ -201,24 +202,11 @@ def other_namespaces(dev: str, fstype: str, exclude: set[int] | None = None) -> 
         if ns == "?" or ns in seen:
             continue
         seen.add(ns)
-        point = _mounted_in(entry, dev, fstype)
+        point = next((r.point for r in mountsys.mount_table(f"/proc/{entry}/mountinfo")
+                      if r.dev == dev and r.fstype == fstype), None)
         if point is not None:
             out.append(Holder(int(entry), _comm(int(entry)), point))
     return out
-
-
-def _mounted_in(pid: str, dev: str, fstype: str) -> str | None:
-    """Where process ``pid``'s namespace has a ``fstype`` mount of ``dev``, or None."""
-    try:
-        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) > 4 and fields[2] == dev and "-" in fields and \
-                        fields[fields.index("-") + 1] == fstype:
-                    return _unescape_mountinfo(fields[4])
-    except OSError:
-        pass
-    return None
 
 
 def _comm(pid: int) -> str:

@@ -233,10 +233,11 @@ class MountRow:
                      if o.startswith(name + "=")), None)
 
 
-def mount_table() -> list[MountRow]:
-    """This namespace's mounts, in mountinfo's order (a parent before what is mounted on or in it)."""
+def mount_table(mountinfo: str = "/proc/self/mountinfo") -> list[MountRow]:
+    """This namespace's mounts (or those of ``/proc/PID/mountinfo``'s), in mountinfo's order (a parent before what
+    is mounted on or in it); none where it cannot be read."""
     rows = []
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+    with contextlib.suppress(OSError), open(mountinfo, encoding="utf-8", errors="surrogateescape") as fh:
         for line in fh:
             left, _, right = line.partition(" - ")
             fields, after = left.split(), right.split()
