@@ -478,6 +478,9 @@ def test_catalog_rows_of_any_shape(snap, edits):
         _use_catalog(path, repo)
 
 
+# a flipped byte can join two directories into a cycle, which a walk skips and says so; whether one does depends
+# on the fixture's catalog (its random file bytes and times), not only on hypothesis's derandomized draws
+@pytest.mark.expect_log(r"skipped entry", logger="ogrefs.repo.catalog", required=False)
 @SLOW
 @given(st.data())
 def test_catalog_file_bytes(snap, data):
