@@ -54,6 +54,7 @@ from ogrefs.lazy.fs.vfs import SnapshotFS
 from ogrefs.mount import fuse_ops, keeper, loopprofile
 from ogrefs.box import mountsys
 from ogrefs.box.hostpaths import HostView
+from ogrefs.mount.passthrough import Passthrough
 from ogrefs.mount.plan import MountPlan
 from ogrefs.mount.status import STATUS_INTERVAL
 from ogrefs.repo import default_cache_dir
@@ -168,6 +169,9 @@ class Daemon:
                              page_cache=fuse_ops.store_in_page_cache,
                              # OGREFS_OPEN_PUSH=0: no open-time push (lazy/fs/openpush.py), for comparisons
                              open_push=os.environ.get("OGREFS_OPEN_PUSH", "1") != "0")
+        # complete local copies read by the kernel (mount/passthrough.py); OGREFS_PASSTHROUGH=0: by the daemon
+        wanted = materializer is not None and os.environ.get("OGREFS_PASSTHROUGH", "1") != "0"
+        self.passthrough = Passthrough() if wanted else None
         self.prefetch = Prefetch(catalog, self.fetcher, trace_entries=plan.trace_entries, materializer=materializer,
                                  idle_for=self.fs.idle_for)
         # a snapshot of the box this writable mount runs goes first: background fetches wait (snapshotgate.py)
@@ -180,7 +184,8 @@ class Daemon:
         plan = self.plan
         self.info = self._registration_info()
         ops = fuse_ops.FuseOps(self.fs, on_init=self.initialized.set,
-                               on_request=self.profile.serving if self.profile is not None else None)
+                               on_request=self.profile.serving if self.profile is not None else None,
+                               passthrough=self.passthrough)
         fuse_ops.fuse_mount(ops, str(plan.mountpoint), fuse_ops.mount_options(allow_other=plan.opts.allow_other))
         # With a keeper this namespace has no mount left to unmount: the box's unmount of the lower ends the session.
         stack.callback(_quietly, fuse_ops.fuse_close, unmount=self.keeper is None)
@@ -290,10 +295,15 @@ class Daemon:
                 "cache_hits": counters["hits_memory"] + counters["hits_disk"],
                 "open_files": fs.open_files, "referenced_inodes": fs.referenced_inodes,
                 "open_push": fs.open_push.stats() if fs.open_push is not None else None,
+                "passthrough": self._passthrough_status(),
                 "materialize": self.prefetch.stats(), "trace_replayed": len(self.plan.trace_entries or []),
                 "snapshot_yield": self.snapshot_gate.stats() if self.snapshot_gate is not None else None,
                 "trace_recording": bool(self.recorder and self.recorder.active),
                 **({"loop_profile": self.profile.report()} if self.profile is not None else {})}
+
+    def _passthrough_status(self) -> dict[str, Any] | None:
+        pt = self.passthrough
+        return None if pt is None else {"state": pt.state, **asdict(pt.stats), "inodes": pt.inodes}
 
     # -- teardown (registered on the exit stack) ------------------------------------------------------
     def _save_trace_unless_saved(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
@@ -22,6 +23,7 @@ from ogrefs.errors import OgrefsError
 from ogrefs.lazy.fetch.fetcher import FetchError
 from ogrefs.lazy.fs.types import Attr, FsError, errno_for
 from ogrefs.lazy.fs.vfs import CACHE_TIMEOUT, SnapshotFS
+from ogrefs.mount.passthrough import Passthrough
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,10 @@ class FuseOps(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, fs: SnapshotFS, on_init: Callable[[], None] | None = None,
-                 on_request: Callable[[str], None] | None = None) -> None:
+                 on_request: Callable[[str], None] | None = None, passthrough: Passthrough | None = None) -> None:
         super().__init__()
         self.fs = fs
+        self.passthrough = passthrough  # complete local copies served by the kernel (mount/passthrough.py)
         self._on_init = on_init
         self.on_request = on_request  # told each request's operation (mount/loopprofile.py), on the loop
 
@@ -130,8 +133,20 @@ class FuseOps(pyfuse3.Operations):
 
     @_replies_errno
     async def open(self, inode, flags, ctx):
+        fh = await self.fs.open(inode, flags)
+        pt = self.passthrough
+        if pt is not None and (pt.usable or pt.serves(inode)):
+            local_fd = None if pt.serves(inode) else await self.fs.verified_copy(inode)
+            try:
+                # decided and armed with no await before the reply (pyfuse3 sends it as this returns)
+                if pt.choose(inode, fh, self.fs.handles_of(inode) - 1, local_fd):
+                    pt.arm()
+                    return pyfuse3.FileInfo(fh=fh)
+            finally:
+                if local_fd is not None:
+                    os.close(local_fd)  # (the kernel holds the backing file itself)
         # keep_cache: the data never changes, so pages cached by an earlier open stay valid
-        return pyfuse3.FileInfo(fh=await self.fs.open(inode, flags), keep_cache=True)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_replies_errno
     async def read(self, fh, off, size):
@@ -142,6 +157,8 @@ class FuseOps(pyfuse3.Operations):
 
     @_replies_errno
     async def release(self, fh):
+        if self.passthrough is not None:
+            self.passthrough.released(fh)
         self.fs.release(fh)
 
     @_replies_errno
@@ -186,9 +203,13 @@ def mount_options(*, allow_other: bool = False) -> set[str]:
 
 def fuse_mount(ops: FuseOps, mountpoint: str, options: set[str]) -> None:
     """Mount (the kernel starts queueing requests); :func:`serve` answers them."""
+    if ops.passthrough is not None:
+        ops.passthrough.ask_at_init(pyfuse3.__file__)
     try:
         pyfuse3.init(ops, mountpoint, options)
     except RuntimeError as exc:
+        if ops.passthrough is not None:
+            ops.passthrough.abandon()
         raise OSError(errno.EIO, f"the kernel refused the FUSE mount ({exc}); see the log above") from None
 
 

@@ -100,6 +100,8 @@ class LocalReads:
         self.stats = stats
         self.recorder = recorder
         self.held_bytes = 0  # of the spans all handles hold (LOCAL_SPANS_MAX)
+        # inode -> the identity of its local copy when it was last named whole (:meth:`whole`)
+        self._named_whole: dict[int, tuple[int, ...]] = {}
 
     def open(self, path: bytes, size: int) -> int | None:
         """An fd of the complete local copy at ``path`` of a file of ``size`` bytes, or None (then the store
@@ -125,6 +127,38 @@ class LocalReads:
             log.warning("local copy %s is not the snapshot's file (size %d, expected %d); reading from the store",
                         os.fsdecode(path), st.st_size, size)
             return None
+        return fd
+
+    async def whole(self, ino: int, path: bytes, size: int) -> int | None:
+        """An fd of the complete local copy at ``path``, every byte of it the snapshot's, or None (the caller
+        closes the fd; a file served from it by the kernel is never seen by the daemon again).
+
+        The copy is named whole in a worker thread (:func:`name_whole`: each
+        chunk, and the gaps between them read as zeros) unless it was named
+        before and is the same file since: same inode, size, mtime and ctime
+        (a write to it changes the ctime, and nobody can set that back).
+        """
+        fd = self.open(path, size)
+        if fd is None:
+            return None
+        known = _identity(os.fstat(fd))
+        if self._named_whole.get(ino) == known:
+            return fd
+        try:
+            extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
+            chunks = tuple((e.offset, e.length, e.chunk) for e in extents)
+            ok = await trio.to_thread.run_sync(name_whole, fd, size, chunks, self.chunk_id)
+            ok = ok and _identity(os.fstat(fd)) == known
+        except OSError as exc:
+            log.error("local copy of inode %d cannot be read (%s); the daemon serves it", ino, exc.strerror)
+            ok = False
+        if not ok:
+            os.close(fd)
+            self.stats.local_corrupt += 1
+            log.error("local copy of inode %d does not hold the snapshot's bytes; the daemon serves it", ino)
+            return None
+        self._named_whole[ino] = known
+        self.stats.local_named_whole += 1
         return fd
 
     async def open_pending(self, f: LocalHandle, path: bytes) -> None:
@@ -345,6 +379,49 @@ def pread_if_cached(fd: int, size: int, offset: int) -> bytes | None:
             return os.pread(fd, size, offset)
         raise
     return bytes(buf) if n == size else None
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def name_whole(fd: int, size: int, chunks: tuple[tuple[int, int, bytes], ...],
+               chunk_id: Callable[[bytes | memoryview], bytes]) -> bool:
+    """Worker thread: whether the ``size`` bytes of ``fd`` are the file whose chunks are ``chunks`` (offset,
+    length, id; in file order), what lies between them zeros.  A chunk at a time into one buffer."""
+    view = memoryview(bytearray(max((length for _o, length, _c in chunks), default=0) or LOCAL_SPAN))
+    pos = 0
+    for off, length, cid in chunks + ((size, 0, None),):
+        if off > pos and not _zeros(fd, pos, off, view):
+            return False
+        if cid is None:
+            return True
+        got = 0
+        while got < length and (n := os.preadv(fd, [view[got:length]], off + got)):
+            got += n
+        if got < length or chunk_id(view[:length]) != cid:
+            return False
+        pos = off + length
+    return True
+
+
+def _zeros(fd: int, start: int, end: int, view: memoryview) -> bool:
+    """Whether ``[start, end)`` of ``fd`` reads as zeros (its holes are skipped, the data in it is read)."""
+    pos = start
+    while pos < end:
+        try:
+            pos = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data past pos: a hole to the end of the file
+                return True
+            raise
+        if pos >= end:
+            return True
+        n = os.preadv(fd, [view[:min(len(view), end - pos)]], pos)
+        if not n or bytes(view[:n]).count(0) != n:  # (gaps with data are rare: a copy is cheap enough)
+            return False
+        pos += n
+    return True
 
 
 def _held(f: LocalHandle, offset: int, end: int) -> memoryview | None:

@@ -68,6 +68,7 @@ class VfsStats:
     read_wait: float = 0.0  # seconds reads spent waiting for chunks (summed over concurrent reads)
     local_opens: int = 0  # opens served from the local copy (materialization)
     local_reads: int = 0
+    local_named_whole: int = 0  # complete local copies named whole for the kernel to serve (localread.whole)
     local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
     page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
     open_pushed: int = 0  # small files put into the kernel's page cache from memory at their open (lazy/fs/openpush.py)

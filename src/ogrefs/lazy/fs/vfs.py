@@ -421,6 +421,20 @@ class SnapshotFS:
             await self._push_at_open(f)
         return fh
 
+    def handles_of(self, ino: int) -> int:
+        """The open handles of ``ino`` (on the loop)."""
+        return self._handles.get(ino, 0)
+
+    async def verified_copy(self, ino: int) -> int | None:
+        """An fd of ``ino``'s complete local copy, every byte of it checked against the catalog, for a reader
+        that bypasses :meth:`read` (FUSE passthrough: mount/passthrough.py); None for a file without one or of
+        at most ``KERNEL_PAGES_MAX`` bytes (those are pushed to the kernel's page cache instead).  The caller
+        closes the fd."""
+        node = self._node(ino)
+        if not node.is_reg or node.size <= KERNEL_PAGES_MAX or (path := self._memo.local_path(ino)) is None:
+            return None
+        return await self._local_reads.whole(ino, path, node.size)
+
     async def _push_at_open(self, f: _OpenFile) -> None:
         """A small file memory holds whole goes to the page cache before its open is answered (lazy/fs/openpush.py)."""
         assert self.open_push is not None

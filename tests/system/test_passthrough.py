@@ -1,0 +1,115 @@
+"""FUSE passthrough for complete local copies (mount/passthrough.py), through a real writable mount.
+
+Each test mounts the box's snapshot at ``/`` in a private mount namespace, lets
+the materializer finish (``status --wait``), and reads a materialized file
+(``random.bin``, 3 MiB) through the mount.  With passthrough the kernel reads
+the local copy itself: the daemon sees the opens, no READ.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.nsbox import OGREFS, box, in_namespace  # noqa: F401  (box is a fixture)
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not os.path.exists("/dev/fuse") and not os.environ.get("CI"), reason="no /dev/fuse here"),
+    pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare missing"),
+]
+
+
+def _kernel_has_passthrough() -> bool:
+    """CONFIG_FUSE_PASSTHROUGH of the running kernel (Linux 6.9+), from its config."""
+    for path in ("/proc/config.gz", f"/boot/config-{os.uname().release}"):
+        try:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                return any(line.strip() == "CONFIG_FUSE_PASSTHROUGH=y" for line in f)
+        except OSError:
+            continue
+    pytest.skip("the running kernel's config cannot be read: whether it has FUSE passthrough is unknown")
+
+
+def _mount_read(box: dict, reads: str, env: str = "", before: str = "") -> tuple[dict, dict]:
+    """Mount, materialize, run ``before`` (the local copy complete, nothing opened through the mount yet),
+    take the status, run ``reads``, take it again, unmount."""
+    proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
+    subprocess.run(["cp", "-a", str(proj), str(tmp / "expected")], check=True)
+    in_namespace(box, f"""
+        fresh() {{  # the status the daemon writes after this call (it rewrites its file every 0.5 s)
+            local since; since=$(date +%s.%N)
+            for _ in $(seq 50); do
+                {OGREFS} status / --json > "$1"
+                python3 -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["time"] <= float(sys.argv[2]))' \
+                    "$1" "$since" && return 0
+            done
+            echo "no status written after $since" >&2; return 1
+        }}
+        mount -t tmpfs fresh-box {proj.parent}
+        {env} {OGREFS} mount {snap} /
+        timeout 60 {OGREFS} status / --wait > /dev/null
+        {before}
+        fresh {tmp}/before.json
+        {reads}
+        fresh {tmp}/after.json
+        {OGREFS} unmount /
+    """)
+    return json.loads((tmp / "before.json").read_text()), json.loads((tmp / "after.json").read_text())
+
+
+def test_a_materialized_file_is_read_by_the_kernel_exactly(box):
+    """cat, a read while another handle of the file is open, and an mmap of it: exact, and none of it
+    was a READ for the daemon; the copy was named once for all three opens."""
+    proj, expected = box["proj"], box["tmp"] / "expected"
+    wanted = _kernel_has_passthrough()
+    before, after = _mount_read(box, f"""
+        cmp {proj}/random.bin {expected}/random.bin
+        exec 3< {proj}/random.bin          # held open: the next open of the inode must go through too
+        cmp {proj}/random.bin {expected}/random.bin
+        python3 -c 'import mmap, sys
+        a = open(sys.argv[1], "rb"); m = mmap.mmap(a.fileno(), 0, prot=mmap.PROT_READ)
+        assert m[:] == open(sys.argv[2], "rb").read(), "mmap differs"' {proj}/random.bin {expected}/random.bin
+        exec 3<&-
+    """.replace("\n        assert", "\nassert").replace("\n        a =", "\na ="))
+    pt = after["passthrough"]
+    if not wanted:
+        assert pt["state"].startswith("off:") and pt["opens"] == 0, pt
+        assert after["local_reads"] > before["local_reads"]  # the daemon served it, as before passthrough
+        return
+    assert pt["state"] == "on", pt
+    assert pt["opens"] - before["passthrough"]["opens"] == 4, pt  # cmp, the held one, cmp, the mmap's
+    assert pt["backing_opens"] - before["passthrough"]["backing_opens"] == 2  # one while the held one lived
+    assert pt["inodes"] == 0  # every backing file closed with its inode's last handle
+    assert after["local_reads"] == before["local_reads"]  # no READ reached the daemon
+    assert after["local_named_whole"] - before["local_named_whole"] == 1  # named once: unchanged since
+
+
+def test_a_flipped_byte_in_the_local_copy_is_never_passed_through(box):
+    """A byte of the complete local copy changes on disk before the file is opened: the open is not passed
+    through, the daemon serves the snapshot's bytes (through the fetcher), the damage is counted (14.18)."""
+    proj, tmp, expected = box["proj"], box["tmp"], box["tmp"] / "expected"
+    _kernel_has_passthrough()
+    flip = (f"local=$(find {tmp}/state -path '*/tree{proj}/random.bin')\n"
+            f"        test -f \"$local\"\n"
+            f"        printf '\\x5a' | dd of=\"$local\" bs=1 seek=1234567 count=1 conv=notrunc status=none")
+    before, after = _mount_read(box, f"cmp {proj}/random.bin {expected}/random.bin", before=flip)
+    assert after["passthrough"]["opens"] == before["passthrough"]["opens"], after["passthrough"]
+    assert after["local_corrupt"] > before["local_corrupt"]
+    fetched = [st["cache_misses"] + st["cache_hits"] for st in (before, after)]
+    assert fetched[1] > fetched[0]  # the damaged chunk came through the fetcher, not from the copy
+
+
+def test_passthrough_can_be_turned_off(box):
+    """OGREFS_PASSTHROUGH=0 (for comparisons): the daemon reads the local copy, as before passthrough."""
+    proj, expected = box["proj"], box["tmp"] / "expected"
+    before, after = _mount_read(box, f"cmp {proj}/random.bin {expected}/random.bin", env="OGREFS_PASSTHROUGH=0")
+    assert after["passthrough"] is None
+    assert after["local_reads"] > before["local_reads"]
