@@ -38,7 +38,7 @@ def _kernel_has_passthrough() -> bool:
     pytest.skip("the running kernel's config cannot be read: whether it has FUSE passthrough is unknown")
 
 
-def _mount_read(box: dict, reads: str, env: str = "", before: str = "") -> tuple[dict, dict]:
+def _mount_read(box: dict, reads: str, env: str = "", before: str = "", args: str = "") -> tuple[dict, dict]:
     """Mount, materialize, run ``before`` (the local copy complete, nothing opened through the mount yet),
     take the status, run ``reads``, take it again, unmount."""
     proj, tmp, snap = box["proj"], box["tmp"], box["snap"]
@@ -54,7 +54,7 @@ def _mount_read(box: dict, reads: str, env: str = "", before: str = "") -> tuple
             echo "no status written after $since" >&2; return 1
         }}
         mount -t tmpfs fresh-box {proj.parent}
-        {env} {OGREFS} mount {snap} /
+        {env} {OGREFS} mount {snap} / {args}
         timeout 60 {OGREFS} status / --wait > /dev/null
         {before}
         fresh {tmp}/before.json
@@ -107,9 +107,12 @@ def test_a_flipped_byte_in_the_local_copy_is_never_passed_through(box):
     assert fetched[1] > fetched[0]  # the damaged chunk came through the fetcher, not from the copy
 
 
-def test_passthrough_can_be_turned_off(box):
-    """OGREFS_PASSTHROUGH=0 (for comparisons): the daemon reads the local copy, as before passthrough."""
+@pytest.mark.parametrize("how", ["--no-passthrough", "OGREFS_PASSTHROUGH=0"])
+def test_passthrough_can_be_turned_off(box, how):
+    """--no-passthrough (a box that stacks overlays on its own tree), or OGREFS_PASSTHROUGH=0 (comparisons):
+    the daemon reads the local copy, as before passthrough."""
     proj, expected = box["proj"], box["tmp"] / "expected"
-    before, after = _mount_read(box, f"cmp {proj}/random.bin {expected}/random.bin", env="OGREFS_PASSTHROUGH=0")
+    before, after = _mount_read(box, f"cmp {proj}/random.bin {expected}/random.bin",
+                                **({"args": how} if how.startswith("--") else {"env": how}))
     assert after["passthrough"] is None
     assert after["local_reads"] > before["local_reads"]

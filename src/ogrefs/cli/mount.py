@@ -57,6 +57,9 @@ def parse_size(text: str) -> int:
               help="Encrypted repositories: keep the local chunk cache encrypted too (AES-256-GCM).")
 @click.option("--no-materialize", is_flag=True,
               help="Writable mounts: do not copy everything to local disk in the background (lazy only).")
+@click.option("--no-passthrough", is_flag=True,
+              help="Writable mounts: the daemon serves every read, also of files already copied to local disk "
+                   "(default: the kernel reads those itself where it can, Linux 6.9+; docs/mount.md).")
 @click.option("--save-trace/--no-save-trace", default=None,
               help="Record which chunks are read in the first minutes and store the trace for the next mount "
                    "(default: on for writable mounts).")
@@ -93,7 +96,7 @@ def parse_size(text: str) -> int:
 @click.pass_obj
 @filter_options
 def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | None, force: bool, strict: bool,
-          merge: bool, data_only: bool, encrypt_cache: bool, no_materialize: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
+          merge: bool, data_only: bool, encrypt_cache: bool, no_materialize: bool, no_passthrough: bool, save_trace: bool | None, replay_trace: bool, foreground: bool, cache_dir: Path | None, cache_size: str | None, allow_other: bool, retry_for: float,
           max_requests: int, debug: bool, as_json: bool, host_path: tuple = (), no_host_path: tuple = (),
           no_host_paths: bool = False, host_paths_file: tuple = (), prefetch: bool | None = None,
           no_fuse: bool = False, filters=None) -> None:
@@ -125,6 +128,7 @@ def mount(obj, snap: str, mountpoint: Path, read_only: bool, state_dir: Path | N
                         foreground=foreground, allow_other=allow_other, retry_for=retry_for,
                         max_requests=max_requests, log_level="DEBUG" if debug else "INFO",
                         read_only=read_only, state_dir=state_dir, force=force, materialize=not no_materialize,
+                        passthrough=not no_passthrough,
                         save_trace=save_trace, replay_trace=replay_trace, encrypt_cache=encrypt_cache,
                         prefetch=prefetch, host_rules=rules, no_fuse=in_place, data_only=data_only,
                         merge_host=merge)

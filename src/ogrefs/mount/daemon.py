@@ -165,12 +165,13 @@ class Daemon:
         if host_paths is not None and host_paths.hidden:
             view = HostView(catalog, host_paths.hidden)  # host-owned entries: this box's show through
         self.fs = SnapshotFS(view, self.fetcher, recorder=self.recorder, local=materializer,
-                             chunk_id=repo.codec.chunk_id,
+                             chunk_id=repo.codec.chunk_id, chunk_hasher=repo.codec.chunk_hasher,
                              page_cache=fuse_ops.store_in_page_cache,
                              # OGREFS_OPEN_PUSH=0: no open-time push (lazy/fs/openpush.py), for comparisons
                              open_push=os.environ.get("OGREFS_OPEN_PUSH", "1") != "0")
-        # complete local copies read by the kernel (mount/passthrough.py); OGREFS_PASSTHROUGH=0: by the daemon
-        wanted = materializer is not None and os.environ.get("OGREFS_PASSTHROUGH", "1") != "0"
+        # complete local copies read by the kernel (mount/passthrough.py); --no-passthrough or OGREFS_PASSTHROUGH=0:
+        # by the daemon
+        wanted = materializer is not None and opts.passthrough and os.environ.get("OGREFS_PASSTHROUGH", "1") != "0"
         self.passthrough = Passthrough() if wanted else None
         self.prefetch = Prefetch(catalog, self.fetcher, trace_entries=plan.trace_entries, materializer=materializer,
                                  idle_for=self.fs.idle_for)

@@ -35,6 +35,7 @@ class MountOptions:
     state_dir: Path | None = None  # default: /var/lib/ogrefs/mounts/<snapshot>-<target key>
     force: bool = False  # allow covering /proc, /sys, /dev, /run, /boot, / as a whole
     materialize: bool = True  # writable mounts: copy everything to <state>/tree in the background
+    passthrough: bool = True  # writable mounts: complete local copies read by the kernel (mount/passthrough.py)
     save_trace: bool | None = None  # record and store the access trace (default: writable mounts do)
     replay_trace: bool = True  # prefetch in the order of the recorded access trace, if there is one
     prefetch: bool | None = None  # fetch hints/trace in the background (default: writable yes, read-only no)

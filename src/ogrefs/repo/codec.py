@@ -110,6 +110,11 @@ def chunk_id(data: bytes | memoryview) -> bytes:
     return blake3.blake3(data).digest()
 
 
+def chunk_hasher() -> "blake3.blake3":
+    """A hasher whose ``digest()`` after ``update``s of a chunk's bytes in pieces is :func:`chunk_id`'s."""
+    return blake3.blake3()
+
+
 _RAW_PREFIX = bytes([CODEC_RAW])
 
 
@@ -234,6 +239,10 @@ class RepoCodec:
         if self._id_key is None:
             return chunk_id(data)
         return blake3.blake3(data, key=self._id_key).digest()
+
+    def chunk_hasher(self) -> "blake3.blake3":
+        """:func:`chunk_hasher` for this repository (keyed when encrypted): :meth:`chunk_id` in pieces."""
+        return chunk_hasher() if self._id_key is None else blake3.blake3(key=self._id_key)
 
     def _seal(self, plain: bytes, aad: bytes) -> bytes:
         nonce = os.urandom(NONCE_LEN)

@@ -41,7 +41,7 @@ import mmap
 import os
 import stat
 from bisect import bisect_right
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
@@ -60,6 +60,8 @@ LOCAL_INLINE_READ = 128 * 1024
 #: of the kernel's per hop; each chunk is named straight after its read, so the span's size is not the CPU
 #: cache's concern.
 LOCAL_SPAN = 8 * MiB
+#: A local copy named whole (:func:`name_whole`) is read and hashed in pieces of this size (in the CPU's L2 cache).
+NAME_PIECE = 128 * 1024
 #: The most bytes of spans all handles hold at once (16 sequential readers' worth).
 LOCAL_SPANS_MAX = 128 * MiB
 #: A READ that starts this close to where the handle's previous one ended is sequential: the kernel's
@@ -94,9 +96,10 @@ class LocalReads:
     """Opens and reads complete local copies for the vfs; see the module docstring."""
 
     def __init__(self, catalog: Catalog, chunk_id: Callable[[bytes], bytes], stats: "VfsStats",
-                 recorder: "AccessRecorder | None") -> None:
+                 recorder: "AccessRecorder | None", chunk_hasher: Callable[[], Any] | None = None) -> None:
         self.catalog = catalog
         self.chunk_id = chunk_id  # the repository's (keyed when encrypted)
+        self.chunk_hasher = chunk_hasher  # the same, in pieces (None: whole copies are not named)
         self.stats = stats
         self.recorder = recorder
         self.held_bytes = 0  # of the spans all handles hold (LOCAL_SPANS_MAX)
@@ -138,6 +141,8 @@ class LocalReads:
         before and is the same file since: same inode, size, mtime and ctime
         (a write to it changes the ctime, and nobody can set that back).
         """
+        if self.chunk_hasher is None:
+            return None
         fd = self.open(path, size)
         if fd is None:
             return None
@@ -147,7 +152,7 @@ class LocalReads:
         try:
             extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
             chunks = tuple((e.offset, e.length, e.chunk) for e in extents)
-            ok = await trio.to_thread.run_sync(name_whole, fd, size, chunks, self.chunk_id)
+            ok = await trio.to_thread.run_sync(name_whole, fd, size, chunks, self.chunk_hasher)
             ok = ok and _identity(os.fstat(fd)) == known
         except OSError as exc:
             log.error("local copy of inode %d cannot be read (%s); the daemon serves it", ino, exc.strerror)
@@ -386,20 +391,27 @@ def _identity(st: os.stat_result) -> tuple[int, ...]:
 
 
 def name_whole(fd: int, size: int, chunks: tuple[tuple[int, int, bytes], ...],
-               chunk_id: Callable[[bytes | memoryview], bytes]) -> bool:
+               chunk_hasher: Callable[[], Any]) -> bool:
     """Worker thread: whether the ``size`` bytes of ``fd`` are the file whose chunks are ``chunks`` (offset,
-    length, id; in file order), what lies between them zeros.  A chunk at a time into one buffer."""
-    view = memoryview(bytearray(max((length for _o, length, _c in chunks), default=0) or LOCAL_SPAN))
+    length, id; in file order), what lies between them zeros.
+
+    Read in pieces of ``NAME_PIECE`` bytes, each hashed while it is in the
+    CPU's cache: a chunk read whole first and hashed after costs a copy
+    through memory more (about twice the CPU: docs/benchmarks.md, issue 49).
+    """
+    view = memoryview(bytearray(NAME_PIECE))
     pos = 0
     for off, length, cid in chunks + ((size, 0, None),):
         if off > pos and not _zeros(fd, pos, off, view):
             return False
         if cid is None:
             return True
+        h = chunk_hasher()
         got = 0
-        while got < length and (n := os.preadv(fd, [view[got:length]], off + got)):
+        while got < length and (n := os.preadv(fd, [view[:min(NAME_PIECE, length - got)]], off + got)):
+            h.update(view[:n])
             got += n
-        if got < length or chunk_id(view[:length]) != cid:
+        if got < length or h.digest() != cid:
             return False
         pos = off + length
     return True

@@ -48,7 +48,7 @@ import logging
 import os
 import sqlite3
 from bisect import bisect_right
-from typing import Callable
+from typing import Any, Callable
 
 import trio
 
@@ -188,7 +188,8 @@ class SnapshotFS:
                  readahead_min: int = 4 * MiB, recorder: AccessRecorder | None = None,
                  local: LocalCopy | None = None,
                  page_cache: Callable[[int, bytes], None] | None = None, open_push: bool = True,
-                 chunk_id: Callable[[bytes], bytes] = codec.chunk_id) -> None:
+                 chunk_id: Callable[[bytes], bytes] = codec.chunk_id,
+                 chunk_hasher: Callable[[], Any] = codec.chunk_hasher) -> None:
         self.catalog = catalog
         # Names a chunk from its bytes (the repository's: keyed when encrypted); every chunk read from the
         # local copy is checked with it once per open file, in a worker thread (docs/reliability.md).
@@ -202,7 +203,7 @@ class SnapshotFS:
         self.stats = VfsStats()
         # page_cache: puts a file's whole content into the kernel's page cache (the adapter's); its reads
         # then never reach the daemon. None: no such thing, and no pushes
-        self._local_reads = LocalReads(catalog, chunk_id, self.stats, recorder)
+        self._local_reads = LocalReads(catalog, chunk_id, self.stats, recorder, chunk_hasher)
         self._lookups: dict[int, int] = {}
         # small files whose pages the kernel holds (a read answered, a push at open; keep_cache) until it forgets
         # them: neither pusher sends them again

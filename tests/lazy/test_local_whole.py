@@ -1,0 +1,64 @@
+"""A complete local copy named whole before the kernel serves it (lazy/fs/localread.name_whole)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ogrefs.lazy.fs.localread import NAME_PIECE, name_whole
+from ogrefs.repo import codec
+
+
+def _copy(tmp_path, pieces: list[bytes | int]) -> tuple[int, int, tuple]:
+    """A file of data pieces and holes (an int: that many bytes of hole); its size and its chunk table."""
+    path = tmp_path / "copy"
+    chunks, pos = [], 0
+    with open(path, "wb") as f:
+        for p in pieces:
+            if isinstance(p, int):
+                pos += p
+                continue
+            f.seek(pos)
+            f.write(p)
+            chunks.append((pos, len(p), codec.chunk_id(p)))
+            pos += len(p)
+        f.truncate(pos)
+    return os.open(path, os.O_RDWR), pos, tuple(chunks)
+
+
+@pytest.mark.parametrize("sizes", [[1], [NAME_PIECE], [NAME_PIECE + 1, 3 * NAME_PIECE - 7, 5]])
+def test_a_right_copy_is_named_whole_across_pieces_and_holes(tmp_path, sizes):
+    fd, size, chunks = _copy(tmp_path, [os.urandom(n) if i % 2 == 0 else 1 << 20 for i, n in enumerate(sizes)])
+    try:
+        assert name_whole(fd, size, chunks, codec.chunk_hasher)
+    finally:
+        os.close(fd)
+
+
+def test_a_flipped_byte_a_short_copy_or_data_in_a_hole_fails(tmp_path):
+    fd, size, chunks = _copy(tmp_path, [os.urandom(NAME_PIECE * 2 + 3), 300_000, os.urandom(70_000)])
+    try:
+        assert name_whole(fd, size, chunks, codec.chunk_hasher)
+        was = os.pread(fd, 1, NAME_PIECE + 5)
+        os.pwrite(fd, bytes([was[0] ^ 1]), NAME_PIECE + 5)  # inside the first chunk, in its second piece
+        assert not name_whole(fd, size, chunks, codec.chunk_hasher)
+        os.pwrite(fd, was, NAME_PIECE + 5)
+        assert name_whole(fd, size, chunks, codec.chunk_hasher)
+        os.pwrite(fd, b"x", NAME_PIECE * 2 + 3 + 1000)  # in the hole between the chunks: must read as zeros
+        assert not name_whole(fd, size, chunks, codec.chunk_hasher)
+        os.pwrite(fd, b"\0", NAME_PIECE * 2 + 3 + 1000)
+        assert name_whole(fd, size, chunks, codec.chunk_hasher)
+        os.ftruncate(fd, size - 1)  # the last chunk short
+        assert not name_whole(fd, size, chunks, codec.chunk_hasher)
+    finally:
+        os.close(fd)
+
+
+def test_a_keyed_repository_names_in_pieces_as_it_names_whole():
+    c = codec.RepoCodec(enc_key=os.urandom(32), id_key=os.urandom(32))
+    data = os.urandom(3 * NAME_PIECE + 11)
+    h = c.chunk_hasher()
+    for at in range(0, len(data), NAME_PIECE):
+        h.update(data[at:at + NAME_PIECE])
+    assert h.digest() == c.chunk_id(data) != codec.chunk_id(data)
