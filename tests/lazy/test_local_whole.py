@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -62,3 +63,51 @@ def test_a_keyed_repository_names_in_pieces_as_it_names_whole():
     for at in range(0, len(data), NAME_PIECE):
         h.update(data[at:at + NAME_PIECE])
     assert h.digest() == c.chunk_id(data) != codec.chunk_id(data)
+
+
+@pytest.mark.expect_log(r"local copy of inode \d+ does not hold", level=logging.ERROR, logger="ogrefs.lazy")
+def test_a_copy_is_offered_to_a_bypassing_reader_only_if_right_and_never_read_through_the_mount(
+        tmp_path_factory, tmp_path):
+    """verified_copy (what FUSE passthrough serves from): a complete, right copy is offered, named once while
+    it is unchanged; a damaged one never; nor one of a file the mount has answered READs of (the kernel may
+    cache its pages, which serve the next reader at no cost)."""
+    from ogrefs.lazy.background.materialize.materializer import Materializer
+    from ogrefs.lazy.fetch.fetcher import Fetcher
+    from ogrefs.lazy.fs.vfs import SnapshotFS
+
+    from tests.resume_box import make_box, run_trio
+
+    box = make_box(tmp_path_factory.mktemp("wholebox"))
+    state = tmp_path / "state"
+    fetcher = Fetcher(box.repo.read_pack_range)
+    m = Materializer(box.catalog, fetcher, state)
+    run_trio(fetcher, m.run)
+    assert m.complete
+    ino = {rel: box.catalog.resolve(box.path(rel)).ino for rel in ("ckpt/model.bin", "venv/lib/site-packages/torch_like.so")}
+    fetcher = Fetcher(box.repo.read_pack_range)
+    fs = SnapshotFS(box.catalog, fetcher, local=Materializer(box.catalog, fetcher, state))
+    got: dict[str, object] = {}
+
+    async def body():
+        for attempt in ("first", "again"):
+            fd = await fs.verified_copy(ino["ckpt/model.bin"])
+            assert fd is not None
+            got[attempt] = os.pread(fd, 8, 0)
+            os.close(fd)
+        assert fs.stats.local_named_whole == 1  # the second time the unchanged copy was trusted
+        local = box.tree_of(state) / "ckpt/model.bin"
+        with open(local, "r+b") as f:
+            f.seek(4 * 1024 * 1024)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+        got["damaged"] = await fs.verified_copy(ino["ckpt/model.bin"])
+        fh = await fs.open(ino["venv/lib/site-packages/torch_like.so"], os.O_RDONLY)
+        await fs.read(fh, 0, 4096)
+        fs.release(fh)
+        got["read before"] = await fs.verified_copy(ino["venv/lib/site-packages/torch_like.so"])
+
+    run_trio(fetcher, body)
+    assert got["first"] == got["again"] == (box.src / "ckpt/model.bin").read_bytes()[:8]
+    assert got["damaged"] is None and fs.stats.local_corrupt == 1
+    assert got["read before"] is None

@@ -208,6 +208,9 @@ class SnapshotFS:
         # small files whose pages the kernel holds (a read answered, a push at open; keep_cache) until it forgets
         # them: neither pusher sends them again
         self._kernel_pages: set[int] = set()
+        # larger files this mount has answered READs of: the kernel may cache their pages (keep_cache), so they
+        # stay with the daemon rather than go to a reader that bypasses it (verified_copy)
+        self._daemon_read: set[int] = set()
         self._pusher = (PagePusher(catalog, local, page_cache, chunk_id, self.stats, self._lookups.__contains__,
                                    self._kernel_pages.__contains__)
                         if page_cache is not None and local is not None else None)
@@ -429,10 +432,13 @@ class SnapshotFS:
     async def verified_copy(self, ino: int) -> int | None:
         """An fd of ``ino``'s complete local copy, every byte of it checked against the catalog, for a reader
         that bypasses :meth:`read` (FUSE passthrough: mount/passthrough.py); None for a file without one or of
-        at most ``KERNEL_PAGES_MAX`` bytes (those are pushed to the kernel's page cache instead).  The caller
-        closes the fd."""
+        at most ``KERNEL_PAGES_MAX`` bytes (those are pushed to the kernel's page cache instead), and for one this
+        mount has answered READs of: its pages may be in the kernel's cache, which serves the next reader at no
+        cost, where a bypassing reader would name the copy and read it from disk again.  The caller closes the
+        fd."""
         node = self._node(ino)
-        if not node.is_reg or node.size <= KERNEL_PAGES_MAX or (path := self._memo.local_path(ino)) is None:
+        if (not node.is_reg or node.size <= KERNEL_PAGES_MAX or ino in self._daemon_read
+                or (path := self._memo.local_path(ino)) is None):
             return None
         return await self._local_reads.whole(ino, path, node.size)
 
@@ -571,3 +577,5 @@ class SnapshotFS:
     def _served(self, f: _OpenFile) -> None:
         if f.size <= KERNEL_PAGES_MAX:
             self._kernel_pages.add(f.ino)
+        else:
+            self._daemon_read.add(f.ino)
