@@ -73,6 +73,20 @@ def _status(**over) -> dict:
     return st | over
 
 
+def test_status_says_whether_the_kernel_reads_local_copies(capsys):
+    from ogrefs.cli.mount import _report
+
+    on = {"state": "on", "opens": 7, "backing_opens": 2, "declined": 0, "inodes": 1}
+    _report(_status(passthrough=on), as_json=False)
+    assert "passthrough           on: 7 opens read by the kernel from the local copy" in capsys.readouterr().out
+    why = "off: the local copies lie on a stacked file system (an overlay)"
+    _report(_status(passthrough=dict(on, state=why, opens=0)), as_json=False)
+    out = capsys.readouterr().out
+    assert f"passthrough           {why}\n" in out and "opens" not in out
+    _report(_status(passthrough=None), as_json=False)  # a read-only mount, or --no-passthrough
+    assert "passthrough" not in capsys.readouterr().out
+
+
 def test_status_says_preparing_and_never_an_absurd_ratio(capsys):
     from ogrefs.cli.mount import _report
 

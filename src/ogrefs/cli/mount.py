@@ -293,6 +293,9 @@ def _report(st: dict, as_json: bool) -> None:
         f"  errors                {st['errors']} ({st['read_errors']} failed reads, {st['corrupt']} corrupt chunks,"
         f" {st['retries']} retried requests)",
     ]
+    if pt := st.get("passthrough"):  # complete local copies read by the kernel (docs/mount.md)
+        lines.append(f"  passthrough           {pt['state']}" + (f": {pt['opens']} opens read by the kernel from"
+                                                                 f" the local copy" if pt["state"] == "on" else ""))
     lines.extend(f"  {note}" for note in st.get("trace_notes") or [])
     lines.extend(f"  {why}" for why in st.get("refused") or [])  # overlays left out: a user's symlink on the way
     lines.extend(f"  {line}" for line in [exact_line(st)] if line)
