@@ -111,3 +111,36 @@ def test_a_copy_is_offered_to_a_bypassing_reader_only_if_right_and_never_read_th
     assert got["first"] == got["again"] == (box.src / "ckpt/model.bin").read_bytes()[:8]
     assert got["damaged"] is None and fs.stats.local_corrupt == 1
     assert got["read before"] is None
+
+
+@pytest.mark.parametrize("where", ["right", "first part", "last part", "gap between parts"])
+def test_a_large_copy_named_in_parts_at_once_fails_wherever_it_is_wrong(tmp_path, monkeypatch, where):
+    """Up to one part per core, each whole chunks and the gaps after them: every byte is still checked (nine
+    chunks in four parts start at chunks 0, 2, 4 and 6; the gap before chunk 6 ends the third part)."""
+    import trio
+
+    from ogrefs.lazy.fs import localread
+    from ogrefs.lazy.fs.types import VfsStats
+
+    monkeypatch.setattr(localread, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(localread, "NAME_PART_MIN", 64 * 1024)
+    pieces: list[bytes | int] = []
+    for i in range(9):
+        pieces += [os.urandom(50_000 + i), 20_000]  # a chunk, then a hole
+    fd, size, chunks = _copy(tmp_path, pieces)
+    at = {"first part": 10, "last part": size - 20_000 - 7, "gap between parts": chunks[6][0] - 100}.get(where)
+    if at is not None:
+        was = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([was[0] ^ 0x40]), at)
+    reads = localread.LocalReads(None, codec.chunk_id, VfsStats(), None, codec.chunk_hasher)  # type: ignore[arg-type]
+    calls = []
+    real = localread.name_whole
+    monkeypatch.setattr(localread, "name_whole", lambda *a: calls.append(a[-2:]) or real(*a))
+    try:
+        ok = trio.run(reads._name_in_parts, fd, size, chunks)
+    finally:
+        os.close(fd)
+    assert ok == (where == "right")
+    calls.sort()  # (in the order the parts finished)
+    assert len(calls) == 4 and calls[0][0] == 0 and calls[-1][1] == size  # four parts, the file covered
+    assert all(a[1] == b[0] for a, b in zip(calls, calls[1:]))

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ogrefs.inspect.machine import usable_cpus
 from ogrefs.repo.catalog import Catalog, Extent
 from ogrefs.units import MiB
 
@@ -62,6 +63,8 @@ LOCAL_INLINE_READ = 128 * 1024
 LOCAL_SPAN = 8 * MiB
 #: A local copy named whole (:func:`name_whole`) is read and hashed in pieces of this size (in the CPU's L2 cache).
 NAME_PIECE = 128 * 1024
+#: ... and a large one in parts of at least this many bytes at once, one worker thread each (up to one per core).
+NAME_PART_MIN = 64 * MiB
 #: The most bytes of spans all handles hold at once (16 sequential readers' worth).
 LOCAL_SPANS_MAX = 128 * MiB
 #: A READ that starts this close to where the handle's previous one ended is sequential: the kernel's
@@ -152,7 +155,7 @@ class LocalReads:
         try:
             extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
             chunks = tuple((e.offset, e.length, e.chunk) for e in extents)
-            ok = await trio.to_thread.run_sync(name_whole, fd, size, chunks, self.chunk_hasher)
+            ok = await self._name_in_parts(fd, size, chunks)
             ok = ok and _identity(os.fstat(fd)) == known
         except OSError as exc:
             log.error("local copy of inode %d cannot be read (%s); the daemon serves it", ino, exc.strerror)
@@ -165,6 +168,25 @@ class LocalReads:
         self._named_whole[ino] = known
         self.stats.local_named_whole += 1
         return fd
+
+    async def _name_in_parts(self, fd: int, size: int, chunks: tuple[tuple[int, int, bytes], ...]) -> bool:
+        """:func:`name_whole` of ``[0, size)``, a large file's in up to ``usable_cpus()`` parts at once, each
+        part whole chunks (and the gaps after them): the open that waits for it waits for the slowest part,
+        not for the whole file on one core (a 100 GB checkpoint: ~50 s on one core of this VM)."""
+        parts = max(1, min(usable_cpus(), len(chunks), size // NAME_PART_MIN))
+        firsts = [len(chunks) * k // parts for k in range(parts)] + [len(chunks)]  # each part's first chunk
+        cuts = [0] + [chunks[firsts[k]][0] for k in range(1, parts)] + [size]
+        results: list[bool] = []
+
+        async def one(k: int) -> None:
+            mine = chunks[firsts[k]:firsts[k + 1]]
+            results.append(await trio.to_thread.run_sync(name_whole, fd, size, mine, self.chunk_hasher,
+                                                         cuts[k], cuts[k + 1]))
+
+        async with trio.open_nursery() as nursery:
+            for k in range(parts):
+                nursery.start_soon(one, k)
+        return all(results)
 
     async def open_pending(self, f: LocalHandle, path: bytes) -> None:
         """The first read of a handle whose local copy was complete at open: open the copy, else use the store.
@@ -391,17 +413,18 @@ def _identity(st: os.stat_result) -> tuple[int, ...]:
 
 
 def name_whole(fd: int, size: int, chunks: tuple[tuple[int, int, bytes], ...],
-               chunk_hasher: Callable[[], Any]) -> bool:
+               chunk_hasher: Callable[[], Any], start: int = 0, end: int | None = None) -> bool:
     """Worker thread: whether the ``size`` bytes of ``fd`` are the file whose chunks are ``chunks`` (offset,
-    length, id; in file order), what lies between them zeros.
+    length, id; in file order), what lies between them zeros; only ``[start, end)`` of it (the chunks given
+    are those that start there) when asked.
 
     Read in pieces of ``NAME_PIECE`` bytes, each hashed while it is in the
     CPU's cache: a chunk read whole first and hashed after costs a copy
     through memory more (about twice the CPU: docs/benchmarks.md, issue 49).
     """
     view = memoryview(bytearray(NAME_PIECE))
-    pos = 0
-    for off, length, cid in chunks + ((size, 0, None),):
+    pos = start
+    for off, length, cid in chunks + ((size if end is None else end, 0, None),):
         if off > pos and not _zeros(fd, pos, off, view):
             return False
         if cid is None:
