@@ -144,3 +144,25 @@ def test_a_large_copy_named_in_parts_at_once_fails_wherever_it_is_wrong(tmp_path
     calls.sort()  # (in the order the parts finished)
     assert len(calls) == 4 and calls[0][0] == 0 and calls[-1][1] == size  # four parts, the file covered
     assert all(a[1] == b[0] for a, b in zip(calls, calls[1:]))
+
+
+@pytest.mark.expect_log(r"cannot be named \(no such table", level=logging.ERROR, logger="ogrefs.lazy")
+def test_a_catalog_that_fails_while_a_copy_is_named_leaves_the_file_to_the_daemon(tmp_path):
+    """The open that asked goes on without passthrough (before: the error failed the open with EIO)."""
+    import sqlite3
+
+    import trio
+
+    from ogrefs.lazy.fs.localread import LocalReads
+    from ogrefs.lazy.fs.types import VfsStats
+
+    class Broken:
+        def extents(self, ino):
+            raise sqlite3.OperationalError("no such table: extents")
+
+    copy = tmp_path / "copy"
+    copy.write_bytes(os.urandom(3 << 20))
+    reads = LocalReads(Broken(), codec.chunk_id, VfsStats(), None, codec.chunk_hasher)  # type: ignore[arg-type]
+    fds_before = len(os.listdir("/proc/self/fd"))
+    assert trio.run(reads.whole, 5, os.fsencode(copy), 3 << 20) is None
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # the copy's fd closed

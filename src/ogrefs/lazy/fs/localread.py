@@ -39,12 +39,14 @@ import errno
 import logging
 import mmap
 import os
+import sqlite3
 import stat
 from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ogrefs.errors import OgrefsError
 from ogrefs.inspect.machine import usable_cpus
 from ogrefs.repo.catalog import Catalog, Extent
 from ogrefs.units import MiB
@@ -157,9 +159,11 @@ class LocalReads:
             chunks = tuple((e.offset, e.length, e.chunk) for e in extents)
             ok = await self._name_in_parts(fd, size, chunks)
             ok = ok and _identity(os.fstat(fd)) == known
-        except OSError as exc:
-            log.error("local copy of inode %d cannot be read (%s); the daemon serves it", ino, exc.strerror)
-            ok = False
+        except (OSError, sqlite3.Error, OgrefsError) as exc:  # (the catalog's extents, the copy's reads)
+            os.close(fd)
+            log.error("local copy of inode %d cannot be named (%s); the daemon serves it", ino,
+                      getattr(exc, "strerror", None) or exc)
+            return None
         if not ok:
             os.close(fd)
             self.stats.local_corrupt += 1
