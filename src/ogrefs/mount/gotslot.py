@@ -46,30 +46,22 @@ _libc.dlsym.argtypes = (ctypes.c_void_p, ctypes.c_char_p)
 
 def loaded_path(name_start: str) -> str:
     """The path of the mapped shared object whose file name starts with ``name_start``."""
-    for path, _start, _perms, _offset in _maps():
+    for path, _start, _end, _perms, _offset in _maps():
         if os.path.basename(path).startswith(name_start):
             return path
     raise OSError(f"no shared object named {name_start}* is loaded")
 
 
-def _maps() -> list[tuple[str, int, str, int]]:
+def _maps() -> list[tuple[str, int, int, str, int]]:
+    """This process's file-backed mappings: (path, start, end, permissions, file offset)."""
     rows = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5].startswith("/"):
-                start = int(parts[0].split("-")[0], 16)
-                rows.append((parts[5].rstrip("\n"), start, parts[1], int(parts[2], 16)))
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                rows.append((parts[5].rstrip("\n"), start, end, parts[1], int(parts[2], 16)))
     return rows
-
-
-def _page_perms(addr: int) -> str:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
-            if lo <= addr < hi:
-                return line.split()[1]
-    raise OSError(f"address {addr:#x} is not mapped")
 
 
 def slot_offset(path: str, symbol: str) -> int:
@@ -102,7 +94,7 @@ def slot_offset(path: str, symbol: str) -> int:
 
 
 def _load_bias(path: str) -> int:
-    for mapped, start, _perms, offset in _maps():
+    for mapped, start, _end, _perms, offset in _maps():
         if mapped == path and offset == 0:
             with open(path, "rb") as f:
                 head = f.read(64)
@@ -134,11 +126,13 @@ class GotSlot:
             raise OSError(f"the slot of {symbol} in {os.path.basename(path)} does not hold {symbol}'s address "
                           f"(already redirected, or bound lazily)")
         self.original = real
+        # RELRO under BIND_NOW: read-only once relocated, made writable for each store (and never by others)
+        self._writable = any(lo <= self.address < hi and "w" in perms for _p, lo, hi, perms, _o in _maps())
 
     def point_at(self, address: int) -> None:
         """Make the library's calls of the symbol go to ``address`` (the original: :attr:`original`)."""
         page = self.address & ~(mmap.PAGESIZE - 1)
-        writable = "w" in _page_perms(self.address)
+        writable = self._writable
         if not writable and _libc.mprotect(page, mmap.PAGESIZE, PROT_READ | PROT_WRITE) != 0:
             raise OSError(ctypes.get_errno(), f"cannot make the slot of {self.symbol} writable")
         try:

@@ -175,7 +175,7 @@ class Passthrough:
         handles of the inode.  Decided synchronously, right before the reply (see the module docstring)."""
         b = self._inodes.get(ino)
         if b is None:
-            if local_fd is None or not self.usable or self._armed is not None:
+            if local_fd is None or not self.usable:
                 return False
             if other_handles:
                 self.stats.declined += 1

@@ -101,10 +101,10 @@ class LocalReads:
     """Opens and reads complete local copies for the vfs; see the module docstring."""
 
     def __init__(self, catalog: Catalog, chunk_id: Callable[[bytes], bytes], stats: "VfsStats",
-                 recorder: "AccessRecorder | None", chunk_hasher: Callable[[], Any] | None = None) -> None:
+                 recorder: "AccessRecorder | None", chunk_hasher: Callable[[], Any]) -> None:
         self.catalog = catalog
         self.chunk_id = chunk_id  # the repository's (keyed when encrypted)
-        self.chunk_hasher = chunk_hasher  # the same, in pieces (None: whole copies are not named)
+        self.chunk_hasher = chunk_hasher  # the same, in pieces (:meth:`whole`)
         self.stats = stats
         self.recorder = recorder
         self.held_bytes = 0  # of the spans all handles hold (LOCAL_SPANS_MAX)
@@ -146,8 +146,6 @@ class LocalReads:
         before and is the same file since: same inode, size, mtime and ctime
         (a write to it changes the ctime, and nobody can set that back).
         """
-        if self.chunk_hasher is None:
-            return None
         fd = self.open(path, size)
         if fd is None:
             return None
