@@ -51,7 +51,8 @@ from typing import Iterator
 from ogrefs.repo.catalog import Inode
 from ogrefs.errors import OgrefsError
 
-__all__ = ["LocalTree", "PathConflict", "EntryReplaced", "FileId", "MetadataProblem", "pwrite_all", "split", "syncfs_fd"]
+__all__ = ["LocalTree", "PathConflict", "EntryReplaced", "FileId", "MetadataProblem", "copy_identity", "pwrite_all",
+           "split", "syncfs_fd"]
 
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
@@ -140,6 +141,32 @@ def syncfs_fd(fd: int) -> None:
     if func(fd) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def _read_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+_BOOT_ID = _read_boot_id()  # (set once, at import: constant for the process's life)
+
+
+def copy_identity(st: os.stat_result) -> str | None:
+    """Which file ``st`` is, for as long as nobody changes it: this boot, its device and inode, size, mtime and ctime.
+
+    A write, a truncate, a chmod or a ``utime`` sets the ctime to now, and
+    nobody can set it back, so a file whose identity is the same as when it was
+    recorded has not been changed through the file system since (below it, a
+    raw write to the block device, nothing here can tell).  The boot is part of
+    it: across a reboot the disk may have been anywhere.  None where the boot
+    cannot be told (no /proc): then no identity matches.
+    """
+    if not _BOOT_ID:
+        return None
+    return f"{_BOOT_ID}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def split(rel: bytes) -> tuple[bytes, bytes]:

@@ -65,52 +65,173 @@ def test_a_keyed_repository_names_in_pieces_as_it_names_whole():
     assert h.digest() == c.chunk_id(data) != codec.chunk_id(data)
 
 
-@pytest.mark.expect_log(r"local copy of inode \d+ does not hold", level=logging.ERROR, logger="ogrefs.lazy")
-def test_a_copy_is_offered_to_a_bypassing_reader_only_if_right_and_never_read_through_the_mount(
-        tmp_path_factory, tmp_path):
-    """verified_copy (what FUSE passthrough serves from): a complete, right copy is offered, named once while
-    it is unchanged; a damaged one never; nor one of a file the mount has answered READs of (the kernel may
-    cache its pages, which serve the next reader at no cost)."""
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory):
+    """A box, and a state directory whose materializer completed its copy (the plan records what it wrote)."""
     from ogrefs.lazy.background.materialize.materializer import Materializer
     from ogrefs.lazy.fetch.fetcher import Fetcher
-    from ogrefs.lazy.fs.vfs import SnapshotFS
 
     from tests.resume_box import make_box, run_trio
 
     box = make_box(tmp_path_factory.mktemp("wholebox"))
-    state = tmp_path / "state"
+    state = tmp_path_factory.mktemp("wholestate") / "state"
     fetcher = Fetcher(box.repo.read_pack_range)
     m = Materializer(box.catalog, fetcher, state)
     run_trio(fetcher, m.run)
     assert m.complete
-    ino = {rel: box.catalog.resolve(box.path(rel)).ino for rel in ("ckpt/model.bin", "venv/lib/site-packages/torch_like.so")}
+    return box, state
+
+
+def _offer(box, state, body, tmp_path, *, recorder=None):
+    """``body(fs, ino, copy_path)`` on a fresh mount's vfs over a copy of the materialized state (its own copy:
+    a test may damage it)."""
+    import subprocess
+
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.lazy.background.materialize.materializer import Materializer
+    from ogrefs.localtree import copy_identity
+    from ogrefs.lazy.fetch.fetcher import Fetcher
+    from ogrefs.lazy.fs.vfs import SnapshotFS
+
+    from tests.resume_box import run_trio
+
+    mine = tmp_path / "state"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-a", str(state), str(mine)], check=True, timeout=60)  # (new inodes: the plan's records no longer match them, so:)
+    plan = Plan(mine / "materialize.sqlite")
+    ckpt, lib = (box.catalog.resolve(box.path(rel)).ino for rel in ("ckpt/model.bin", "venv/lib/site-packages/torch_like.so"))
+    assert plan.written(ckpt) is not None and plan.written(lib) is not None  # (both large: the writer recorded them)
+    plan.mark_complete([ckpt], {ckpt: copy_identity(os.stat(box.tree_of(mine) / "ckpt/model.bin"))})
+    plan.mark_complete([lib])  # complete, without a record (as an older ogrefs left it)
     fetcher = Fetcher(box.repo.read_pack_range)
-    fs = SnapshotFS(box.catalog, fetcher, local=Materializer(box.catalog, fetcher, state))
+    fs = SnapshotFS(box.catalog, fetcher, local=Materializer(box.catalog, fetcher, mine), recorder=recorder)
+    ino = {rel: box.catalog.resolve(box.path(rel)).ino for rel in ("ckpt/model.bin", "venv/lib/site-packages/torch_like.so")}
+    run_trio(fetcher, lambda: body(fs, ino, lambda rel: box.tree_of(mine) / rel))
+    return fs
+
+
+def test_a_copy_its_writer_recorded_is_offered_unread_and_an_unchanged_copy_once_named_again_unread(
+        materialized, tmp_path):
+    """verified_copy (what FUSE passthrough serves from): a copy the materializer recorded complete, unchanged
+    since, is offered without being read (a mount that materializes while the job runs, or a remount in the
+    same boot); one without a record is named whole once, then trusted while unchanged."""
+    box, state = materialized
     got: dict[str, object] = {}
 
-    async def body():
-        for attempt in ("first", "again"):
+    async def body(fs, ino, local):
+        for attempt in ("recorded", "again"):
             fd = await fs.verified_copy(ino["ckpt/model.bin"])
             assert fd is not None
             got[attempt] = os.pread(fd, 8, 0)
             os.close(fd)
-        assert fs.stats.local_named_whole == 1  # the second time the unchanged copy was trusted
-        local = box.tree_of(state) / "ckpt/model.bin"
-        with open(local, "r+b") as f:
+        got["after recorded"] = (fs.stats.local_written_whole, fs.stats.local_named_whole)
+        for attempt in ("unrecorded", "unrecorded again"):  # (named, then trusted)
+            fd = await fs.verified_copy(ino["venv/lib/site-packages/torch_like.so"])
+            assert fd is not None
+            os.close(fd)
+        got["after unrecorded"] = (fs.stats.local_written_whole, fs.stats.local_named_whole)
+
+    fs = _offer(box, state, body, tmp_path)
+    assert got["recorded"] == got["again"] == (box.src / "ckpt/model.bin").read_bytes()[:8]
+    assert got["after recorded"] == (1, 0)  # offered as written: not read back, not named
+    assert got["after unrecorded"] == (1, 1)  # named once
+    assert fs.stats.local_corrupt == 0
+
+
+@pytest.mark.expect_log(r"local copy of inode \d+ does not hold", level=logging.ERROR, logger="ogrefs.lazy")
+@pytest.mark.parametrize("mtime", ["changed", "set back"])
+def test_a_recorded_copy_changed_since_is_named_and_a_damaged_one_never_offered(materialized, tmp_path, mtime):
+    """A byte flipped through the file system changes the copy's ctime (nobody can set that back), so the record
+    no longer vouches for it: it is named, found wrong and never offered."""
+    box, state = materialized
+    got: dict[str, object] = {}
+
+    async def body(fs, ino, local):
+        path = local("ckpt/model.bin")
+        st = os.stat(path)
+        with open(path, "r+b") as f:
             f.seek(4 * 1024 * 1024)
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 1]))
-        got["damaged"] = await fs.verified_copy(ino["ckpt/model.bin"])
+        if mtime == "set back":
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+        got["fd"] = await fs.verified_copy(ino["ckpt/model.bin"])
+
+    fs = _offer(box, state, body, tmp_path)
+    assert got["fd"] is None and fs.stats.local_corrupt == 1
+    assert fs.stats.local_written_whole == 0 and fs.stats.local_named_whole == 0
+
+
+def test_a_record_of_another_boot_is_not_trusted(materialized, tmp_path, monkeypatch):
+    """Across a reboot the disk may have been anywhere: the copy is named again (and offered, being right)."""
+    from ogrefs import localtree
+
+    box, state = materialized
+    got: dict[str, object] = {}
+
+    async def body(fs, ino, local):
+        monkeypatch.setattr(localtree, "_BOOT_ID", "another-boot")
+        got["fd"] = await fs.verified_copy(ino["ckpt/model.bin"])
+
+    fs = _offer(box, state, body, tmp_path)
+    assert got["fd"] is not None
+    os.close(got["fd"])
+    assert (fs.stats.local_written_whole, fs.stats.local_named_whole, fs.stats.local_corrupt) == (0, 1, 0)
+
+
+def test_no_copy_is_offered_while_a_trace_is_recorded_nor_of_a_file_read_through_the_mount(materialized, tmp_path):
+    """While a trace is recorded the daemon must see the reads it is made of; a file the mount has answered READs
+    of may have its pages in the kernel's cache, which serves the next reader at no cost."""
+    from ogrefs.lazy.trace.recorder import Recorder
+
+    box, state = materialized
+    got: dict[str, object] = {}
+
+    async def recording(fs, ino, local):
+        got["recording"] = await fs.verified_copy(ino["ckpt/model.bin"])
+
+    recorder = Recorder(box.catalog)
+    assert recorder.active
+    _offer(box, state, recording, tmp_path / "a", recorder=recorder)
+    assert got["recording"] is None
+    recorder.stop()
+    fd = None
+
+    async def stopped(fs, ino, local):
+        nonlocal fd
+        fd = await fs.verified_copy(ino["ckpt/model.bin"])
         fh = await fs.open(ino["venv/lib/site-packages/torch_like.so"], os.O_RDONLY)
         await fs.read(fh, 0, 4096)
         fs.release(fh)
         got["read before"] = await fs.verified_copy(ino["venv/lib/site-packages/torch_like.so"])
 
-    run_trio(fetcher, body)
-    assert got["first"] == got["again"] == (box.src / "ckpt/model.bin").read_bytes()[:8]
-    assert got["damaged"] is None and fs.stats.local_corrupt == 1
+    _offer(box, state, stopped, tmp_path / "b", recorder=recorder)
+    assert fd is not None  # (the recording over: offered)
+    os.close(fd)
     assert got["read before"] is None
+
+
+def test_a_large_copy_without_a_record_is_left_to_the_daemon_not_named_at_its_open(materialized, tmp_path,
+                                                                                    monkeypatch):
+    """Naming it would make the open wait for the whole file to be read and hashed (a reader of a few pages of
+    a 50 GB file); the daemon names only what is read."""
+    from ogrefs.lazy.fs import localread
+
+    box, state = materialized
+    monkeypatch.setattr(localread, "NAME_AT_OPEN_MAX", 1 << 20)
+    got: dict[str, object] = {}
+
+    async def body(fs, ino, local):
+        got["recorded"] = await fs.verified_copy(ino["ckpt/model.bin"])
+        got["unrecorded"] = await fs.verified_copy(ino["venv/lib/site-packages/torch_like.so"])
+
+    fs = _offer(box, state, body, tmp_path)
+    assert got["recorded"] is not None  # recorded: no naming, whatever its size
+    os.close(got["recorded"])
+    assert got["unrecorded"] is None
+    assert (fs.stats.local_too_large_to_name, fs.stats.local_named_whole) == (1, 0)
 
 
 @pytest.mark.parametrize("where", ["right", "first part", "last part", "gap between parts"])
@@ -166,3 +287,43 @@ def test_a_catalog_that_fails_while_a_copy_is_named_leaves_the_file_to_the_daemo
     fds_before = len(os.listdir("/proc/self/fd"))
     assert trio.run(reads.whole, 5, os.fsencode(copy), 3 << 20) is None
     assert len(os.listdir("/proc/self/fd")) == fds_before  # the copy's fd closed
+
+
+def test_the_writer_records_what_each_large_file_became_and_a_plan_of_an_older_ogrefs_opens(materialized, tmp_path):
+    """Recorded complete, a file over RECORD_WRITTEN_ABOVE carries its identity once its metadata is set (what it
+    still is: nothing changed it since); a small one costs no stat.  A plan made before the record existed gets
+    the column and reads as "not recorded"."""
+    import sqlite3
+
+    from ogrefs.box.copyplan import Plan
+    from ogrefs.lazy.background.materialize.writer import RECORD_WRITTEN_ABOVE
+    from ogrefs.lazy.fs.vfs import KERNEL_PAGES_MAX
+    from ogrefs.localtree import copy_identity
+
+    assert RECORD_WRITTEN_ABOVE <= KERNEL_PAGES_MAX  # every file passthrough may serve is recorded
+    box, state = materialized
+    plan = Plan(state / "materialize.sqlite")
+    large = small = 0
+    for path, node in box.catalog.walk(1):
+        if not node.is_reg:
+            continue
+        recorded = plan.written(node.ino)
+        if node.size > RECORD_WRITTEN_ABOVE:
+            large += 1
+            assert recorded == copy_identity(os.stat(state / "tree" / os.fsdecode(path).lstrip("/"))), path
+        else:
+            small += 1
+            assert recorded is None, path
+    assert large >= 2 and small >= 10
+
+    old = tmp_path / "old.sqlite"
+    with sqlite3.connect(old) as db:
+        db.execute("CREATE TABLE files (ino INTEGER PRIMARY KEY, path BLOB NOT NULL, pending INTEGER NOT NULL DEFAULT 0,"
+                   " complete INTEGER NOT NULL DEFAULT 0)")
+        db.execute("INSERT INTO files VALUES (7, x'2f61', 0, 1)")
+    db.close()
+    plan = Plan(old)
+    assert plan.open("snap") == "snap"
+    assert plan.written(7) is None and plan.complete_inos() == frozenset({7})
+    plan.mark_complete([7], {7: "boot:1:2:3:4:5"})
+    assert plan.written(7) == "boot:1:2:3:4:5"

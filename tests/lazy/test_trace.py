@@ -233,6 +233,9 @@ def test_the_vfs_reports_first_touches_and_a_finished_window_is_saved(tmp_path):
         def tree_path(self, i):
             return None
 
+        def written_identity(self, i):
+            return None
+
     rec = Recorder(cat, window_s=0.5)
     fetcher = Fetcher(repo.read_pack_range)
     fs = SnapshotFS(cat, fetcher, recorder=rec, local=Local())

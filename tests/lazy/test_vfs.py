@@ -258,6 +258,9 @@ def test_a_large_file_read_front_to_back_is_exact_and_stays_out_of_the_disk_cach
         def local_paths(self, inos):
             return {}
 
+        def written_identity(self, ino):
+            return None
+
     cache2 = ChunkCache(tmp_path / "cache2", 1 << 30)
     run_fs(repo, cat, body, cache=cache2, local=NothingLocalYet())
     # its materialization will want every chunk it did not adopt: they stay in the cache, not fetched again
@@ -339,6 +342,9 @@ class SourceCopy:
         return {ino: self.paths[ino] for ino in inos if ino in self.paths}
 
     def tree_path(self, ino: int) -> bytes | None:
+        return None
+
+    def written_identity(self, ino: int) -> str | None:
         return None
 
 

@@ -78,7 +78,10 @@ def test_status_says_whether_the_kernel_reads_local_copies(capsys):
 
     on = {"state": "on", "opens": 7, "backing_opens": 2, "declined": 0, "inodes": 1}
     _report(_status(passthrough=on), as_json=False)
-    assert "passthrough           on: 7 opens read by the kernel from the local copy" in capsys.readouterr().out
+    assert "passthrough           on: 7 opens read by the kernel from the local copy\n" in capsys.readouterr().out
+    _report(_status(passthrough=on, trace_recording=True), as_json=False)  # the daemon must see the trace's reads
+    assert ("passthrough           on: 7 opens read by the kernel from the local copy; none while the access trace"
+            " is recorded\n") in capsys.readouterr().out
     why = "off: the local copies lie on a stacked file system (an overlay)"
     _report(_status(passthrough=dict(on, state=why, opens=0)), as_json=False)
     out = capsys.readouterr().out

@@ -5,14 +5,18 @@ Tables:
 * ``chunks``  every distinct chunk to fetch: location, class, order, ``done``;
 * ``targets`` where each chunk goes: (chunk, inode, file offset);
 * ``files``   one row per regular-file inode: its path in the tree, how many
-  targets are still missing, ``complete``;
+  targets are still missing, ``complete``, and for a large file what it was when
+  recorded complete (``written``: :func:`ogrefs.localtree.copy_identity`);
 * ``others``  directories and special files (their metadata is applied at the end);
 * ``links``   the other names of a hard-linked regular file (``files`` holds its first);
 * ``meta``    snapshot id, ``built`` (the tree exists), ``finished``.
 
 A chunk recorded done is on disk at every one of its targets (the writer
 records it only after the data is durable); a file is recorded complete once
-its data is all done and its metadata applied.
+its data is all done and its metadata applied.  Its ``written`` identity says
+that the copy holds what the writer wrote from verified chunks for as long as
+the file is unchanged (the daemon's FUSE passthrough hands such a copy to the
+kernel without reading it back: lazy/fs/localread.py).
 
 This module is the plan's one reader and writer: the build (its child
 process), the materializer and a snapshot of a box running from a mount
@@ -47,7 +51,7 @@ TRACE, HINT, BACKGROUND = 0, 1, 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS files (ino INTEGER PRIMARY KEY, path BLOB NOT NULL, pending INTEGER NOT NULL DEFAULT 0,
-                                  complete INTEGER NOT NULL DEFAULT 0);
+                                  complete INTEGER NOT NULL DEFAULT 0, written TEXT);
 CREATE TABLE IF NOT EXISTS others (seq INTEGER PRIMARY KEY, ino INTEGER NOT NULL, path BLOB NOT NULL,
                                    dir INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS links (path BLOB PRIMARY KEY, ino INTEGER NOT NULL) WITHOUT ROWID;
@@ -98,6 +102,8 @@ class Plan:
         """Create the schema; returns the snapshot whose plan this is (``snapshot_id`` once claimed)."""
         db = self.db()
         db.executescript(_SCHEMA)
+        if "written" not in {r[1] for r in db.execute("PRAGMA table_info(files)")}:  # a plan of an older ogrefs
+            db.execute("ALTER TABLE files ADD COLUMN written TEXT")
         owner = self.meta("snapshot")
         if owner is None:
             db.execute("INSERT INTO meta VALUES ('snapshot', ?)", (snapshot_id,))
@@ -279,12 +285,19 @@ class Plan:
                 ready.append(ino)
         return ready
 
-    def mark_complete(self, inos: list[int]) -> None:
+    def mark_complete(self, inos: list[int], written: dict[int, str] | None = None) -> None:
+        """These files are complete; ``written``: what some of them were once complete (their identity)."""
         if inos:
+            written = written or {}
             db = self.db()
             db.execute("BEGIN")
-            db.executemany("UPDATE files SET complete=1 WHERE ino=?", [(i,) for i in inos])
+            db.executemany("UPDATE files SET complete=1, written=? WHERE ino=?", [(written.get(i), i) for i in inos])
             db.execute("COMMIT")
+
+    def written(self, ino: int) -> str | None:
+        """The identity complete file ``ino`` had when it was recorded complete, if it was recorded (a point query)."""
+        row = self.db().execute("SELECT written FROM files WHERE ino=? AND complete=1", (ino,)).fetchone()
+        return row[0] if row else None
 
     def mark_finished(self) -> None:
         db = self.db()

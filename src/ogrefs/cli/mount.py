@@ -295,7 +295,9 @@ def _report(st: dict, as_json: bool) -> None:
     ]
     if pt := st.get("passthrough"):  # complete local copies read by the kernel (docs/mount.md)
         lines.append(f"  passthrough           {pt['state']}" + (f": {pt['opens']} opens read by the kernel from"
-                                                                 f" the local copy" if pt["state"] == "on" else ""))
+                                                                 f" the local copy" if pt["state"] == "on" else "")
+                     + ("; none while the access trace is recorded" if st.get("trace_recording")
+                        and pt["state"] in ("on", "asked") else ""))
     lines.extend(f"  {note}" for note in st.get("trace_notes") or [])
     lines.extend(f"  {why}" for why in st.get("refused") or [])  # overlays left out: a user's symlink on the way
     lines.extend(f"  {line}" for line in [exact_line(st)] if line)

@@ -48,6 +48,7 @@ import trio
 
 from ogrefs.errors import OgrefsError
 from ogrefs.inspect.machine import usable_cpus
+from ogrefs.localtree import copy_identity
 from ogrefs.repo.catalog import Catalog, Extent
 from ogrefs.units import MiB
 
@@ -67,6 +68,10 @@ LOCAL_SPAN = 8 * MiB
 NAME_PIECE = 128 * 1024
 #: ... and a large one in parts of at least this many bytes at once, one worker thread each (up to one per core).
 NAME_PART_MIN = 64 * MiB
+#: A copy its writer did not record (:meth:`LocalReads.whole`) is named at an open only up to this size: the open
+#: waits for the whole file to be read and hashed, which a reader of a few pages of a 50 GB file would wait for
+#: (~0.25 s for 256 MiB read from a 1 GB/s disk); a larger one is left to the daemon, which names what is read.
+NAME_AT_OPEN_MAX = 256 * MiB
 #: The most bytes of spans all handles hold at once (16 sequential readers' worth).
 LOCAL_SPANS_MAX = 128 * MiB
 #: A READ that starts this close to where the handle's previous one ended is sequential: the kernel's
@@ -101,8 +106,10 @@ class LocalReads:
     """Opens and reads complete local copies for the vfs; see the module docstring."""
 
     def __init__(self, catalog: Catalog, chunk_id: Callable[[bytes], bytes], stats: "VfsStats",
-                 recorder: "AccessRecorder | None", chunk_hasher: Callable[[], Any]) -> None:
+                 recorder: "AccessRecorder | None", chunk_hasher: Callable[[], Any],
+                 written_identity: Callable[[int], str | None] | None = None) -> None:
         self.catalog = catalog
+        self.written_identity = written_identity  # (blocking: LocalCopy.written_identity, in a worker thread)
         self.chunk_id = chunk_id  # the repository's (keyed when encrypted)
         self.chunk_hasher = chunk_hasher  # the same, in pieces (:meth:`whole`)
         self.stats = stats
@@ -141,17 +148,39 @@ class LocalReads:
         """An fd of the complete local copy at ``path``, every byte of it the snapshot's, or None (the caller
         closes the fd; a file served from it by the kernel is never seen by the daemon again).
 
-        The copy is named whole in a worker thread (:func:`name_whole`: each
-        chunk, and the gaps between them read as zeros) unless it was named
-        before and is the same file since: same inode, size, mtime and ctime
-        (a write to it changes the ctime, and nobody can set that back).
+        Trusted as it is when it is the same file (same inode, size, mtime and
+        ctime: a write to it changes the ctime, and nobody can set that back)
+        as when it was named before, or as when the materializer recorded it
+        complete in this boot (``written_identity``: it wrote the copy from
+        chunks it had verified, so it is as good as named; a copy that
+        materializes while a job runs is then served by the kernel at no cost).
+        Otherwise it is named whole in worker threads (:func:`name_whole`:
+        each chunk, and the gaps between them read as zeros), if it is at most
+        ``NAME_AT_OPEN_MAX`` bytes; a larger one is left to the daemon (None).
         """
         fd = self.open(path, size)
         if fd is None:
             return None
-        known = _identity(os.fstat(fd))
+        st = os.fstat(fd)
+        known = _identity(st)
         if self._named_whole.get(ino) == known:
             return fd
+        try:
+            if self.written_identity is not None:
+                recorded = await trio.to_thread.run_sync(self.written_identity, ino)
+                if recorded is not None and recorded == copy_identity(st):
+                    self._named_whole[ino] = known
+                    self.stats.local_written_whole += 1
+                    return fd
+        except (sqlite3.Error, OgrefsError) as exc:  # (the plan cannot be read: the copy is named instead)
+            log.warning("the record of local copy of inode %d cannot be read (%s)", ino, exc)
+        except BaseException:  # (cancelled: the open is abandoned)
+            os.close(fd)
+            raise
+        if size > NAME_AT_OPEN_MAX:
+            os.close(fd)
+            self.stats.local_too_large_to_name += 1
+            return None
         try:
             extents = await trio.to_thread.run_sync(self.catalog.extents, ino)
             chunks = tuple((e.offset, e.length, e.chunk) for e in extents)

@@ -69,6 +69,8 @@ class VfsStats:
     local_opens: int = 0  # opens served from the local copy (materialization)
     local_reads: int = 0
     local_named_whole: int = 0  # complete local copies named whole for the kernel to serve (localread.whole)
+    local_written_whole: int = 0  # ... handed to the kernel unread: as their writer recorded them, unchanged since
+    local_too_large_to_name: int = 0  # ... left to the daemon: not so recorded, and too large to name at an open
     local_corrupt: int = 0  # chunks of the local copy that failed verification (then read from the store)
     page_cache_pushed: int = 0  # files whose bytes were put into the kernel's page cache ahead of their reads
     open_pushed: int = 0  # small files put into the kernel's page cache from memory at their open (lazy/fs/openpush.py)
@@ -99,4 +101,9 @@ class LocalCopy(Protocol):
 
     def local_paths(self, inos: list[int]) -> dict[int, bytes]:
         """Blocking, thread-safe (worker threads): the complete local copies among ``inos``."""
+        ...
+
+    def written_identity(self, ino: int) -> str | None:
+        """Blocking, thread-safe: what the complete copy of ``ino`` was when its writer, which wrote it from
+        verified chunks, recorded it complete (:func:`ogrefs.localtree.copy_identity`); None if not recorded."""
         ...

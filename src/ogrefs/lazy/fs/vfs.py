@@ -203,7 +203,8 @@ class SnapshotFS:
         self.stats = VfsStats()
         # page_cache: puts a file's whole content into the kernel's page cache (the adapter's); its reads
         # then never reach the daemon. None: no such thing, and no pushes
-        self._local_reads = LocalReads(catalog, chunk_id, self.stats, recorder, chunk_hasher)
+        self._local_reads = LocalReads(catalog, chunk_id, self.stats, recorder, chunk_hasher,
+                                       local.written_identity if local is not None else None)
         self._lookups: dict[int, int] = {}
         # small files whose pages the kernel holds (a read answered, a push at open; keep_cache) until it forgets
         # them: neither pusher sends them again
@@ -430,14 +431,16 @@ class SnapshotFS:
         return self._handles.get(ino, 0)
 
     async def verified_copy(self, ino: int) -> int | None:
-        """An fd of ``ino``'s complete local copy, every byte of it checked against the catalog, for a reader
+        """An fd of ``ino``'s complete local copy, every byte of it the snapshot's (named, or as the materializer
+        wrote it from verified chunks: :meth:`LocalReads.whole <ogrefs.lazy.fs.localread.LocalReads.whole>`), for a reader
         that bypasses :meth:`read` (FUSE passthrough: mount/passthrough.py); None for a file without one or of
         at most ``KERNEL_PAGES_MAX`` bytes (those are pushed to the kernel's page cache instead), and for one this
         mount has answered READs of: its pages may be in the kernel's cache, which serves the next reader at no
-        cost, where a bypassing reader would name the copy and read it from disk again.  The caller closes the
-        fd."""
+        cost, where a bypassing reader would name the copy and read it from disk again; and None while an access
+        trace is recorded: the daemon would not see the reads the trace is made of.  The caller closes the fd."""
         node = self._node(ino)
         if (not node.is_reg or node.size <= KERNEL_PAGES_MAX or ino in self._daemon_read
+                or (self.recorder is not None and self.recorder.active)
                 or (path := self._memo.local_path(ino)) is None):
             return None
         return await self._local_reads.whole(ino, path, node.size)

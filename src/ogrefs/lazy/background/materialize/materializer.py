@@ -145,6 +145,14 @@ class Materializer:
             return {}
         return {ino: self._tree_b + path for ino, path in self._plan.complete_paths(inos).items()}
 
+    def written_identity(self, ino: int) -> str | None:
+        """Blocking, thread-safe (a point query of the plan on the caller's own connection): the identity complete
+        file ``ino`` had when this tree's writer recorded it complete (:func:`ogrefs.localtree.copy_identity`), or
+        None."""
+        if self.state == "not materializing":
+            return None
+        return self._plan.written(ino)
+
     def tree_path(self, ino: int) -> bytes | None:
         """The tree's file for regular file ``ino``, complete or not (its done chunks are in place)."""
         return self._tree_file(ino) if self.residency.tree_has_chunks else None

@@ -28,7 +28,7 @@ import os
 from typing import Callable
 
 from ogrefs.box.copyplan import TRACE, Item, Plan
-from ogrefs.localtree import LocalTree, pwrite_all, syncfs_fd
+from ogrefs.localtree import LocalTree, copy_identity, pwrite_all, syncfs_fd
 from ogrefs.repo.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 _SYNCFS_ABOVE = 16
 #: Chunks at least this large leave the page cache once durable (bulk data; small files stay cached).
 _DROP_FROM_PAGE_CACHE = 256 * 1024
+#: Files larger than this are recorded complete with their identity (``Plan.written``): FUSE passthrough
+#: considers files over 1 MiB (lazy/fs/vfs.py, ``KERNEL_PAGES_MAX``) and trusts a copy so recorded and unchanged
+#: without reading it back; smaller files would only cost a stat each.
+RECORD_WRITTEN_ABOVE = 1024 * 1024
 
 
 
@@ -80,8 +84,10 @@ class TreeWriter:
             log.warning("materialization: %s of %s not set (%s)", p.what, os.fsdecode(path) or "/", p.reason)
 
     def complete_files(self, inos: list[int]) -> list[int]:
-        """Apply the final metadata of files whose data is all done, then record them complete."""
+        """Apply the final metadata of files whose data is all done, then record them complete (a large one
+        with its identity once its metadata is set: what the copy is while nobody changes it)."""
         done = []
+        written: dict[int, str] = {}
         for ino in inos:
             path = self.plan.file_path(ino)
             node = self.catalog.get(ino)
@@ -89,7 +95,14 @@ class TreeWriter:
                 continue
             self.apply_metadata(path, node)
             done.append(ino)
-        self.plan.mark_complete(done)
+            if node.size > RECORD_WRITTEN_ABOVE:
+                try:
+                    identity = copy_identity(self.tree.lstat(path))
+                except OSError:
+                    identity = None  # (then an open names the copy before the kernel may serve it)
+                if identity is not None:
+                    written[ino] = identity
+        self.plan.mark_complete(done, written)
         return done
 
     def write_batch(self, batch: list[tuple[Item, bytes]]) -> list[int]:
