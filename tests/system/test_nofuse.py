@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -320,6 +321,41 @@ def test_kill_9_half_way_then_the_same_mount_completes_exactly(lab):
     in_container(lab, f"$OG mount {snap} {out} --no-fuse --state-dir {state} && "
                       f"$OG status {out} --wait --timeout 120 >/dev/null")
     assert compare_trees(src, _under(out, src)) == []
+    assert _leftovers(out) == []
+
+
+def test_a_rerun_puts_back_what_was_removed_since_and_keeps_what_was_changed(lab):
+    """The same mount run again over a finished copy (after a reboot, or to get a deleted file back): the files
+    recorded in place that are missing now are written again; a file written since (a job appending to its
+    log) is the box's and stays.  Before: "N in place already" from the plan alone, the removed files absent."""
+    src = lab["tmp"] / "box" / "proj"
+    (src / "sub" / "deep").mkdir(parents=True)
+    (src / "sub" / "weights.bin").write_bytes(os.urandom(300_000))
+    (src / "sub" / "deep" / "a.py").write_text("print('a')\n")
+    (src / "train.log").write_text("step 1\n")
+    (src / "keep.txt").write_text("kept")
+    os.link(src / "keep.txt", src / "keep-link.txt")
+    snap = _snapshot(lab, src)
+    out, state = lab["tmp"] / "out", lab["tmp"] / "state" / "st"
+    out.mkdir()
+    run = (f"$OG mount {snap} {out} --no-fuse --state-dir {state} >/dev/null && "
+           f"$OG status {out} --wait --timeout 120 >/dev/null && $OG unmount {out} >/dev/null")
+    in_container(lab, run)
+    assert compare_trees(src, _under(out, src)) == []
+    there = _under(out, src)
+    (there / "sub" / "weights.bin").unlink()
+    shutil.rmtree(there / "sub" / "deep")
+    (there / "keep-link.txt").unlink()  # one name of two
+    with open(there / "train.log", "a") as f:
+        f.write("step 2, written by the resumed job\n")
+    in_container(lab, run)
+    assert (there / "sub" / "weights.bin").read_bytes() == (src / "sub" / "weights.bin").read_bytes()
+    assert (there / "sub" / "deep" / "a.py").read_text() == "print('a')\n"
+    assert os.path.samefile(there / "keep.txt", there / "keep-link.txt")
+    assert (there / "train.log").read_text() == "step 1\nstep 2, written by the resumed job\n"
+    (there / "train.log").write_text("step 1\n")  # (the job's line taken out again: the rest is the snapshot's)
+    os.utime(there / "train.log", ns=((src / "train.log").stat().st_atime_ns, (src / "train.log").stat().st_mtime_ns))
+    assert compare_trees(src, there) == []
     assert _leftovers(out) == []
 
 

@@ -294,6 +294,14 @@ class Plan:
             db.executemany("UPDATE files SET complete=1, written=? WHERE ino=?", [(written.get(i), i) for i in inos])
             db.execute("COMMIT")
 
+    def mark_incomplete(self, inos: list[int]) -> None:
+        """These files are not complete after all (a rerun found them removed or changed): written again."""
+        if inos:
+            db = self.db()
+            db.execute("BEGIN")
+            db.executemany("UPDATE files SET complete=0, written=NULL WHERE ino=?", [(i,) for i in inos])
+            db.execute("COMMIT")
+
     def written(self, ino: int) -> str | None:
         """The identity complete file ``ino`` had when it was recorded complete, if it was recorded (a point query)."""
         row = self.db().execute("SELECT written FROM files WHERE ino=? AND complete=1", (ino,)).fetchone()

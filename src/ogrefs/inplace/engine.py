@@ -198,8 +198,52 @@ class InPlace:
             self._record_plan()
         with LocalTree(self.target or b"/") as tree:
             self._make_dirs(tree, clean=resuming)
-        complete = self.plan.complete_inos()
+            complete = self.plan.complete_inos()
+            if resuming and complete:
+                complete = self._still_in_place(tree, complete)
         self._queue(order, walk_order, complete)
+
+    def _still_in_place(self, tree: LocalTree, complete: frozenset[int]) -> frozenset[int]:
+        """On a rerun: the files recorded complete, less those with a name that holds nothing any more (removed
+        since, or a directory of them).  Those are recorded incomplete and go back to the queue: a rerun puts
+        back what is missing and never calls a file in place that is not.  A name that holds something else
+        (written, truncated, replaced since: a job running from the copy appends to its log) is the box's own
+        and stays as it is, as during the copy; so does every name of an inode one of whose names was changed.
+        One ``stat`` a name, a directory's names from one descriptor of it."""
+        by_dir: dict[bytes, list[tuple[bytes, int]]] = {}
+        for ino in complete:
+            for name in self._names.get(ino, ()):
+                parent, base = split(name)
+                by_dir.setdefault(parent, []).append((base, ino))
+        first: dict[int, int] = {}  # inode -> the inode number its first name found holds
+        missing: set[int] = set()
+        changed: set[int] = set()
+        for parent, entries in by_dir.items():
+            try:
+                pfd = tree.open_dir(parent)
+            except FileNotFoundError:
+                missing.update(ino for _base, ino in entries)
+                continue
+            except OSError:  # (a file or a symlink where the directory was: someone's)
+                changed.update(ino for _base, ino in entries)
+                continue
+            try:
+                for base, ino in entries:
+                    try:
+                        st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        missing.add(ino)
+                        continue
+                    if (not stat.S_ISREG(st.st_mode) or st.st_size != self._size[ino]
+                            or first.setdefault(ino, st.st_ino) != st.st_ino):
+                        changed.add(ino)
+            finally:
+                os.close(pfd)
+        gone = missing - changed
+        if gone:
+            self.plan.mark_incomplete(sorted(gone))
+            log.warning("%d files recorded in place before are missing (removed since): written again", len(gone))
+        return complete - gone
 
     def _walk(self) -> list[int]:
         """Every entry this box does not keep; the non-directory inodes in catalog order."""
