@@ -295,7 +295,7 @@ class Plan:
             db.execute("COMMIT")
 
     def mark_incomplete(self, inos: list[int]) -> None:
-        """These files are not complete after all (a rerun found them removed or changed): written again."""
+        """These files are not complete after all (a rerun found a name of theirs removed): written again."""
         if inos:
             db = self.db()
             db.execute("BEGIN")
