@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ogrefs.repo.catalog import Inode
+from ogrefs.repo.locks import boot_id
 from ogrefs.errors import OgrefsError
 
 __all__ = ["LocalTree", "PathConflict", "EntryReplaced", "FileId", "MetadataProblem", "copy_identity", "pwrite_all",
@@ -143,15 +144,7 @@ def syncfs_fd(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _read_boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
-_BOOT_ID = _read_boot_id()  # (set once, at import: constant for the process's life)
+_BOOT_ID = boot_id()  # (set once, at import: constant for the process's life)
 
 
 def copy_identity(st: os.stat_result) -> str | None:
@@ -354,12 +347,20 @@ class LocalTree:
     def identities(self, rel: bytes, names: list[bytes]) -> list[FileId | None]:
         """:meth:`identity` of each of ``names`` in directory ``rel``, resolved once (None for all when the
         directory cannot be reached)."""
+        found = self.lstats(rel, names)
+        if found is None:
+            return [None] * len(names)
+        return [FileId.of(st) if st is not None and stat.S_ISREG(st.st_mode) else None for st in found]
+
+    def lstats(self, rel: bytes, names: list[bytes]) -> list[os.stat_result | None] | None:
+        """Each of ``names`` in directory ``rel`` itself (a symlink not followed; None: nothing there), the
+        directory resolved once; None when the directory cannot be reached."""
         try:
             pfd = self.open_dir(rel)
         except OSError:
-            return [None] * len(names)
+            return None
         try:
-            return [_regular_id(pfd, name) for name in names]
+            return [_lstat_at(pfd, name) for name in names]
         finally:
             os.close(pfd)
 
@@ -503,12 +504,11 @@ class LocalTree:
         return problems
 
 
-def _regular_id(pfd: int, name: bytes) -> FileId | None:
+def _lstat_at(pfd: int, name: bytes) -> os.stat_result | None:
     try:
-        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        return os.stat(name, dir_fd=pfd, follow_symlinks=False)
     except OSError:
         return None
-    return FileId.of(st) if stat.S_ISREG(st.st_mode) else None
 
 
 def _clear_dir(pfd: int, name: bytes, files: bool = False) -> None:

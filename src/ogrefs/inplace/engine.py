@@ -209,7 +209,7 @@ class InPlace:
         back what is missing and never calls a file in place that is not.  A name that holds something else
         (written, truncated, replaced since: a job running from the copy appends to its log) is the box's own
         and stays as it is, as during the copy; so does every name of an inode one of whose names was changed.
-        One ``stat`` a name, a directory's names from one descriptor of it."""
+        One ``stat`` a name, a directory's names from one descriptor of it (:meth:`LocalTree.lstats`)."""
         by_dir: dict[bytes, list[tuple[bytes, int]]] = {}
         for ino in complete:
             for name in self._names.get(ino, ()):
@@ -219,26 +219,16 @@ class InPlace:
         missing: set[int] = set()
         changed: set[int] = set()
         for parent, entries in by_dir.items():
-            try:
-                pfd = tree.open_dir(parent)
-            except FileNotFoundError:
-                missing.update(ino for _base, ino in entries)
-                continue
-            except OSError:  # (a file or a symlink where the directory was: someone's)
+            found = tree.lstats(parent, [base for base, _ino in entries])
+            if found is None:  # (made by _make_dirs just now: a symlink or a file in its place is someone's)
                 changed.update(ino for _base, ino in entries)
                 continue
-            try:
-                for base, ino in entries:
-                    try:
-                        st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        missing.add(ino)
-                        continue
-                    if (not stat.S_ISREG(st.st_mode) or st.st_size != self._size[ino]
-                            or first.setdefault(ino, st.st_ino) != st.st_ino):
-                        changed.add(ino)
-            finally:
-                os.close(pfd)
+            for (_base, ino), st in zip(entries, found):
+                if st is None:
+                    missing.add(ino)
+                elif (not stat.S_ISREG(st.st_mode) or st.st_size != self._size[ino]
+                        or first.setdefault(ino, st.st_ino) != st.st_ino):
+                    changed.add(ino)
         gone = missing - changed
         if gone:
             self.plan.mark_incomplete(sorted(gone))

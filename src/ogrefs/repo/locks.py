@@ -98,7 +98,7 @@ class LockInfo:
         nothing here (another box, a reboot, a container with its own pids).
         """
         if not (self.boot_id and self.pid_ns and self.host == socket.gethostname()
-                and self.boot_id == _boot_id() and self.pid_ns == _pid_ns()):
+                and self.boot_id == boot_id() and self.pid_ns == _pid_ns()):
             return False
         start = _pid_start(self.pid)
         return start is None or (self.pid_start != 0 and start != self.pid_start)
@@ -108,7 +108,8 @@ class LockInfo:
         return f"{self.purpose} on {self.host} (pid {self.pid}), {age / 60:.0f} min old"
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``); empty where it cannot be read."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
             return fh.read().strip()
@@ -137,7 +138,7 @@ def _pid_start(pid: int) -> int | None:
 
 def _this_process() -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "boot_id": _boot_id(), "pid_ns": _pid_ns(),
+    return {"host": socket.gethostname(), "pid": pid, "boot_id": boot_id(), "pid_ns": _pid_ns(),
             "pid_start": _pid_start(pid) or 0}
 
 
