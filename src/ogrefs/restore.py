@@ -131,23 +131,19 @@ _FETCH_ERRORS = (StoreError, CorruptObject, ValueError)
 
 @dataclass(frozen=True)
 class Batch:
-    """What a caller other than ``ogrefs restore`` gives a :class:`Restorer` for one run over part of a tree
-    (the no-FUSE mount's write-in-place engine, :mod:`ogrefs.inplace`, runs one per batch of files).
+    """What the no-FUSE mount's in-place copy (:mod:`ogrefs.inplace`) gives the :class:`Restorer` its stream is
+    (which drives it in place of :meth:`Restorer.run`).
 
-    ``entries``: the entries of this run (their directories exist already); ``extents(inos, on_malformed)``:
-    the rows of :meth:`~ogrefs.repo.catalog.Catalog.all_extents` for those files only (a file whose rows are
-    malformed is named to ``on_malformed`` and fails alone); ``paths``: every path of the tree
-    (at least those named like temporary files: such a name among them is the tree's, never removed); ``may_replace(name)``: None when the
-    finished file may be renamed over what ``name`` holds now, else why not (someone on the box changed it
-    meanwhile: theirs stays); ``done(ino)``: called once a file is in place under all of its names.  Every file
-    is made durable before its rename (one syncfs for the batch's files, at its end), so a file in place
-    survives a crash with its bytes.
+    ``extents(inos, on_malformed)``: the rows of :meth:`~ogrefs.repo.catalog.Catalog.all_extents` for those
+    files only (a file whose rows are malformed is named to ``on_malformed`` and fails alone);
+    ``may_replace(name)``: None when the finished file may be renamed over what ``name`` holds now, else why
+    not (someone on the box changed it meanwhile: theirs stays); ``done(ino)``: called once a file is in place
+    under all of its names.  Every file is made durable before its rename, so a file in place survives a crash
+    with its bytes.
     """
 
-    entries: list[tuple[bytes, Inode]]
     extents: Callable[[set[int], Callable[[int, str], object]],
                       Iterator[tuple[int, int, int, bytes, str | None, int, int]]]
-    paths: frozenset[bytes]
     may_replace: Callable[[bytes], str | None]
     done: Callable[[int], None]
 
@@ -335,8 +331,6 @@ class Restorer:
                  batch: Batch | None = None) -> None:
         self.cat = catalog
         self.batch = batch
-        #: a batch's files waiting for its end, each with its open fd (closed by _place_ready or _finish)
-        self._ready: list[tuple[PendingFile, int, list[MetadataProblem]]] = []
         self.read_range = read_range
         self.decode_blob = decode_blob
         self.target = os.path.abspath(target).rstrip(b"/")
@@ -361,7 +355,7 @@ class Restorer:
         self._token = b""  # of the temporary names (see token_for)
         # every selected path: a leftover-like name among them is the tree's
         self._paths: set[bytes] | frozenset[bytes] = set()
-        self._keep_fds = _fds_to_keep()  # files kept open from creation to completion, at most (under _lock)
+        self._keep_fds = fds_to_keep()  # files kept open from creation to completion, at most (under _lock)
         self._create_locks = [threading.Lock() for _ in range(64)]  # a file's: its ino modulo 64
 
     # -- public ---------------------------------------------------------------------------------
@@ -383,9 +377,11 @@ class Restorer:
             raise CorruptObject("catalog has no root directory")
         self.tree = LocalTree(self.target or b"/")
         try:
-            entries = self._select() if self.batch is None else self.batch.entries
+            if self.batch is not None:  # (the in-place copy's stream drives a Restorer with a batch itself)
+                raise TypeError("Restorer.run() restores a whole selection, not a batch")
+            entries = self._select()
             self._token = token_for(entries)
-            self._paths = {path for path, _node in entries} if self.batch is None else self.batch.paths
+            self._paths = {path for path, _node in entries}
             ranges, needed = self._plan({n.ino for _p, n in entries if n.is_reg and n.size})
             if self.check_space:
                 self._check_space(needed)
@@ -393,8 +389,6 @@ class Restorer:
                 self._dirs.append((b"", root))
             self._build(entries)
             self._fetch_all(ranges, self._create_files)
-            if self.batch is not None:
-                self._place_ready()
             self._verify_in_place()
         finally:
             self._finish()
@@ -643,24 +637,20 @@ class Restorer:
     def _complete(self, f: PendingFile) -> None:
         """All data of ``f`` is written and verified: metadata on its fd, then its names (one thread per file).
 
-        In a batch the names wait for the batch's end (:meth:`_place_ready`): one ``syncfs`` makes every file
-        of the batch durable before any of them takes its name, instead of an ``fdatasync`` each."""
+        The in-place copy's stream overrides it: there the names wait for a round's ``syncfs``."""
         fd = self._open_tmp(f)
         if fd is None:
             return
         try:
-            problems = apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
-            if self.batch is not None:  # held open: once chowned, the name can no longer be proven ours
-                with self._lock:
-                    self._ready.append((f, fd, problems))
-                fd = -1
-                return
-            self._place(f, fd, problems)
+            self._place(f, fd, self._set_metadata(f, fd))
         except OSError as exc:
             self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
+
+    def _set_metadata(self, f: PendingFile, fd: int) -> list[MetadataProblem]:
+        """``f``'s owner, mode, xattrs and times on ``fd``: what could not be set (OSError when nothing can)."""
+        return apply_fd_metadata(fd, f.node, self.cat.xattrs(f.node.ino), as_root=self._is_root)
 
     def _open_tmp(self, f: PendingFile) -> int | None:
         """``f``'s temporary file, still ours and of its size; None (and ``f`` failed) otherwise."""
@@ -704,28 +694,6 @@ class Restorer:
         except (OSError, PathConflict) as exc:
             self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
 
-    def _place_ready(self) -> None:
-        """A batch's end: its complete files made durable at once (syncfs), then each under its names unless
-        someone on the box changed a name meanwhile (then theirs stays, and the file fails)."""
-        assert self.tree is not None and self.batch is not None
-        if not self._ready:
-            return
-        syncfs_fd(self.tree.root_fd)
-        while self._ready:
-            self._place_checked(*self._ready.pop(0))
-
-    def _place_checked(self, f: PendingFile, fd: int, problems: list[MetadataProblem]) -> None:
-        """A durable file of a batch under its names unless someone on the box changed one; ``fd`` closed."""
-        assert self.batch is not None
-        try:
-            why = next((w for w in map(self.batch.may_replace, f.names) if w is not None), None)
-            if why is not None:
-                self._fail({f.node.ino}, why)
-                return
-            self._place(f, fd, problems)
-        finally:
-            os.close(fd)
-
     def _verify_in_place(self) -> None:
         """Every name put in place still holds its file, or the file is reported and not counted: a name
         removed or replaced during the restore is a file this restore did not produce.  Names are looked
@@ -759,8 +727,6 @@ class Restorer:
         if tree is None:
             return
         try:
-            while self._ready:  # a batch that did not reach its end
-                os.close(self._ready.pop()[1])
             for f in self._files.values():
                 if f.fd >= 0:
                     os.close(f.fd)
@@ -788,7 +754,7 @@ class Restorer:
         return {self.display(k): v for k, v in self._below_bad.items() if v}
 
 
-def _fds_to_keep() -> int:
+def fds_to_keep() -> int:
     """How many files a restore keeps open from creation to completion: a quarter of the open-files limit
     (the entry point raised it to the hard one), at most 65,536; the others are opened by name per write."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]

@@ -244,7 +244,7 @@ def test_data_write_never_follows_a_symlink(base, tmp_path, sandbox, monkeypatch
 
     monkeypatch.setattr(LocalTree, "create_open", create_then_swap)
     if not kept:
-        monkeypatch.setattr(restore_mod, "_fds_to_keep", lambda: 0)
+        monkeypatch.setattr(restore_mod, "fds_to_keep", lambda: 0)
     r = _restore(Catalog(cat_path), repo, target)
     check()
     assert done, "the swap never happened"

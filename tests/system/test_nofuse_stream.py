@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -233,4 +234,53 @@ def test_a_file_asked_for_takes_its_name_without_waiting_for_a_syncfs(tmp_path, 
         runner.join(60)
     assert answered and held and need.answer == "ok"
     assert not runner.is_alive()
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_complete_files_waiting_for_the_placer_stay_within_the_open_files_limit(tmp_path, monkeypatch):
+    """Every complete file used to wait for the placer with its descriptor open: with the placer inside a held
+    ``syncfs`` while 600 files complete, under a soft limit of 256 open files, the workers ran out of them
+    ("Too many open files": files failed, the tree incomplete).  Past a bound a complete file now waits closed,
+    its metadata set when its round reopens it; the copy completes, metadata included, within the limit."""
+    import resource
+
+    import ogrefs.localtree
+
+    _small_ranges(monkeypatch)
+    repo, cat, src, out = _box(tmp_path, 600)
+    for i in range(0, 600, 7):  # owners and modes a reopened file must still get
+        p = src / f"a{i // 100}" / f"f{i:03}"
+        os.chown(p, 1000 + i, 2000 + i)
+        os.chmod(p, 0o4751 if i % 2 else 0o640)
+    repo = Repository.open(f"file://{tmp_path}/repo", cache_root=tmp_path / "cache")
+    m = take_snapshot(repo, SnapshotOptions(paths=[os.fsencode(src)], no_parent=True))
+    cat = Catalog(repo.catalog_path(m["id"]))
+    real_syncfs = ogrefs.localtree.syncfs_fd
+    engines: list[InPlace] = []
+    waited: list[bool] = []
+    asked: list[str | None] = []
+
+    def syncfs(fd):
+        if not waited:  # the first round waits until every file is complete (every worker ended)
+            deadline = time.monotonic() + HOLD_S
+            while not engines[0]._stream.drained() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            waited.append(engines[0]._stream.drained())
+            # the last file, waiting closed, is asked for meanwhile: reopened and placed by its asker
+            need = engines[0].need(os.fsencode(out / str(src / "a5" / "f599").lstrip("/")))
+            asked.append(need.answer if need.event.wait(HOLD_S) else None)
+        real_syncfs(fd)
+
+    for module in _data_modules():
+        if hasattr(module, "syncfs_fd"):
+            monkeypatch.setattr(module, "syncfs_fd", syncfs)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        engines.append(_engine(tmp_path, repo, cat, out, repo.read_pack_range))
+        engines[0].run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert waited == [True] and asked == ["ok"]
+    assert engines[0].failed == {} and engines[0].metadata_problems == {}
     assert compare_trees(src, out / str(src).lstrip("/")) == []

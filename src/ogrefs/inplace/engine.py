@@ -170,7 +170,7 @@ class InPlace:
         self._fed: set[int] = set()  # inos handed to the stream (the engine's thread's)
         self._before: dict[bytes, Identity] = {}  # what a name to write held when its group was checked
         self._tree: LocalTree | None = None  # open while run() runs
-        batch = Batch([], self._extents, frozenset(), self._may_replace, lambda ino: self._settle(ino, None))
+        batch = Batch(self._extents, self._may_replace, lambda ino: self._settle(ino, None))
         self._stream = Stream(catalog, read_range, self.target or b"/", batch=batch, on_failed=self._settle,
                               on_durable=self._durable, decode_blob=decode_blob, workers=self.workers,
                               stop_event=self.stop)

@@ -34,7 +34,11 @@ plain ``ogrefs restore``.  Here, in plain words:
 6. :meth:`Stream.close`: no more groups; once every range is fetched, the last round, a last ``syncfs``, and
    the Restorer's end (a file not in place is failed and its temporary file removed).
 
-Everything else is the Restorer's: temporary names, every blob verified, metadata on the descriptor, the
+A complete file waits for its round open, its metadata set on the descriptor (once chowned, its temporary name
+can no longer be proven ours), up to half of restore's budget of open files; past that it waits closed, still
+root's, and its round reopens it (proven ours) and sets its metadata before its ``syncfs``, taking a bounded
+number a round.  Held open without a bound, 2,883 files of a venv-shaped box's copy failed with "Too many open
+files" under a 20,000 limit.  Everything else is the Restorer's: temporary names, every blob verified, the
 rename.  A kill -9 leaves real names holding what was there before or a verified, durable file.  A chunk two
 groups share is fetched once per group (within a group, once).
 
@@ -44,9 +48,9 @@ asked for are placed by the worker that completes them or the thread that asks; 
 any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
 ``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
 ``_sealed``; ``_background`` is set once by any thread and only read by the workers, each of which changes only
-its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_placing`` and ``_specials_ready`` (taken whole by
-the placer; a file asked for taken out of ``_ready`` or ``_placing`` by the thread that places it)
-and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
+its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_ready_open``, ``_placing`` and
+``_specials_ready`` (taken by the placer; a file asked for taken out of ``_ready`` or ``_placing`` by the
+thread that places it) and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
 queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
 """
 
@@ -106,6 +110,14 @@ class Stream(Restorer):
         self._feeding = URGENT  # the class being added (the engine adds them in order): those above are whole
         self._specials_ready: list[tuple[int, int, list[tuple[bytes, Inode]]]] = []  # (class, ino, names): _lock
         self._placing: list = []  # the placer's round being synced: _lock (an asker may take its file out)
+        #: complete files waiting for their names: (file, its fd with the metadata set, the metadata's problems),
+        #: or (file, -1, []) past ``_ready_open_max`` (closed; reopened, proven ours, and its metadata set by
+        #: :meth:`_opened`); every fd closed by :meth:`_release` (_lock)
+        self._ready: list[tuple[PendingFile, int, list]] = []
+        self._ready_open = 0  # fds of complete files waiting for their names (_lock)
+        #: the most :meth:`_complete` keeps open (held open, 2,883 files of a venv-shaped box's copy failed with
+        #: "Too many open files" under a 20,000 limit while the placer's rounds fell behind)
+        self._ready_open_max = max(16, restore.fds_to_keep() // 2)
         self._place_now = threading.Event()
         self._drained = threading.Event()  # every worker ended: only placement is left
         self._threads: list[threading.Thread] = []
@@ -295,9 +307,22 @@ class Stream(Restorer):
                     self._cond.notify_all()
 
     def _complete(self, f: PendingFile) -> None:
-        """The Restorer's (metadata on the descriptor, then it waits for the placer in ``_ready``); one asked for
-        takes its name here (:meth:`_place_asked`)."""
-        super()._complete(f)
+        """All data of ``f`` is written and verified: it waits for the placer in ``_ready``, open with its metadata
+        set, or closed past ``_ready_open_max``; one asked for takes its name here (:meth:`_place_asked`)."""
+        fd = self._open_tmp(f)
+        if fd is None:
+            return
+        with self._lock:
+            hold = self._ready_open < self._ready_open_max
+            self._ready_open += hold
+        if hold:  # (held open: once chowned, the name can no longer be proven ours)
+            item = self._with_metadata(f, fd)
+        else:  # closed while still root's and unchowned: reopened by name, proven ours, at its round
+            os.close(fd)
+            item = (f, -1, [])
+        if item is not None:
+            with self._lock:
+                self._ready.append(item)
         with self._cond:
             asked = f.node.ino in self._urgent_inos
         if asked:  # (asked for before or while it was completed: bump looks after adding, this after appending)
@@ -315,15 +340,58 @@ class Stream(Restorer):
             self._ready = [item for item in self._ready if item[0].node.ino not in inos]
             self._placing = [item for item in self._placing if item[0].node.ino not in inos]
         durable = []
-        for f, fd, problems in mine:
+        for f, fd, problems in self._opened(mine):
             try:
                 os.fdatasync(fd)
             except OSError as exc:
-                os.close(fd)
+                self._release(fd)
                 self._fail({f.node.ino}, f"cannot be made durable ({reason_of(exc)})")
                 continue
             durable.append((f, fd, problems))
         self._place_all(durable)
+
+    def _with_metadata(self, f: PendingFile, fd: int) -> tuple[PendingFile, int, list] | None:
+        """A complete file open as ``fd`` (counted in ``_ready_open``) with its metadata set; None (``fd``
+        released, ``f`` failed) when it cannot be."""
+        try:
+            return f, fd, self._set_metadata(f, fd)
+        except OSError as exc:
+            self._release(fd)
+            self._fail({f.node.ino}, f"cannot be put in place ({reason_of(exc)})")
+            return None
+
+    def _opened(self, items: list[tuple[PendingFile, int, list]]) -> list[tuple[PendingFile, int, list]]:
+        """``items`` of ``_ready``, those that waited closed reopened (still ours) with their metadata set now;
+        one that cannot be is failed and left out."""
+        out = []
+        for f, fd, problems in items:
+            if fd < 0:
+                fd = self._open_tmp(f)
+                if fd is None:
+                    continue
+                with self._lock:
+                    self._ready_open += 1
+                item = self._with_metadata(f, fd)
+                if item is None:
+                    continue
+                problems = item[2]
+            out.append((f, fd, problems))
+        return out
+
+    def _release(self, fd: int) -> None:
+        """A waiting complete file's fd closed."""
+        os.close(fd)
+        with self._lock:
+            self._ready_open -= 1
+
+    def _finish(self) -> None:
+        """The Restorer's end, the fds of files that never took their names closed first (a stopped copy)."""
+        with self._lock:
+            left, self._ready = self._ready, []
+        for _f, fd, _problems in left:
+            if fd >= 0:
+                self._release(fd)
+        super()._finish()
 
     def _fail(self, inos: Iterable[int], reason: str) -> None:
         inos = set(inos)
@@ -341,17 +409,20 @@ class Stream(Restorer):
             self._place_now.wait(PLACE_EVERY)
             self._place_now.clear()
             last = self._drained.is_set()  # (read before the round: every worker's file is ready by then)
-            self._place_round(last)
-            if last:
+            if self._place_round(last):
+                self._place_now.set()  # (files left waiting closed: the next round at once)
+            elif last:
                 return
 
-    def _place_round(self, last: bool) -> None:
+    def _place_round(self, last: bool) -> bool:
         """One round: syncfs, the files placed before it durable, then the files that may take their names.
         A file waits while a file of a class above its own is not placed (one asked for never waits); the last
-        round goes on, a syncfs between classes, until every file is placed."""
+        round goes on, a syncfs between classes, until every file is placed.  Of the files waiting closed (see
+        the Restorer's ``_ready``) a round takes a bounded number, reopened before its syncfs; True when it
+        left some."""
         assert self.tree is not None
         with self._lock:
-            group, self._ready = self._ready, []
+            group, self._ready, more = _bounded(self._ready, self._ready_open_max)
             specials, self._specials_ready = self._specials_ready, []
         while True:
             with self._cond:
@@ -365,6 +436,7 @@ class Stream(Restorer):
             if not now and not unsynced and not links:
                 break
             self._make_specials(links)
+            now = self._opened(now)
             with self._lock:  # during the syncfs a file asked for can still be taken and placed by its asker
                 self._placing = now
             if now or unsynced:
@@ -381,6 +453,7 @@ class Stream(Restorer):
         with self._lock:
             self._ready[:0] = group
             self._specials_ready[:0] = specials
+        return more
 
     def _make_specials(self, items: list[tuple[int, int, list[tuple[bytes, Inode]]]]) -> None:
         """Symlinks, FIFOs and device nodes under their names (made there at once: nothing to verify)."""
@@ -397,10 +470,19 @@ class Stream(Restorer):
                 self.batch.done(ino)
 
     def _place_all(self, group: list[tuple[PendingFile, int, list]]) -> None:
-        """Each file under its names (or failed); the placed ones wait for the next syncfs to be durable."""
+        """Each durable file under its names unless someone on the box changed one meanwhile (theirs stays, and
+        the file fails); its fd closed.  The placed ones wait for the next syncfs to be durable under them."""
+        assert self.batch is not None
         placed = []
         for f, fd, problems in group:
-            self._place_checked(f, fd, problems)
+            try:
+                why = next((w for w in map(self.batch.may_replace, f.names) if w is not None), None)
+                if why is not None:
+                    self._fail({f.node.ino}, why)
+                else:
+                    self._place(f, fd, problems)
+            finally:
+                self._release(fd)
             if f.done:
                 placed.append(f.node.ino)
         with self._cond:
@@ -416,6 +498,21 @@ def _lower_own_priority(by: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
     except OSError as exc:  # (a seccomp profile that refuses setpriority: the copy goes on as before)
         log.debug("the in-place copy's worker %d keeps its priority: %s", tid, exc)
+
+
+def _bounded(ready: list, closed_max: int) -> tuple[list, list, bool]:
+    """``ready`` split into a round's files (every one open, at most ``closed_max`` waiting closed) and the
+    others, in their order; and whether there are others."""
+    group, rest = [], []
+    closed = 0
+    for item in ready:
+        if item[1] < 0:
+            closed += 1
+            if closed > closed_max:
+                rest.append(item)
+                continue
+        group.append(item)
+    return group, rest, bool(rest)
 
 
 def _cut(pack: str, pending: set[Blob]) -> tuple[tuple[Blob, ...], Range]:
