@@ -136,15 +136,15 @@ class Batch:
 
     ``extents(inos, on_malformed)``: the rows of :meth:`~ogrefs.repo.catalog.Catalog.all_extents` for those
     files only (a file whose rows are malformed is named to ``on_malformed`` and fails alone);
-    ``may_replace(name)``: None when the finished file may be renamed over what ``name`` holds now, else why
-    not (someone on the box changed it meanwhile: theirs stays); ``done(ino)``: called once a file is in place
+    ``may_replace(names)``: for each name, None when a finished file may be renamed over what it holds now, else
+    why not (someone on the box changed it meanwhile: theirs stays); ``done(ino)``: called once a file is in place
     under all of its names.  Every file is made durable before its rename, so a file in place survives a crash
     with its bytes.
     """
 
     extents: Callable[[set[int], Callable[[int, str], object]],
                       Iterator[tuple[int, int, int, bytes, str | None, int, int]]]
-    may_replace: Callable[[bytes], str | None]
+    may_replace: Callable[[list[bytes]], list[str | None]]
     done: Callable[[int], None]
 
 

@@ -416,12 +416,24 @@ class InPlace:
         self._stream.add([(name, node) for ino, node in nodes.items() if node is not None
                           for name in self._names[ino]], cls)
 
-    def _may_replace(self, name: bytes) -> str | None:
-        """None when the stream may rename over what ``name`` holds; else why not (the placer's thread)."""
-        now = _identity(self._tree, name) if self._tree is not None else None
-        if now is None or now == self._before.get(name):
-            return None
-        return "changed on this box while it was copied: this box's version is kept"
+    def _may_replace(self, names: list[bytes]) -> list[str | None]:
+        """For each of ``names``: None when the stream may rename over what it holds; else why not (the placer's
+        thread, or an asker's).  A directory is resolved once for its names in ``names``, not once a name
+        (the placer's checks were a tenth of the copy's thread time on a venv of 39,000 files)."""
+        out: list[str | None] = [None] * len(names)
+        tree = self._tree
+        if tree is None:
+            return out
+        by_dir: dict[bytes, list[int]] = {}
+        for i, name in enumerate(names):
+            by_dir.setdefault(split(name)[0], []).append(i)
+        for parent, idx in by_dir.items():
+            found = tree.lstats(parent, [split(names[i])[1] for i in idx]) or [None] * len(idx)
+            for i, st in zip(idx, found):
+                now = _identity_of(st)
+                if now is not None and now != self._before.get(names[i]):
+                    out[i] = "changed on this box while it was copied: this box's version is kept"
+        return out
 
     def _durable(self, inos: list[int]) -> None:
         """Files durable under their names: the plan records them complete (the placer's thread)."""
@@ -680,7 +692,13 @@ def _names_in(tree: LocalTree, rel: bytes) -> set[bytes]:
 def _identity(tree: LocalTree, rel: bytes) -> Identity:
     """What the name holds now (inode, change time, size), or None: changed by someone if this differs later."""
     try:
-        st = tree.lstat(rel)
+        return _identity_of(tree.lstat(rel))
     except OSError:
+        return None
+
+
+def _identity_of(st: os.stat_result | None) -> Identity:
+    """:func:`_identity` of what an lstat found (None: nothing there)."""
+    if st is None:
         return None
     return (st.st_ino, st.st_ctime_ns, st.st_size) if not stat.S_ISDIR(st.st_mode) else (st.st_ino, 0, 0)

@@ -72,6 +72,10 @@ log = logging.getLogger(__name__)
 URGENT, CLASSES = 0, 4
 #: Complete files are put in place at least this often (one ``syncfs`` each round).
 PLACE_EVERY = 0.2
+#: The placer checks the names of this many files at once before renaming them (one resolution of a directory
+#: for its names among them, not one a name), few enough that a name's check comes at most 64 renames (a few
+#: milliseconds) before its own rename.
+CHECK_EVERY = 64
 #: Workers that take only asked-for ranges, beside the others.
 URGENT_WORKERS = 2
 #: Once the working set is in place the other workers run this much lower (the lazy mount's background jobs
@@ -82,8 +86,7 @@ BACKGROUND_NICE = 10
 
 
 class Stream(Restorer):
-    """See the module docstring.  ``batch`` gives ``extents``, ``paths`` (set at :meth:`start`), ``may_replace``
-    and ``done``; ``on_failed(ino, why)`` once a file or entry failed; ``on_durable(inos)`` once placed files
+    """See the module docstring.  ``batch`` gives ``extents``, ``may_replace`` and ``done``; ``on_failed(ino, why)`` once a file or entry failed; ``on_durable(inos)`` once placed files
     (and those :meth:`durable_later` names) are durable under their names."""
 
     def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, *, batch: Batch,
@@ -474,9 +477,13 @@ class Stream(Restorer):
         the file fails); its fd closed.  The placed ones wait for the next syncfs to be durable under them."""
         assert self.batch is not None
         placed = []
-        for f, fd, problems in group:
+        whys: dict[bytes, str | None] = {}
+        for i, (f, fd, problems) in enumerate(group):
+            if i % CHECK_EVERY == 0:  # the next files' names checked together: one resolution a directory
+                names = [name for g, _fd, _p in group[i:i + CHECK_EVERY] for name in g.names]
+                whys = dict(zip(names, self.batch.may_replace(names)))
             try:
-                why = next((w for w in map(self.batch.may_replace, f.names) if w is not None), None)
+                why = next((w for w in map(whys.get, f.names) if w is not None), None)
                 if why is not None:
                     self._fail({f.node.ino}, why)
                 else:
