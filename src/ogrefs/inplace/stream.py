@@ -50,8 +50,8 @@ any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_
 ``_sealed``; ``_background`` is set once by any thread and only read by the workers, each of which changes only
 its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_ready_open``, ``_placing`` and
 ``_specials_ready`` (taken by the placer; a file asked for taken out of ``_ready`` or ``_placing`` by the
-thread that places it) and what it guarded before.  ``_cls_of`` is written by the engine's thread before a file's blobs are
-queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
+thread that places it) and what it guarded before.  ``_cls_of`` is written by the engine's thread before a
+file's blobs are queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ BACKGROUND_NICE = 10
 
 
 class Stream(Restorer):
-    """See the module docstring.  ``batch`` gives ``extents``, ``may_replace`` and ``done``; ``on_failed(ino, why)`` once a file or entry failed; ``on_durable(inos)`` once placed files
-    (and those :meth:`durable_later` names) are durable under their names."""
+    """See the module docstring.  ``batch`` gives ``extents``, ``may_replace`` and ``done``;
+    ``on_failed(ino, why)`` once a file or entry failed; ``on_durable(inos)`` once placed files (and those
+    :meth:`durable_later` names) are durable under their names."""
 
     def __init__(self, catalog: Catalog, read_range: ReadRange, target: bytes, *, batch: Batch,
                  on_failed: Callable[[int, str], None], on_durable: Callable[[list[int]], None],
@@ -420,13 +421,14 @@ class Stream(Restorer):
     def _place_round(self, last: bool) -> bool:
         """One round: syncfs, the files placed before it durable, then the files that may take their names.
         A file waits while a file of a class above its own is not placed (one asked for never waits); the last
-        round goes on, a syncfs between classes, until every file is placed.  Of the files waiting closed (see
-        the Restorer's ``_ready``) a round takes a bounded number, reopened before its syncfs; True when it
-        left some."""
+        round goes on, a syncfs between classes, until every file is placed.  Of the files that may take their
+        names and wait closed (see ``_ready``) a round takes a bounded number, reopened before its syncfs;
+        True when it left some (then the next round comes at once: it has files to place)."""
         assert self.tree is not None
         with self._lock:
-            group, self._ready, more = _bounded(self._ready, self._ready_open_max)
+            group, self._ready = self._ready, []
             specials, self._specials_ready = self._specials_ready, []
+        later: list = []
         while True:
             with self._cond:
                 unsynced, self._unsynced = self._unsynced, []
@@ -436,6 +438,8 @@ class Stream(Restorer):
             links, specials = _placeable(specials, lambda item: (item[1], item[0]), urgent, left)
             if last and not now and not links:  # (stopped: a file above them never came)
                 now, held, links, specials = held, [], specials, []
+            now, later = _bounded(now, self._ready_open_max)
+            held += later
             if not now and not unsynced and not links:
                 break
             self._make_specials(links)
@@ -456,7 +460,7 @@ class Stream(Restorer):
         with self._lock:
             self._ready[:0] = group
             self._specials_ready[:0] = specials
-        return more
+        return bool(later) and not last
 
     def _make_specials(self, items: list[tuple[int, int, list[tuple[bytes, Inode]]]]) -> None:
         """Symlinks, FIFOs and device nodes under their names (made there at once: nothing to verify)."""
@@ -507,19 +511,19 @@ def _lower_own_priority(by: int) -> None:
         log.debug("the in-place copy's worker %d keeps its priority: %s", tid, exc)
 
 
-def _bounded(ready: list, closed_max: int) -> tuple[list, list, bool]:
-    """``ready`` split into a round's files (every one open, at most ``closed_max`` waiting closed) and the
-    others, in their order; and whether there are others."""
-    group, rest = [], []
+def _bounded(items: list, closed_max: int) -> tuple[list, list]:
+    """``items`` (files that may take their names) split into this round's (every one open, at most
+    ``closed_max`` of those waiting closed) and the next round's, each in their order."""
+    now, later = [], []
     closed = 0
-    for item in ready:
+    for item in items:
         if item[1] < 0:
             closed += 1
             if closed > closed_max:
-                rest.append(item)
+                later.append(item)
                 continue
-        group.append(item)
-    return group, rest, bool(rest)
+        now.append(item)
+    return now, later
 
 
 def _cut(pack: str, pending: set[Blob]) -> tuple[tuple[Blob, ...], Range]:
