@@ -104,7 +104,6 @@ from ogrefs.localtree import (
     apply_fd_metadata,
     pwrite_all,
     split,
-    syncfs_fd,
 )
 from ogrefs.inspect.machine import usable_cpus
 from ogrefs.units import human_bytes
