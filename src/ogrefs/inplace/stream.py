@@ -439,7 +439,8 @@ class Stream(Restorer):
             if last and not now and not links:  # (stopped: a file above them never came)
                 now, held, links, specials = held, [], specials, []
             now, later = _bounded(now, self._ready_open_max)
-            held += later
+            with self._lock:  # (the others wait in _ready meanwhile: an asker can take its file out and place it)
+                self._ready[:0] = held + later
             if not now and not unsynced and not links:
                 break
             self._make_specials(links)
@@ -454,11 +455,11 @@ class Stream(Restorer):
                 self._on_durable(unsynced)
             self._place_all(sorted(now, key=lambda item: (item[0].node.ino not in urgent,
                                                           self._cls_of[item[0].node.ino])))
-            group = held
             if not last:
                 break
+            with self._lock:
+                group, self._ready = self._ready, []
         with self._lock:
-            self._ready[:0] = group
             self._specials_ready[:0] = specials
         return bool(later) and not last
 
