@@ -284,3 +284,62 @@ def test_complete_files_waiting_for_the_placer_stay_within_the_open_files_limit(
     assert waited == [True] and asked == ["ok"]
     assert engines[0].failed == {} and engines[0].metadata_problems == {}
     assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_a_file_asked_for_while_the_placer_reopens_it_is_placed_by_its_asker(tmp_path, monkeypatch):
+    """A round reopens the files that waited closed before its ``syncfs``; one being reopened was in neither of
+    the lists an asker looks in, so a job asking for it then waited for the whole round, ``syncfs`` included
+    (here held until the need is answered: it never was).  The asker now waits for that one reopen and places
+    the file itself, in the round's ``syncfs``."""
+    import resource
+
+    import ogrefs.inplace.stream as stream_mod
+    import ogrefs.localtree
+
+    _small_ranges(monkeypatch)
+    repo, cat, src, out = _box(tmp_path, 300)
+    real_syncfs = ogrefs.localtree.syncfs_fd
+    real_opened = stream_mod.Stream._opened
+    engines: list[InPlace] = []
+    syncs: list[bool] = []
+    target: list[bytes] = []  # the file asked for: the first the placer reopens after the first round
+    asked: list[str | None] = []
+
+    def syncfs(fd):
+        stream = engines[0]._stream
+        deadline = time.monotonic() + HOLD_S
+        if not syncs:  # the first round waits until every file is complete: most of them wait closed
+            while not stream.drained() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif target:  # the round that reopened the file asked for: held until its need is answered
+            while not asked and time.monotonic() < deadline:
+                time.sleep(0.01)
+        syncs.append(True)
+        real_syncfs(fd)
+
+    def ask() -> None:
+        need = engines[0].need(target[0])
+        asked.append(need.answer if need.event.wait(HOLD_S) else None)
+
+    def opened(self, items):
+        closed = [f for f, fd, _p in items if fd < 0]
+        if threading.current_thread() is self._placer and syncs and not target and closed:
+            target.append(os.fsencode(out) + b"/" + closed[0].names[0].lstrip(b"/"))
+            threading.Thread(target=ask, daemon=True).start()
+            time.sleep(0.5)  # asked for while the placer reopens it, and the reopen takes a while
+        return real_opened(self, items)
+
+    for module in _data_modules():
+        if hasattr(module, "syncfs_fd"):
+            monkeypatch.setattr(module, "syncfs_fd", syncfs)
+    monkeypatch.setattr(stream_mod.Stream, "_opened", opened)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # (32 files wait open, the others closed)
+    try:
+        engines.append(_engine(tmp_path, repo, cat, out, repo.read_pack_range))
+        engines[0].run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert target and asked == ["ok"]
+    assert engines[0].failed == {}
+    assert compare_trees(src, out / str(src).lstrip("/")) == []

@@ -48,10 +48,11 @@ asked for are placed by the worker that completes them or the thread that asks; 
 any thread may :meth:`bump`.  ``_cond`` guards the pending sets (``_queue``, ``_where``,
 ``_queued_of``, ``_bytes``), ``_inflight``, ``_left``, ``_feeding``, ``_urgent_inos``, ``_unsynced`` and
 ``_sealed``; ``_background`` is set once by any thread and only read by the workers, each of which changes only
-its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_ready_open``, ``_placing`` and
-``_specials_ready`` (taken by the placer; a file asked for taken out of ``_ready`` or ``_placing`` by the
-thread that places it) and what it guarded before.  ``_cls_of`` is written by the engine's thread before a
-file's blobs are queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
+its own priority; the Restorer's ``_lock`` guards ``_ready``, ``_ready_open``, ``_placing``,
+``_placing_closed``, ``_reopening`` and ``_specials_ready`` (taken by the placer; a file asked for taken out of
+``_ready``, ``_placing`` or ``_placing_closed`` by the thread that places it, which waits on ``_reopened``
+while the placer reopens that very file) and what it guarded before.  ``_cls_of`` is written by the engine's
+thread before a file's blobs are queued.  ``_cond`` is never taken while holding ``_lock``, nor the reverse.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class Stream(Restorer):
         self._feeding = URGENT  # the class being added (the engine adds them in order): those above are whole
         self._specials_ready: list[tuple[int, int, list[tuple[bytes, Inode]]]] = []  # (class, ino, names): _lock
         self._placing: list = []  # the placer's round being synced: _lock (an asker may take its file out)
+        self._placing_closed: list = []  # the round's files still to reopen: _lock (the same)
+        self._reopening = -1  # the ino the placer is reopening (out of both lists meanwhile): _lock
+        self._reopened = threading.Condition(self._lock)  # notified when _reopening is done with
         #: complete files waiting for their names: (file, its fd with the metadata set, the metadata's problems),
         #: or (file, -1, []) past ``_ready_open_max`` (closed; reopened, proven ours, and its metadata set by
         #: :meth:`_opened`); every fd closed by :meth:`_release` (_lock)
@@ -338,11 +342,14 @@ class Stream(Restorer):
         the rest is written waits for every dirty page of the file system (0.1-0.4 s a round on the bench's VM),
         and every wait of a job would pay one.  Whoever takes a file out of those lists places it."""
         with self._lock:
-            mine = [item for item in self._ready + self._placing if item[0].node.ino in inos]
+            while self._reopening in inos:  # (back in _placing in a moment, or failed)
+                self._reopened.wait()
+            mine = [item for item in self._ready + self._placing + self._placing_closed if item[0].node.ino in inos]
             if not mine:
                 return
             self._ready = [item for item in self._ready if item[0].node.ino not in inos]
             self._placing = [item for item in self._placing if item[0].node.ino not in inos]
+            self._placing_closed = [item for item in self._placing_closed if item[0].node.ino not in inos]
         durable = []
         for f, fd, problems in self._opened(mine):
             try:
@@ -444,9 +451,10 @@ class Stream(Restorer):
             if not now and not unsynced and not links:
                 break
             self._make_specials(links)
-            now = self._opened(now)
-            with self._lock:  # during the syncfs a file asked for can still be taken and placed by its asker
-                self._placing = now
+            with self._lock:  # until the syncfs ends a file asked for can still be taken and placed by its asker
+                self._placing = [item for item in now if item[1] >= 0]
+                self._placing_closed = [item for item in now if item[1] < 0]
+            self._reopen_closed()
             if now or unsynced:
                 syncfs_fd(self.tree.root_fd)
             with self._lock:
@@ -462,6 +470,25 @@ class Stream(Restorer):
         with self._lock:
             self._specials_ready[:0] = specials
         return bool(later) and not last
+
+    def _reopen_closed(self) -> None:
+        """The round's files that waited closed, reopened (proven ours) with their metadata set, one at a time,
+        from ``_placing_closed`` into ``_placing``.  The one being reopened is in neither list: ``_reopening``
+        names it, and an asker for it waits the moment it takes (:meth:`_place_asked`), not for the round."""
+        while True:
+            with self._lock:
+                if not self._placing_closed:
+                    return
+                item = self._placing_closed.pop()
+                self._reopening = item[0].node.ino
+            opened: list = []
+            try:
+                opened = self._opened([item])
+            finally:
+                with self._lock:
+                    self._placing.extend(opened)
+                    self._reopening = -1
+                    self._reopened.notify_all()
 
     def _make_specials(self, items: list[tuple[int, int, list[tuple[bytes, Inode]]]]) -> None:
         """Symlinks, FIFOs and device nodes under their names (made there at once: nothing to verify)."""
