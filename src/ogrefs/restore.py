@@ -354,7 +354,9 @@ class Restorer:
         self._token = b""  # of the temporary names (see token_for)
         # every selected path: a leftover-like name among them is the tree's
         self._paths: set[bytes] | frozenset[bytes] = set()
-        self._keep_fds = fds_to_keep()  # files kept open from creation to completion, at most (under _lock)
+        #: files that may still be kept open from creation to completion (under _lock; one given back by
+        #: :meth:`_open_tmp` when it takes a kept fd over)
+        self._keep_fds = fds_to_keep()
         self._create_locks = [threading.Lock() for _ in range(64)]  # a file's: its ino modulo 64
 
     # -- public ---------------------------------------------------------------------------------
@@ -655,6 +657,9 @@ class Restorer:
         """``f``'s temporary file, still ours and of its size; None (and ``f`` failed) otherwise."""
         assert self.tree is not None
         fd, f.fd = f.fd, -1  # a kept fd is this thread's to close now
+        if fd >= 0:  # (its place in the budget goes to the next file made: the caller's own bound applies now)
+            with self._lock:
+                self._keep_fds += 1
         try:
             if fd >= 0:
                 self.tree.check_own(fd, f.own)  # (no second name was given to it meanwhile)
@@ -754,7 +759,7 @@ class Restorer:
 
 
 def fds_to_keep() -> int:
-    """How many files a restore keeps open from creation to completion: a quarter of the open-files limit
+    """How many files a restore keeps open from creation to completion at once: a quarter of the open-files limit
     (the entry point raised it to the hard one), at most 65,536; the others are opened by name per write."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return max(0, min(65536, (soft if soft != resource.RLIM_INFINITY else 65536 * 4) // 4))

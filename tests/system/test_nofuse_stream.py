@@ -343,3 +343,36 @@ def test_a_file_asked_for_while_the_placer_reopens_it_is_placed_by_its_asker(tmp
     assert target and asked == ["ok"]
     assert engines[0].failed == {}
     assert compare_trees(src, out / str(src).lstrip("/")) == []
+
+
+def test_files_made_after_others_completed_are_written_through_the_descriptor_they_were_made_with(
+        tmp_path, monkeypatch):
+    """Restore keeps a quarter of the open-files limit of files open from creation to completion; past that a
+    file's every write reopens it by name.  That budget was spent once and never given back when a file
+    completed, so in the copy, where a file is made by its first write, every file after the first 64 (a soft
+    limit of 256) was reopened per write.  A completed file now gives its place back."""
+    import resource
+
+    import ogrefs.localtree
+
+    _small_ranges(monkeypatch)
+    repo, cat, src, out = _box(tmp_path, 600)
+    real_open_own = ogrefs.localtree.LocalTree.open_own
+    reopened_to_write: list[bytes] = []
+
+    def open_own(self, rel, flags, own):
+        if flags & os.O_ACCMODE == os.O_WRONLY:
+            reopened_to_write.append(rel)
+        return real_open_own(self, rel, flags, own)
+
+    monkeypatch.setattr(ogrefs.localtree.LocalTree, "open_own", open_own)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        engine = _engine(tmp_path, repo, cat, out, repo.read_pack_range)
+        engine.run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert engine.failed == {}
+    assert compare_trees(src, out / str(src).lstrip("/")) == []
+    assert len(reopened_to_write) < 60, len(reopened_to_write)  # (a tenth of the files; before: 536)
