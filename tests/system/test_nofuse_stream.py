@@ -10,7 +10,10 @@ Each test failed on the engine that ran one Restorer per batch of 256 files, eac
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -67,6 +70,20 @@ def _small_ranges(monkeypatch) -> None:
     for module in _data_modules():
         if hasattr(module, "MAX_RANGE"):
             monkeypatch.setattr(module, "MAX_RANGE", 16384)
+
+
+@contextlib.contextmanager
+def _open_files_limit(room: int):
+    """The soft open-files limit at ``room`` above what this process has open now (a suite's worker holds
+    descriptors of earlier tests: a limit of 256 left the copy a few dozen in one, and it failed "Too many open
+    files" where it keeps within 256 of its own)."""
+    gc.collect()  # (an earlier test's engine, catalog and repository, unreachable, close their files)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + room, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_the_rest_is_read_in_whole_ranges_across_groups(tmp_path):
@@ -239,11 +256,9 @@ def test_a_file_asked_for_takes_its_name_without_waiting_for_a_syncfs(tmp_path, 
 
 def test_complete_files_waiting_for_the_placer_stay_within_the_open_files_limit(tmp_path, monkeypatch):
     """Every complete file used to wait for the placer with its descriptor open: with the placer inside a held
-    ``syncfs`` while 600 files complete, under a soft limit of 256 open files, the workers ran out of them
+    ``syncfs`` while 600 files complete, with room for 256 open files, the workers ran out of them
     ("Too many open files": files failed, the tree incomplete).  Past a bound a complete file now waits closed,
     its metadata set when its round reopens it; the copy completes, metadata included, within the limit."""
-    import resource
-
     import ogrefs.localtree
 
     _small_ranges(monkeypatch)
@@ -274,13 +289,9 @@ def test_complete_files_waiting_for_the_placer_stay_within_the_open_files_limit(
     for module in _data_modules():
         if hasattr(module, "syncfs_fd"):
             monkeypatch.setattr(module, "syncfs_fd", syncfs)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    try:
+    with _open_files_limit(256):
         engines.append(_engine(tmp_path, repo, cat, out, repo.read_pack_range))
         engines[0].run()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert waited == [True] and asked == ["ok"]
     assert engines[0].failed == {} and engines[0].metadata_problems == {}
     assert compare_trees(src, out / str(src).lstrip("/")) == []
@@ -291,8 +302,6 @@ def test_a_file_asked_for_while_the_placer_reopens_it_is_placed_by_its_asker(tmp
     the lists an asker looks in, so a job asking for it then waited for the whole round, ``syncfs`` included
     (here held until the need is answered: it never was).  The asker now waits for that one reopen and places
     the file itself, in the round's ``syncfs``."""
-    import resource
-
     import ogrefs.inplace.stream as stream_mod
     import ogrefs.localtree
 
@@ -333,13 +342,9 @@ def test_a_file_asked_for_while_the_placer_reopens_it_is_placed_by_its_asker(tmp
         if hasattr(module, "syncfs_fd"):
             monkeypatch.setattr(module, "syncfs_fd", syncfs)
     monkeypatch.setattr(stream_mod.Stream, "_opened", opened)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # (32 files wait open, the others closed)
-    try:
+    with _open_files_limit(256):  # (32 files wait open, the others closed)
         engines.append(_engine(tmp_path, repo, cat, out, repo.read_pack_range))
         engines[0].run()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert target and asked == ["ok"]
     assert engines[0].failed == {}
     assert compare_trees(src, out / str(src).lstrip("/")) == []
@@ -349,10 +354,8 @@ def test_files_made_after_others_completed_are_written_through_the_descriptor_th
         tmp_path, monkeypatch):
     """Restore keeps a quarter of the open-files limit of files open from creation to completion; past that a
     file's every write reopens it by name.  That budget was spent once and never given back when a file
-    completed, so in the copy, where a file is made by its first write, every file after the first 64 (a soft
-    limit of 256) was reopened per write.  A completed file now gives its place back."""
-    import resource
-
+    completed, so in the copy, where a file is made by its first write, every file after the first quarter of
+    the limit (64 with room for 256) was reopened per write.  A completed file now gives its place back."""
     import ogrefs.localtree
 
     _small_ranges(monkeypatch)
@@ -366,13 +369,9 @@ def test_files_made_after_others_completed_are_written_through_the_descriptor_th
         return real_open_own(self, rel, flags, own)
 
     monkeypatch.setattr(ogrefs.localtree.LocalTree, "open_own", open_own)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    try:
+    with _open_files_limit(256):
         engine = _engine(tmp_path, repo, cat, out, repo.read_pack_range)
         engine.run()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert engine.failed == {}
     assert compare_trees(src, out / str(src).lstrip("/")) == []
     assert len(reopened_to_write) < 60, len(reopened_to_write)  # (a tenth of the files; before: 536)
