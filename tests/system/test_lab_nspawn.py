@@ -145,7 +145,11 @@ def test_restart_of_the_unit_works_with_sshd_running(lab, snaps, tmp_path):
         assert box.out(ON_OVERLAY + sshd).split()[0] == "own"
         gettys = box.out("pgrep -x agetty || true").split()  # nspawn's console getty (console-getty.service)
         assert gettys, box.out("systemctl list-units --all --no-pager '*getty*'", check=False)
-        assert [box.out(ON_OVERLAY + pid).split()[0] for pid in gettys] == ["own"] * len(gettys)
+        where = [box.out(ON_OVERLAY + pid).split()[0] for pid in gettys]
+        assert where == ["own"] * len(gettys), box.out(  # a restarted getty, or one exec'd after the overlays?
+            "systemctl show -p NRestarts -p ExecMainPID -p ExecMainStartTimestampMonotonic 'console-getty.service'; "
+            "journalctl -b -o short-monotonic --no-pager -u console-getty.service -u ogrefs-resume.service | "
+            "tail -n 20", check=False)
         for _ in range(2):
             box.sh("systemctl --no-block restart ogrefs-resume.service", timeout=60)
             state = wait_settled(box)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,15 +32,9 @@ def test_sshd_and_the_gettys_start_from_this_box_own_tree_before_the_mount():
     after, before = words(u["Unit.After"]), words(u["Unit.Before"])
     assert {"ssh.service", "ssh.socket", "sshd.service", "getty.target"} <= after
     assert not before & {"ssh.service", "sshd.service", "getty.target", "systemd-user-sessions.service"}
-    wait = [c for c in u["Service.ExecStartPre"] if "(agetty)" in c]
-    assert len(wait) == 1 and wait[0].startswith("-")  # a failed wait never stops the mount
-
-
-def test_the_getty_wait_returns_at_once_without_a_pending_getty():
-    u = unit("ogrefs-resume.service")
-    cmd = next(c for c in u["Service.ExecStartPre"] if "(agetty)" in c).lstrip("-")
-    script = cmd.split(" -c ", 1)[1].strip("'").replace("$$", "$")  # systemd's escaping of a literal $
-    assert subprocess.run(["/bin/sh", "-c", script], timeout=30).returncode == 0
+    # a getty forked before the unit but not yet exec'd is waited for by `mount /` itself (holders.unstarted),
+    # beside the daemon's start, not by a step before it that guessed from process names
+    assert "Service.ExecStartPre" not in u
 
 
 def test_the_unit_names_the_box_to_bring_back_not_this_machine():

@@ -24,6 +24,7 @@ No state, no locks.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,6 +215,60 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def unstarted(proc: Path = Path("/proc")) -> list[Holder]:
+    """The processes systemd (PID 1) has forked for a unit but that have not run the unit's program yet.
+
+    A ``Type=idle`` service (every getty) is forked when its unit starts, then
+    holds its ``execve`` until the boot's jobs are done, or 5 s (plus up to
+    1 s for PID 1 to answer) have passed; a unit still starting, such as the
+    one that mounts the box, keeps the jobs from being done. Such a process
+    runs whatever its program's path holds when it finally execs: after the
+    overlays are up, the snapshot's, and it then holds the old tree. It is
+    told apart by its executable, which is still PID 1's own (or systemd's
+    executor, from systemd 255 on), not by its name: the child renames itself
+    "(agetty)" only once it first runs, which under load comes after a scan
+    that a name would miss. A user's service manager (``user@UID.service``)
+    runs systemd's binary as PID 1's child too and is not counted. Empty
+    where PID 1 is not systemd.
+    """
+    try:
+        if (proc / "1/comm").read_text().strip() != "systemd":
+            return []
+        init_exe = os.readlink(proc / "1/exe")
+    except OSError:
+        return []
+    out = []
+    for entry in os.listdir(proc):
+        if not entry.isdigit() or entry in ("1", str(os.getpid())):
+            continue
+        try:
+            stat = (proc / entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if ppid != 1:
+                continue
+            exe = os.readlink(proc / entry / "exe")
+            if exe != init_exe and os.path.basename(exe) != "systemd-executor":
+                continue
+            if "/user@" in (proc / entry / "cgroup").read_text():
+                continue
+            comm = (proc / entry / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or exec'd and not ours to read: started either way
+        out.append(Holder(int(entry), comm, "forked by systemd, its program not started yet"))
+    return out
+
+
+def wait_started(timeout: float, poll: float = 0.05, proc: Path = Path("/proc")) -> tuple[list[Holder], list[Holder]]:
+    """Wait (at most ``timeout`` seconds) until no process is :func:`unstarted`; (those waited for, those left)."""
+    first = unstarted(proc)
+    left = first
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        time.sleep(poll)
+        left = unstarted(proc)
+    return first, left
 
 
 def ancestry(pid: int | None = None) -> set[int]:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ogrefs.box.records import Registration, load_overlays, process_start, save_overlays
 from ogrefs.errors import OgrefsError
-from ogrefs.box import hostpaths, mountsys, overlay, owncli, rescue, topfiles
+from ogrefs.box import holders, hostpaths, mountsys, overlay, owncli, rescue, topfiles
 from ogrefs.repo import default_cache_dir
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TEARDOWN_TIMEOUT = 30.0
+# systemd starts a Type=idle unit's program at most about 6 s after forking it; the rest is margin for load
+UNSTARTED_TIMEOUT = 20.0
 
 
 def read_line(fd: int, timeout: float | None) -> str:
@@ -105,6 +107,22 @@ def own_directories_of(opts: MountOptions, state_dir: Path | None, registration:
     return out
 
 
+def wait_for_unstarted(timeout: float = UNSTARTED_TIMEOUT) -> None:
+    """Before the overlays cover ``/``: let every program systemd has forked but not yet run start from this
+    box's own tree (holders.unstarted: a getty at boot, Type=idle, held until the boot's jobs are done or
+    about 6 s). Started from the overlays it would run the snapshot's program and hold the old tree (a
+    restart of the boot unit refused, issue 47). The daemon's start runs meanwhile, so the boot waits for
+    the longer of the two, not their sum."""
+    start = time.monotonic()
+    waited, left = holders.wait_started(timeout)
+    if waited:
+        log.info("waited %.1f s for %s, forked by systemd before the mount, to start its program from this "
+                 "box's own tree", time.monotonic() - start, ", ".join(f"{h.comm} (pid {h.pid})" for h in waited))
+    if left:
+        log.warning("%s forked by systemd but not started after %.0f s: once started it runs the snapshot's "
+                    "program", ", ".join(f"{h.comm} (pid {h.pid})" for h in left), timeout)
+
+
 def bring_up(plan: MountPlan) -> dict[str, Any]:
     """After the FUSE lower answers: host layers, overlays, bind-backs, linker cache; what was done."""
     layout = plan.writable
@@ -116,6 +134,8 @@ def bring_up(plan: MountPlan) -> dict[str, Any]:
     way_back = rescue.prepare(rescue_dir(plan.registration)) if target == "/" else None
     # the ogrefs command's way around overlays that cover what it runs from (its interpreter, its venv)
     around = owncli.prepare(rescue_dir(plan.registration), [o.target for o in host.overlays])
+    if target == "/":
+        wait_for_unstarted()
     refused: list[str] = []  # a user's symlink on the way to a target: that path keeps the box's own tree
     up = overlay.mount_all(host.overlays, state, keep=keep, hold_own=True, refused=refused)  # own fds: held
     for why in refused:
