@@ -35,7 +35,7 @@ def box(tmp_path: Path, init: str = "systemd", init_exe: str = SYSTEMD) -> Path:
 
 
 def test_a_child_of_systemd_not_yet_renamed_nor_exec_d_is_unstarted(tmp_path):
-    """Its name is still systemd's: a check of names ("(agetty)") let the mount go ahead of it (run 43)."""
+    """Its name is still systemd's: a check of names ("(agetty)"), as the unit made before, let the mount go ahead."""
     proc = box(tmp_path)
     proc_entry(proc, 37, "systemd", SYSTEMD, cgroup="0::/init.scope")
     proc_entry(proc, 38, "(agetty)", SYSTEMD, cgroup="0::/system.slice/console-getty.service")
