@@ -1,6 +1,6 @@
 """A program systemd has forked but not started yet, found before ``mount /`` covers the tree it will exec from.
 
-A fake /proc: each process a directory with ``stat``, ``comm``, ``cgroup`` and
+A fake /proc: each process a directory with ``status``, ``comm``, ``cgroup`` and
 an ``exe`` link (os.readlink needs no target), so the cases that a booted box
 shows only under load (a child not yet renamed "(agetty)") are exact here.
 """
@@ -20,7 +20,7 @@ SYSTEMD = "/usr/lib/systemd/systemd"
 def proc_entry(proc: Path, pid: int, comm: str, exe: str, ppid: int = 1, cgroup: str = "0::/system.slice/x.service"):
     d = proc / str(pid)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 4194560 0 0\n")
+    (d / "status").write_text(f"Name:\t{comm}\nState:\tS (sleeping)\nPid:\t{pid}\nPPid:\t{ppid}\n")
     (d / "comm").write_text(comm + "\n")
     (d / "cgroup").write_text(cgroup + "\n")
     if os.path.lexists(d / "exe"):

@@ -210,11 +210,17 @@ def other_namespaces(dev: str, fstype: str, exclude: set[int] | None = None) -> 
     return out
 
 
-def _comm(pid: int) -> str:
+def _comm(pid: int, proc: Path = Path("/proc")) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        return (proc / str(pid) / "comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def _parent(pid: int, proc: Path = Path("/proc")) -> int:
+    """``pid``'s parent; 0 when it is gone (OSError) or has none."""
+    status = (proc / str(pid) / "status").read_text()
+    return next((int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("PPid:")), 0)
 
 
 def unstarted(proc: Path = Path("/proc")) -> list[Holder]:
@@ -233,30 +239,28 @@ def unstarted(proc: Path = Path("/proc")) -> list[Holder]:
     runs systemd's binary as PID 1's child too and is not counted. Empty
     where PID 1 is not systemd.
     """
+    if _comm(1, proc) != "systemd":
+        return []
     try:
-        if (proc / "1/comm").read_text().strip() != "systemd":
-            return []
         init_exe = os.readlink(proc / "1/exe")
     except OSError:
         return []
+    skip = {"1", str(os.getpid())}
     out = []
     for entry in os.listdir(proc):
-        if not entry.isdigit() or entry in ("1", str(os.getpid())):
+        if not entry.isdigit() or entry in skip:
             continue
         try:
-            stat = (proc / entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            if ppid != 1:
+            if _parent(int(entry), proc) != 1:
                 continue
             exe = os.readlink(proc / entry / "exe")
             if exe != init_exe and os.path.basename(exe) != "systemd-executor":
                 continue
             if "/user@" in (proc / entry / "cgroup").read_text():
                 continue
-            comm = (proc / entry / "comm").read_text().strip()
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError):
             continue  # gone meanwhile, or exec'd and not ours to read: started either way
-        out.append(Holder(int(entry), comm, "forked by systemd, its program not started yet"))
+        out.append(Holder(int(entry), _comm(int(entry), proc), "forked by systemd, its program not started yet"))
     return out
 
 
@@ -278,10 +282,9 @@ def ancestry(pid: int | None = None) -> set[int]:
     while cur > 1 and cur not in out:
         out.add(cur)
         try:
-            status = Path(f"/proc/{cur}/status").read_text()
+            cur = _parent(cur)
         except OSError:
             break
-        cur = next((int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("PPid:")), 0)
     return out
 
 
