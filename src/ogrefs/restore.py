@@ -759,10 +759,21 @@ class Restorer:
 
 
 def fds_to_keep() -> int:
-    """How many files a restore keeps open from creation to completion at once: a quarter of the open-files limit
-    (the entry point raised it to the hard one), at most 65,536; the others are opened by name per write."""
+    """How many files a restore keeps open from creation to completion at once: a quarter of what the open-files
+    limit (the entry point raised it to the hard one) leaves to this process beside the descriptors it holds now,
+    at most 65,536; the others are opened by name per write."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(0, min(65536, (soft if soft != resource.RLIM_INFINITY else 65536 * 4) // 4))
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(0, min(65536, (soft - _open_fds()) // 4))
+
+
+def _open_fds() -> int:
+    """How many descriptors this process holds (0 where /proc is not there to say)."""
+    try:
+        return max(0, len(os.listdir("/proc/self/fd")) - 1)  # (less the listing's own)
+    except OSError:
+        return 0
 
 
 def reason_of(exc: BaseException) -> str:

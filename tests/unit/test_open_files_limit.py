@@ -31,3 +31,14 @@ def test_the_ogrefs_entry_point_runs_with_the_raised_limit():
             "atexit.register(lambda: print(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))\n"
             "from ogrefs.cli.entry import main\nmain(['--version'])")
     assert _run(code, 1024).splitlines()[-1] == str(WANT)
+
+
+def test_a_restore_keeps_open_a_quarter_of_what_the_limit_leaves(tmp_path):
+    """``fds_to_keep`` counts the descriptors the process holds already: with 300 held and 400 left under the
+    limit, a quarter of the 400 (a quarter of the whole 700 would leave the restore short by 75)."""
+    code = ("import os, resource\nfrom ogrefs.restore import fds_to_keep\n"
+            "held = [os.open('/dev/null', os.O_RDONLY) for _ in range(300)]\n"
+            "n = len(os.listdir('/proc/self/fd')) - 1\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (n + 400, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "print(fds_to_keep())")
+    assert _run(code, 4096) == "100"
