@@ -45,6 +45,11 @@ from ogrefs.errors import OgrefsError
 from ogrefs.supervise import paths, seccomp
 from ogrefs.supervise.seccomp import CREATE, EXEC, Arch, Listener, Notification
 
+try:  # the settled loop without Python per call (_settle.c); where it was not built, Listener.pass_next
+    from ogrefs.supervise._settle import pass_calls
+except ImportError:
+    pass_calls = None
+
 #: The longest a call waits for its file. A 100 GB checkpoint takes 14 min at 1 Gbit/s; past 30 min the
 #: daemon is taken for stuck and the job is told EIO rather than held forever.
 WAIT_S = 1800.0
@@ -52,6 +57,8 @@ WAIT_S = 1800.0
 REAP_EVERY_S = 0.2
 #: ... and once the last of them is exiting, until it can be reaped (a few milliseconds).
 REAP_AFTER_HANGUP_S = 0.005
+#: Once settled, how long the C loop answers calls before the serving loop reaps and runs its signal handlers.
+SETTLED_TURN_MS = 50
 #: Interpreters followed from one exec (the kernel's BINPRM_MAX_RECURSION).
 MAX_INTERPRETERS = 4
 #: Directories whose resolution through this box's symlinks is remembered.
@@ -400,8 +407,12 @@ def _serve(supervisor: Supervisor, pid: int, others: set[int] | None) -> int:
     hung_up = False
     try:
         while True:
-            events = poller.poll((REAP_AFTER_HANGUP_S if hung_up else REAP_EVERY_S) * 1000)
-            flags = events[0][1] if events else 0
+            if supervisor.settled and pass_calls is not None and not hung_up:
+                _passed, hup = pass_calls(supervisor.listener.fd, SETTLED_TURN_MS)
+                flags = select.POLLHUP if hup else 0
+            else:
+                events = poller.poll((REAP_AFTER_HANGUP_S if hung_up else REAP_EVERY_S) * 1000)
+                flags = events[0][1] if events else 0
             if flags & select.POLLIN:
                 if supervisor.settled:
                     supervisor.listener.pass_next()
