@@ -222,7 +222,7 @@ def test_settled_lets_calls_go_without_asking(box, settled_loop):
 
 def test_sigterm_reaches_a_busy_settled_job(box, settled_loop):
     """A job making path calls without a pause keeps the settled loop answering; a SIGTERM to the supervisor
-    still reaches it (the C loop hands back to Python's handlers every SETTLED_TURN_MS). Without it the job
+    still reaches it (the C loop hands back to Python's handlers every REAP_EVERY_S). Without it the job
     would stop by itself after 60 s with 0, not 42."""
     a = Arrivals(box, {})
     ready = box / "ready"

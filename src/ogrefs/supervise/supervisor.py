@@ -53,12 +53,11 @@ except ImportError:
 #: The longest a call waits for its file. A 100 GB checkpoint takes 14 min at 1 Gbit/s; past 30 min the
 #: daemon is taken for stuck and the job is told EIO rather than held forever.
 WAIT_S = 1800.0
-#: How often the serving loop looks for exited children when no call arrives.
+#: How often the serving loop looks for exited children when no call arrives (once settled: how long the C loop
+#: answers calls before the serving loop reaps and runs its signal handlers).
 REAP_EVERY_S = 0.2
 #: ... and once the last of them is exiting, until it can be reaped (a few milliseconds).
 REAP_AFTER_HANGUP_S = 0.005
-#: Once settled, how long the C loop answers calls before the serving loop reaps and runs its signal handlers.
-SETTLED_TURN_MS = 50
 #: Interpreters followed from one exec (the kernel's BINPRM_MAX_RECURSION).
 MAX_INTERPRETERS = 4
 #: Directories whose resolution through this box's symlinks is remembered.
@@ -408,7 +407,7 @@ def _serve(supervisor: Supervisor, pid: int, others: set[int] | None) -> int:
     try:
         while True:
             if supervisor.settled and pass_calls is not None and not hung_up:
-                _passed, hup = pass_calls(supervisor.listener.fd, SETTLED_TURN_MS)
+                _passed, hup = pass_calls(supervisor.listener.fd, int(REAP_EVERY_S * 1000))
                 flags = select.POLLHUP if hup else 0
             else:
                 events = poller.poll((REAP_AFTER_HANGUP_S if hung_up else REAP_EVERY_S) * 1000)
